@@ -1,0 +1,154 @@
+"""The small interface between the sampler and a task.
+
+A task is a generative model ``p_theta(x, z)`` whose latents are a dict of named
+tensors, grouped into ordered *blocks*, together with neural proposals for each block.
+The sampler (``apg.smc.sampler``) only ever sees this interface; tasks never import the
+sampler and never resample.
+
+Dimension letters used throughout the package:
+
+    L  particles (samples per dataset)
+    B  batch of independent datasets
+    N  points in a dataset       I  mixture components / clusters
+    T  frames in a video         D  digits in a video (BMNIST) or data dimension
+
+Every latent tensor is shaped ``(L, B, ...)`` (particles first, then datasets) and
+every log-density a task returns is summed over event dims to ``(L, B)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+
+Latents = dict[str, Tensor]
+
+
+@runtime_checkable
+class BlockDistribution(Protocol):
+    """A distribution over the variables of one block.
+
+    ``sample()`` draws the forward kernel; ``log_prob(old)`` scores any values of the
+    same variables, which is how the sampler evaluates the reverse kernel (eq. 8).
+    Samples are never reparameterized: APG's gradients (eq. 5) need only
+    ``log_prob`` to be differentiable in the proposal's parameters.
+    """
+
+    def sample(self) -> Latents: ...
+
+    def log_prob(self, value: Mapping[str, Tensor]) -> Tensor: ...
+
+
+class Factorized:
+    """Independent named torch distributions, each summed over its ``event_dims``.
+
+    Parameters
+    ----------
+    parts:
+        ``{name: (distribution, event_dims)}``; the distribution's batch shape is
+        ``(L, B, *event)`` and the last ``event_dims`` dims are summed so that
+        ``log_prob`` returns ``(L, B)``.
+    """
+
+    def __init__(self, parts: Mapping[str, tuple[torch.distributions.Distribution, int]]):
+        self.parts = dict(parts)
+
+    def sample(self) -> Latents:
+        return {name: dist.sample() for name, (dist, _) in self.parts.items()}
+
+    def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
+        total: Tensor | None = None
+        for name, (dist, event_dims) in self.parts.items():
+            lp = dist.log_prob(value[name])
+            if event_dims:
+                lp = lp.sum(dim=tuple(range(-event_dims, 0)))
+            total = lp if total is None else total + lp
+        assert total is not None, "Factorized needs at least one part"
+        return total
+
+
+class Model(nn.Module):
+    """Base class of a task's generative model ``p_theta(x, z)``.
+
+    Subclasses set ``blocks`` (ordered block name -> names of its latent variables)
+    and implement ``log_joint``. ``log_blanket`` may be overridden to return only the
+    factors that involve one block (its Markov blanket); the sampler needs no more
+    than that for the incremental weight (eq. 9), so tasks with many blocks (one per
+    frame) stay linear in their size.
+    """
+
+    blocks: dict[str, tuple[str, ...]] = {}
+
+    def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+        """``log p_theta(x, z)`` of shape ``(L, B)``."""
+        raise NotImplementedError
+
+    def log_blanket(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+        """Sum of the log-factors of ``p_theta(x, z)`` that involve ``block``, ``(L, B)``.
+
+        Differences of this quantity between two values of the block equal differences
+        of the log joint. The default is the whole log joint, which is always correct.
+        """
+        return self.log_joint(x, z)
+
+
+class Proposals(nn.Module):
+    """Base class of a task's inference networks for one architecture.
+
+    ``initial`` is the encoder ``q_phi(z | x)`` (the only proposal RWS uses);
+    ``kernel`` is the conditional ``q_phi(z_b | x, z_-b)`` used both as forward and
+    reverse kernel (eq. 8). Architectures without block kernels (RWS encoders) leave
+    ``kernel`` unimplemented.
+    """
+
+    def initial(self, x: Tensor, num_particles: int) -> tuple[Latents, Tensor]:
+        """Draw ``z ~ q_phi(z | x)`` for ``num_particles`` particles.
+
+        Returns the sample (detached values shaped ``(L, B, ...)``) and its
+        log-density ``(L, B)``, differentiable in phi. The initial proposal is only
+        ever scored at its own sample, so it returns that score instead of a
+        distribution object (it is usually a chain: globals, then locals given them).
+        """
+        raise NotImplementedError
+
+    def kernel(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> BlockDistribution:
+        """The conditional proposal ``q_phi(z_block | x, z_-block)``."""
+        raise NotImplementedError(f"{type(self).__name__} has no kernel for block {block!r}")
+
+
+def check_particles(name: str, t: Tensor, num_particles: int, batch: int) -> None:
+    """Raise ``ValueError`` naming the tensor unless it is shaped ``(L, B, ...)``."""
+    if t.dim() < 2 or t.shape[0] != num_particles or t.shape[1] != batch:
+        raise ValueError(
+            f"{name} must be shaped (L={num_particles}, B={batch}, ...), got {tuple(t.shape)}"
+        )
+
+
+class TaskSpec(NamedTuple):
+    """What the rest of the package needs to know about a task (one per task module).
+
+    Attributes
+    ----------
+    name: the task's name in params and on the command line.
+    build_model: ``(**model_hparams) -> Model``.
+    build_proposals: ``(model, architecture, **net_hparams) -> Proposals``; the
+        architectures are ``"apg"`` (encoder plus block kernels) and the RWS encoders
+        the task offers (``"mlp"``, ``"lstm"``).
+    simulate: ``(model, num_datasets, generator, **sizes) -> {"x": (M, ...), ...}``; extra
+        keys hold the true latents when known.
+    architectures: the architecture names ``build_proposals`` accepts.
+    exact_gibbs: optional ``(model) -> Proposals`` whose kernels are the exact Gibbs
+        conditionals (conjugate models); enables the inclusive-KL metric (eq. 4).
+    reconstruct: optional ``(model, x, z) -> (L, B, ...)`` mean of ``p(x | z)`` shaped
+        like the data; enables the reconstruction-MSE metric and pictures.
+    """
+
+    name: str
+    build_model: Callable[..., Model]
+    build_proposals: Callable[..., Proposals]
+    simulate: Callable[..., dict[str, Tensor]]
+    architectures: tuple[str, ...]
+    exact_gibbs: Callable[[Model], Proposals] | None = None
+    reconstruct: Callable[..., Tensor] | None = None

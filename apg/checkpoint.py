@@ -1,0 +1,42 @@
+"""Checkpoints: one ``.pt`` file with the training config (JSON) and state dicts.
+
+Files are written atomically and read with ``torch.load(..., weights_only=True)``, so a
+checkpoint can hold tensors and plain containers but never runs code when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from apg.data.files import atomic_write
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable or not one of ours."""
+
+
+def save_checkpoint(path: str | os.PathLike, config: dict[str, Any], state: dict[str, Any]) -> Path:
+    payload = {"format": "apg-checkpoint-1", "config": json.dumps(config), "state": state}
+    return atomic_write(path, lambda tmp: torch.save(payload, tmp))
+
+
+def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[dict, dict]:
+    """Return ``(config, state)``; raises ``CheckpointError`` with a one-line reason."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file not found: {path}")
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, OSError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"checkpoint file {path} is corrupt or not a checkpoint ({first})") from None
+    if not isinstance(payload, dict) or payload.get("format") != "apg-checkpoint-1":
+        raise CheckpointError(f"checkpoint file {path} is not an APG checkpoint")
+    return json.loads(payload["config"]), payload["state"]

@@ -1,0 +1,39 @@
+"""Surrogate losses whose gradients are the paper's self-normalized estimators.
+
+Both sum over the steps recorded by ``apg.smc.run_apg`` (the initial proposal and every
+block update, as in the algorithm of section 2.2) and average over the B datasets.
+Normalized weights are detached, so only ``log q`` (eq. 5) and ``log p`` (eq. 6) carry
+gradients.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from apg.smc.sampler import APGResult
+
+
+def weighted_nll(weights: Tensor, log_density: Tensor) -> Tensor:
+    """``-mean_B sum_L w_l log_density_l`` with the weights ``(L, B)`` detached."""
+    return -(weights.detach() * log_density).sum(0).mean()
+
+
+def phi_loss(result: APGResult) -> Tensor:
+    """eq. 5: the gradient of this is minus the inclusive-KL gradient estimate for every
+    proposal, accumulated at the initial step and after every block update."""
+    return sum((weighted_nll(s.weights, s.log_q) for s in result.steps), start=_zero(result))
+
+
+def theta_loss(result: APGResult) -> Tensor:
+    """eq. 6: the gradient of this is minus the self-normalized estimate of
+    ``grad_theta log p_theta(x)``, accumulated like ``phi_loss``."""
+    return sum((weighted_nll(s.weights, s.log_joint) for s in result.steps), start=_zero(result))
+
+
+def apg_loss(result: APGResult) -> Tensor:
+    """``phi_loss + theta_loss``: phi and theta are disjoint, so one backward serves both."""
+    return phi_loss(result) + theta_loss(result)
+
+
+def _zero(result: APGResult) -> Tensor:
+    return result.log_weights.new_zeros(())

@@ -1,0 +1,70 @@
+"""Resampling schemes: pure functions with one signature, looked up by name.
+
+A resampler maps log-weights ``(L, B)`` to ancestor indices ``(L, B)`` (long), drawn
+per dataset with probabilities proportional to the weights. ``resample`` applies them
+to a dict of ``(L, B, ...)`` tensors and resets the log-weights to their log-mean-exp,
+so that the evidence estimate survives resampling.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from apg.smc.weights import log_mean_exp, normalized_weights, sanitize
+
+Resampler = Callable[[Tensor], Tensor]
+
+
+def multinomial(log_w: Tensor) -> Tensor:
+    """L independent draws from Cat(w) per dataset."""
+    num_particles = log_w.shape[0]
+    w = normalized_weights(log_w).T  # (B, L)
+    return torch.multinomial(w, num_particles, replacement=True).T
+
+
+def systematic(log_w: Tensor) -> Tensor:
+    """Systematic resampling: one uniform offset per dataset, L evenly spaced points."""
+    num_particles, batch = log_w.shape
+    w = normalized_weights(log_w).T  # (B, L)
+    cdf = torch.cumsum(w, dim=1)
+    offset = torch.rand(batch, 1, dtype=w.dtype, device=w.device)
+    points = (offset + torch.arange(num_particles, dtype=w.dtype, device=w.device)) / num_particles
+    # Clamp: float round-off can leave cdf[-1] slightly below the last point.
+    idx = torch.searchsorted(cdf.contiguous(), points).clamp_(max=num_particles - 1)
+    return idx.T.contiguous()
+
+
+RESAMPLERS: dict[str, Resampler] = {"multinomial": multinomial, "systematic": systematic}
+
+
+def get_resampler(name: str) -> Resampler:
+    """The resampler registered as ``name``; raises ``ValueError`` for unknown names."""
+    try:
+        return RESAMPLERS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown resampler {name!r}; choose one of {sorted(RESAMPLERS)}"
+        ) from None
+
+
+def gather(t: Tensor, ancestors: Tensor) -> Tensor:
+    """Select particles: ``out[l, b, ...] = t[ancestors[l, b], b, ...]`` for any trailing dims."""
+    batch_index = torch.arange(t.shape[1], device=t.device).expand_as(ancestors)
+    return t[ancestors, batch_index]
+
+
+def resample(
+    log_w: Tensor, tensors: Mapping[str, Tensor], resampler: Resampler
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Resample a population.
+
+    Returns the outgoing log-weights, every one equal to the log-mean-exp of the
+    incoming ones (shape ``(L, B)``), and the tensors gathered by ancestor.
+    """
+    log_w = sanitize(log_w.detach())
+    ancestors = resampler(log_w)
+    new_log_w = log_mean_exp(log_w, dim=0).expand_as(log_w).clone()
+    return new_log_w, {name: gather(t, ancestors) for name, t in tensors.items()}

@@ -1,0 +1,182 @@
+"""The amortized population Gibbs sampler (paper section 2.2, last algorithm).
+
+An initial proposal from the encoder, then ``K - 1`` sweeps; each sweep updates every
+block with its learned conditional proposal, which also serves as the reverse kernel
+(eq. 8), so the incremental weight is eq. 9. The same run accumulates the
+self-normalized surrogate losses of eq. 5 (proposals) and eq. 6 (generative model) at
+the initial step and after every block update. RWS is this loop with ``K = 1``.
+
+Legend: L particles, B datasets; latents ``(L, B, ...)``, log-weights ``(L, B)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from apg.blocks import Latents, Model, Proposals, check_particles
+from apg.smc.resampling import get_resampler, resample
+from apg.smc.weights import ess_fraction, log_evidence, normalized_weights, sanitize
+
+RESAMPLE_MODES = ("block", "sweep", "none")
+
+# Key under which the running log joint travels with the particles through resampling.
+_LOG_JOINT = "__log_joint__"
+
+# Called after every sweep with (sweep number from 1, particles, log-weights).
+Collector = Callable[[int, Latents, Tensor], None]
+
+
+class SweepStats(NamedTuple):
+    """Diagnostics after one sweep (sweep 1 is the initial proposal).
+
+    Attributes
+    ----------
+    log_joint: ``(B,)`` self-normalized weighted ``log p(x, z)``.
+    ess: ``(B,)`` ESS/L (eq. 11) of the weights accumulated since the last resampling,
+        at the end of the sweep (with ``resample="sweep"`` this is the paper's overall
+        ESS of a whole sweep).
+    ess_blocks: block name -> ``(B,)`` ESS/L right after that block's update (with
+        ``resample="block"`` these are the paper's per-block ESS).
+    log_evidence: ``(B,)`` running estimate of ``log p(x)``.
+    log_increments: block name -> ``(L, B)`` log incremental weights (eq. 9).
+    """
+
+    log_joint: Tensor
+    ess: Tensor
+    ess_blocks: dict[str, Tensor]
+    log_evidence: Tensor
+    log_increments: dict[str, Tensor]
+
+
+class Step(NamedTuple):
+    """What the gradient estimators need from one step (initial proposal or block update).
+
+    weights: ``(L, B)`` self-normalized weights after the step, detached.
+    log_q: ``(L, B)`` log-density of the values proposed at this step (phi's graph).
+    log_joint: ``(L, B)`` ``log p(x, z)`` after the step (theta's graph).
+    """
+
+    weights: Tensor
+    log_q: Tensor
+    log_joint: Tensor
+
+
+class APGResult(NamedTuple):
+    """Output of ``run_apg``.
+
+    Attributes
+    ----------
+    z: final particles, each ``(L, B, ...)``.
+    log_weights: ``(L, B)`` final log-weights.
+    log_joint: ``(L, B)`` ``log p(x, z)`` of the final particles (carries theta's graph).
+    sweeps: one ``SweepStats`` per sweep, ``K`` in all.
+    steps: the initial step and every block update, in order (see ``apg.objectives``).
+    """
+
+    z: Latents
+    log_weights: Tensor
+    log_joint: Tensor
+    sweeps: list[SweepStats]
+    steps: list[Step]
+
+    @property
+    def log_evidence(self) -> Tensor:
+        return log_evidence(self.log_weights)
+
+
+def run_apg(
+    model: Model,
+    proposals: Proposals,
+    x: Tensor,
+    num_sweeps: int,
+    num_particles: int,
+    *,
+    resample_mode: str = "block",
+    resampler: str = "systematic",
+    blocks: Iterable[str] | None = None,
+    collectors: Iterable[Collector] = (),
+) -> APGResult:
+    """Run the APG sampler on a batch of datasets ``x`` shaped ``(B, ...)``.
+
+    Parameters
+    ----------
+    num_sweeps: K >= 1; ``K = 1`` is importance sampling from the encoder (RWS).
+    num_particles: L >= 1 particles per dataset.
+    resample_mode: ``"block"`` resamples before every block update (the paper),
+        ``"sweep"`` once before each sweep, ``"none"`` never (sequential IS).
+    resampler: a name registered in ``apg.smc.resampling.RESAMPLERS``.
+    blocks: the blocks to update and their order; default ``model.blocks``.
+    collectors: callables ``(sweep, z, log_w)`` run after every sweep, for diagnostics
+        that need the particles themselves (reconstructions, say).
+    """
+    if num_sweeps < 1:
+        raise ValueError(f"number of sweeps K must be >= 1, got {num_sweeps}")
+    if num_particles < 1:
+        raise ValueError(f"number of particles L must be >= 1, got {num_particles}")
+    if resample_mode not in RESAMPLE_MODES:
+        raise ValueError(f"resample_mode must be one of {RESAMPLE_MODES}, got {resample_mode!r}")
+    resample_fn = get_resampler(resampler)
+    block_names = list(model.blocks if blocks is None else blocks)
+    for name in block_names:
+        if name not in model.blocks:
+            raise ValueError(f"unknown block {name!r}; the model has {list(model.blocks)}")
+    batch = x.shape[0]
+
+    # Initial proposal: z ~ q(z | x), w = p(x, z) / q(z | x).
+    z, log_q = proposals.initial(x, num_particles)
+    for name, t in z.items():
+        check_particles(f"latent {name!r}", t, num_particles, batch)
+    log_p = model.log_joint(x, z)
+    check_particles("log_joint", log_p, num_particles, batch)
+    log_w = sanitize((log_p - log_q).detach())
+    steps = [Step(normalized_weights(log_w), log_q, log_p)]
+    sweeps = [_stats(log_w, log_p, {}, {})]
+    collectors = list(collectors)
+    for collect in collectors:
+        collect(1, z, log_w)
+
+    state: dict[str, Tensor] = {**z, _LOG_JOINT: log_p}
+    for _ in range(1, num_sweeps):
+        ess_blocks: dict[str, Tensor] = {}
+        increments: dict[str, Tensor] = {}
+        for i, block in enumerate(block_names):
+            if resample_mode == "block" or (resample_mode == "sweep" and i == 0):
+                log_w, state = resample(log_w, state, resample_fn)
+            z = {k: v for k, v in state.items() if k != _LOG_JOINT}
+            kernel = proposals.kernel(block, x, z)
+            proposed = kernel.sample()
+            log_q_new = kernel.log_prob(proposed)
+            old = {name: z[name] for name in model.blocks[block]}
+            log_q_old = kernel.log_prob(old).detach()
+            z_new = {**z, **proposed}
+            blanket_old = model.log_blanket(block, x, z)
+            blanket_new = model.log_blanket(block, x, z_new)
+            # eq. 9: incremental weight p(x, z_b', z_-b) q(z_b | .) / (p(x, z_b, z_-b) q(z_b' | .))
+            log_v = (blanket_new - blanket_old + log_q_old - log_q_new).detach()
+            log_w = sanitize(log_w + log_v)
+            # The joint changes only in the block's blanket; keep it exact and differentiable.
+            log_joint = state[_LOG_JOINT] + (blanket_new - blanket_old)
+            state = {**z_new, _LOG_JOINT: log_joint}
+            steps.append(Step(normalized_weights(log_w), log_q_new, log_joint))
+            ess_blocks[block] = ess_fraction(log_w)
+            increments[block] = log_v
+        sweeps.append(_stats(log_w, state[_LOG_JOINT], ess_blocks, increments))
+        for collect in collectors:
+            collect(len(sweeps), {k: v for k, v in state.items() if k != _LOG_JOINT}, log_w)
+
+    final_log_joint = state.pop(_LOG_JOINT)
+    return APGResult(state, log_w, final_log_joint, sweeps, steps)
+
+
+def _stats(
+    log_w: Tensor,
+    log_joint: Tensor,
+    ess_blocks: dict[str, Tensor],
+    increments: dict[str, Tensor],
+) -> SweepStats:
+    with torch.no_grad():
+        weighted = (normalized_weights(log_w) * log_joint.detach()).sum(0)
+        return SweepStats(weighted, ess_fraction(log_w), ess_blocks, log_evidence(log_w), increments)
