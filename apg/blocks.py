@@ -18,7 +18,7 @@ every log-density a task returns is summed over event dims to ``(L, B)``.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -143,6 +143,11 @@ class TaskSpec(NamedTuple):
         conditionals (conjugate models); enables the inclusive-KL metric (eq. 4).
     reconstruct: optional ``(model, x, z) -> (L, B, ...)`` mean of ``p(x | z)`` shaped
         like the data; enables the reconstruction-MSE metric and pictures.
+    draw: optional ``(ax, x, z) -> None``: draw one dataset ``x`` (numpy, no batch dim)
+        with one sample ``z`` (numpy dict, no particle or batch dims) on a matplotlib axes;
+        the report uses it for Figure 1/3-style sample pictures.
+    animate: optional ``(model, x, z) -> uint8 array (frames, H, W, 3)`` for one dataset
+        and one sample (torch, no particle or batch dims); the report writes it as a GIF.
     """
 
     name: str
@@ -152,3 +157,5 @@ class TaskSpec(NamedTuple):
     architectures: tuple[str, ...]
     exact_gibbs: Callable[[Model], Proposals] | None = None
     reconstruct: Callable[..., Tensor] | None = None
+    draw: Callable[..., None] | None = None
+    animate: Callable[..., Any] | None = None
