@@ -18,7 +18,8 @@ every log-density a task returns is summed over event dims to ``(L, B)``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Protocol, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -80,6 +81,14 @@ class Model(nn.Module):
     """
 
     blocks: dict[str, tuple[str, ...]] = {}
+
+    def blocks_for(self, x: Tensor) -> dict[str, tuple[str, ...]]:
+        """The ordered blocks for data ``x``; the default is ``self.blocks``.
+
+        Models whose block set depends on the size of the data (one block per video frame)
+        override this, so that one trained model serves data of any size.
+        """
+        return self.blocks
 
     def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         """``log p_theta(x, z)`` of shape ``(L, B)``."""

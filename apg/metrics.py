@@ -6,7 +6,7 @@ callers can average over datasets and runs themselves and report a spread.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor

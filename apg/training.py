@@ -12,8 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # task hyperparameters
     network: dict[str, Any] = field(default_factory=dict)  # proposal hyperparameters
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the first bad field; return self."""
         task = get_task(self.task)
         method = get_method(self.method)
@@ -67,7 +68,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -196,9 +197,7 @@ def evaluate(
         mse: list[Tensor] = []
         collectors = []
         if task.reconstruct is not None:
-            collectors.append(
-                lambda k, z, log_w: mse.append(reconstruction_mse(xb, task.reconstruct(model, xb, z), log_w))
-            )
+            collectors.append(_mse_collector(task.reconstruct, model, xb, mse))
         result = method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors)
         out = {k: torch.stack(v) for k, v in sweep_curves(result).items()}
         if mse:
@@ -209,3 +208,12 @@ def evaluate(
         for k, v in out.items():
             chunks.setdefault(k, []).append(v.cpu().numpy())
     return {k: np.concatenate(v, axis=-1) for k, v in chunks.items()}
+
+
+def _mse_collector(reconstruct, model, x: Tensor, out: list[Tensor]):
+    """A sweep collector that appends the weighted reconstruction MSE ``(B,)`` to ``out``."""
+
+    def collect(sweep: int, z, log_w: Tensor) -> None:
+        out.append(reconstruction_mse(x, reconstruct(model, x, z), log_w))
+
+    return collect

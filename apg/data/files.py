@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import tempfile
 import zipfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 import numpy as np
 
@@ -72,7 +72,7 @@ def load_dataset(
         raise DatasetError(f"dataset file {path}: 'x' must be numeric, got dtype {x.dtype}")
     if event_shape is not None:
         ok = x.ndim == 1 + len(event_shape) and all(
-            want is None or want == got for want, got in zip(event_shape, x.shape[1:])
+            want is None or want == got for want, got in zip(event_shape, x.shape[1:], strict=True)
         )
         if not ok:
             want = ", ".join("*" if s is None else str(s) for s in event_shape)

@@ -8,7 +8,7 @@ so that the evidence estimate survives resampling.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor

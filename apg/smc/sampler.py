@@ -11,7 +11,8 @@ Legend: L particles, B datasets; latents ``(L, B, ...)``, log-weights ``(L, B)``
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -108,7 +109,7 @@ def run_apg(
     resample_mode: ``"block"`` resamples before every block update (the paper),
         ``"sweep"`` once before each sweep, ``"none"`` never (sequential IS).
     resampler: a name registered in ``apg.smc.resampling.RESAMPLERS``.
-    blocks: the blocks to update and their order; default ``model.blocks``.
+    blocks: the blocks to update and their order; default ``model.blocks_for(x)``.
     collectors: callables ``(sweep, z, log_w)`` run after every sweep, for diagnostics
         that need the particles themselves (reconstructions, say).
     """
@@ -119,10 +120,11 @@ def run_apg(
     if resample_mode not in RESAMPLE_MODES:
         raise ValueError(f"resample_mode must be one of {RESAMPLE_MODES}, got {resample_mode!r}")
     resample_fn = get_resampler(resampler)
-    block_names = list(model.blocks if blocks is None else blocks)
+    model_blocks = model.blocks_for(x)
+    block_names = list(model_blocks if blocks is None else blocks)
     for name in block_names:
-        if name not in model.blocks:
-            raise ValueError(f"unknown block {name!r}; the model has {list(model.blocks)}")
+        if name not in model_blocks:
+            raise ValueError(f"unknown block {name!r}; the model has {list(model_blocks)}")
     batch = x.shape[0]
 
     # Initial proposal: z ~ q(z | x), w = p(x, z) / q(z | x).
@@ -149,7 +151,7 @@ def run_apg(
             kernel = proposals.kernel(block, x, z)
             proposed = kernel.sample()
             log_q_new = kernel.log_prob(proposed)
-            old = {name: z[name] for name in model.blocks[block]}
+            old = {name: z[name] for name in model_blocks[block]}
             log_q_old = kernel.log_prob(old).detach()
             z_new = {**z, **proposed}
             blanket_old = model.log_blanket(block, x, z)

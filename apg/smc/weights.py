@@ -21,7 +21,7 @@ def sanitize(log_w: Tensor) -> Tensor:
 
     This is the one place where NaN becomes -inf.
     """
-    log_w = torch.nan_to_num(log_w, nan=-math.inf, posinf=math.inf)
+    log_w = torch.nan_to_num(log_w, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     if torch.isposinf(log_w).any():
         raise DegenerateWeightsError("a log-weight is +inf: the target density is unbounded here")
     dead = torch.isneginf(log_w).all(dim=0)

@@ -16,15 +16,16 @@ Data ``x``: ``(B, N, D)``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributions import Categorical, Gamma, Normal
+from torch.distributions import Gamma, Normal
 
-from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
+from apg.blocks import Latents, Model, Proposals, TaskSpec
+from apg.distributions import CategoricalBlock
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class NormalGamma:
         log_normal = 0.5 * (torch.log(prec) - math.log(2 * math.pi)) - 0.5 * prec * (mu - self.mu) ** 2
         return (log_gamma + log_normal).sum(dim=(-2, -1))
 
-    def expand(self, num_particles: int) -> "NormalGamma":
+    def expand(self, num_particles: int) -> NormalGamma:
         """Add a leading particle dim to parameters shaped ``(B, I, D)``."""
         shape = (num_particles, *self.mu.shape)
         return NormalGamma(*(p.expand(shape) for p in (self.mu, self.nu, self.alpha, self.beta)))
@@ -75,17 +76,21 @@ def normal_gamma_posterior(cfg: GMMConfig, resp: Tensor, stats: Tensor) -> Norma
     ``stats``: ``(..., N, D)`` point statistics (``x`` itself for the exact conditional).
     Returns parameters ``(..., I, D)``. Written with centred sums, so an empty cluster
     (zero weight) gets exactly the prior and ``beta`` never drops below ``beta0``.
+    Written from the standard NormalGamma formulas (not the authors' code, whose mean term
+    used the prior's nu in place of its mu).
     """
     count = resp.sum(-2).unsqueeze(-1)  # (..., I, 1)
-    s1 = resp.transpose(-1, -2) @ stats  # (..., I, D)
+    resp_t = resp.transpose(-1, -2)
+    s1 = resp_t @ stats  # (..., I, D)
+    s2 = resp_t @ stats**2
     mean = s1 / count.clamp_min(1e-12)
-    # sum_n r_ni (t_n - mean_i)^2 = sum r t^2 - count * mean^2, computed without cancellation
-    # issues by the direct centred form on the (small) N axis.
-    centred = (resp.unsqueeze(-1) * (stats.unsqueeze(-2) - mean.unsqueeze(-3)) ** 2).sum(-3)
+    # Within-cluster scatter sum_n r_ni (t_n - mean_i)^2 by sums (two small matmuls instead
+    # of an (..., N, I, D) tensor); clamped because round-off can make it slightly negative.
+    scatter = (s2 - s1 * mean).clamp_min(0.0)
     nu = cfg.nu0 + count
     mu = (cfg.nu0 * cfg.mu0 + s1) / nu
     alpha = cfg.alpha0 + 0.5 * count
-    beta = cfg.beta0 + 0.5 * centred + 0.5 * cfg.nu0 * count * (mean - cfg.mu0) ** 2 / nu
+    beta = cfg.beta0 + 0.5 * scatter + 0.5 * cfg.nu0 * count * (mean - cfg.mu0) ** 2 / nu
     return NormalGamma(mu, nu.expand_as(mu), alpha.expand_as(mu), beta)
 
 
@@ -114,9 +119,11 @@ class GMM(Model):
 
     def log_likelihood(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         """``sum_n log N(x_n; mu_{c_n}, 1/tau_{c_n})``, ``(L, B)``."""
-        per_cluster = assignment_logits(x, z["mu"], z["tau"])  # (L, B, N, I)
-        chosen = per_cluster.gather(-1, z["c"].unsqueeze(-1)).squeeze(-1)
-        return chosen.sum(-1) - 0.5 * math.log(2 * math.pi) * x.shape[-2] * x.shape[-1]
+        # Gather each point's own cluster parameters rather than scoring every cluster.
+        index = z["c"].unsqueeze(-1).expand(*z["c"].shape, x.shape[-1])  # (L, B, N, D)
+        mu, tau = z["mu"].gather(-2, index), z["tau"].gather(-2, index)
+        log_density = torch.log(tau) - tau * (x - mu) ** 2
+        return 0.5 * log_density.sum((-2, -1)) - 0.5 * math.log(2 * math.pi) * x.shape[-2] * x.shape[-1]
 
     def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         num_particles = z["mu"].shape[0]
@@ -145,10 +152,9 @@ class GMM(Model):
         return {"x": loc + noise / torch.sqrt(prec), "c": assign, "mu": mu, "tau": tau}
 
 
-def assignment_posterior(logits: Tensor) -> Factorized:
+def assignment_posterior(logits: Tensor) -> CategoricalBlock:
     """A categorical block distribution over ``c`` from logits ``(L, B, N, I)``."""
-    # Argument validation costs more than the arithmetic in the block loop.
-    return Factorized({"c": (Categorical(logits=logits, validate_args=False), 1)})
+    return CategoricalBlock("c", logits)
 
 
 class ExactGibbs(Proposals):
@@ -226,6 +232,21 @@ class GlobalsProposal(nn.Module):
         self.features = PointFeatures(features, in_dim, hidden)
         self.resp = nn.Linear(self.features.out_dim, cfg.num_clusters)
         self.stat = nn.Linear(self.features.out_dim, cfg.data_dim)
+        if features == "linear":
+            # Start from the conjugate update with uniform assignments and t_n = x_n: a broad
+            # proposal around the data (section 3 suggests initializing the statistics so
+            # that the first proposals are close to the prior's breadth), rather than one
+            # centred wherever a random projection of the data happens to fall.
+            nn.init.zeros_(self.resp.weight)
+            nn.init.zeros_(self.resp.bias)
+            nn.init.zeros_(self.stat.bias)
+            with torch.no_grad():
+                self.stat.weight.zero_()
+                self.stat.weight[:, : cfg.data_dim].copy_(torch.eye(cfg.data_dim))
+                if in_dim > cfg.data_dim:
+                    # The kernel also reads one-hot assignments: lean (softly) on them, as
+                    # the exact update does, so training starts near the conjugate form.
+                    self.resp.weight[:, cfg.data_dim :].copy_(2.0 * torch.eye(cfg.num_clusters))
 
     def forward(self, u: Tensor) -> NormalGamma:
         h = self.features(u)
@@ -233,26 +254,30 @@ class GlobalsProposal(nn.Module):
 
 
 class AssignmentProposal(nn.Module):
-    """q(c_n | x_n, mu, tau): an MLP on (x_n, mu_i, log tau_i) gives one logit per cluster.
+    """q(c_n | x_n, mu, tau): an MLP on (x_n - mu_i, log tau_i) gives one logit per cluster.
 
-    The first layer is split into a per-point and a per-cluster part that broadcast
-    against each other, so the (L, B, N, I, H) hidden tensor is formed by one addition
-    instead of by expanding and concatenating inputs. log tau is used because precisions
-    span orders of magnitude. The hidden activation is a sigmoid: an MLP of sigmoids is
-    exactly as expressive as one of tanh units (tanh(a) = 2 sigmoid(2a) - 1 is absorbed by
-    the layers around it) and is several times cheaper per element on CPU.
+    Local neural sufficient statistics (section 3): the logits are the prior's (uniform,
+    so a constant) plus ``T(x_n, z_global)``. The inputs are the point's offset from each
+    centre and the log precision, on which the exact conditional depends smoothly (log
+    because precisions span orders of magnitude). The first layer is split into a per-point
+    and a per-cluster part that broadcast against each other, so the (L, B, N, I, H) hidden
+    tensor is formed by one addition instead of by expanding and concatenating inputs. The
+    hidden activation is a sigmoid: an MLP of sigmoids is exactly as expressive as one of
+    tanh units (tanh(a) = 2 sigmoid(2a) - 1 is absorbed by the layers around it) and is
+    several times cheaper per element on CPU.
     """
 
     def __init__(self, cfg: GMMConfig, hidden: int = 32):
         super().__init__()
-        self.point = nn.Linear(cfg.data_dim, hidden)
-        self.cluster = nn.Linear(2 * cfg.data_dim, hidden, bias=False)
+        self.offset = nn.Linear(cfg.data_dim, hidden)
+        self.log_precision = nn.Linear(cfg.data_dim, hidden, bias=False)
         self.out = nn.Linear(hidden, 1)
 
     def forward(self, x: Tensor, mu: Tensor, tau: Tensor) -> Tensor:
-        per_point = self.point(x).unsqueeze(-2)  # (B, N, 1, H)
-        per_cluster = self.cluster(torch.cat([mu, torch.log(tau)], -1)).unsqueeze(-3)  # (L, B, 1, I, H)
-        hidden = torch.sigmoid(per_point + per_cluster)  # (L, B, N, I, H)
+        # W (x_n - mu_i) + V log tau_i + b = (W x_n + b) + (V log tau_i - W mu_i)
+        per_point = self.offset(x).unsqueeze(-2)  # (B, N, 1, H)
+        per_cluster = self.log_precision(torch.log(tau)) - mu @ self.offset.weight.T  # (L, B, I, H)
+        hidden = torch.sigmoid(per_point + per_cluster.unsqueeze(-3))  # (L, B, N, I, H)
         return self.out(hidden).squeeze(-1)  # (L, B, N, I)
 
 
@@ -307,6 +332,21 @@ def simulate(model: GMM, num_datasets: int, generator: torch.Generator, num_poin
     return model.simulate(num_datasets, num_points, generator)
 
 
+def draw(ax, x, z) -> None:
+    """``TaskSpec.draw``: points ``x (N, 2)`` coloured by ``z["c"] (N,)``, each cluster's
+    mean ``z["mu"] (I, 2)`` and its 2-sd axis-aligned ellipse from ``z["tau"] (I, 2)``."""
+    from matplotlib.patches import Ellipse
+
+    c, mu, tau = z["c"], z["mu"], z["tau"]
+    colours = [f"C{i % 10}" for i in range(len(mu))]
+    ax.scatter(x[:, 0], x[:, 1], s=6, c=[colours[i] for i in c], alpha=0.7, linewidths=0)
+    for i, (m, t) in enumerate(zip(mu, tau, strict=True)):
+        sd = 1.0 / (t ** 0.5)
+        ax.add_patch(Ellipse(m[:2], 4 * sd[0], 4 * sd[-1], fill=False, color=colours[i], lw=1.0))
+        ax.scatter([m[0]], [m[1]], marker="x", color=colours[i], s=30)
+    ax.set_aspect("equal")
+
+
 TASK = TaskSpec(
-    "gmm", build_model, build_proposals, simulate, ("apg", "mlp", "lstm"), exact_gibbs=ExactGibbs
+    "gmm", build_model, build_proposals, simulate, ("apg", "mlp", "lstm"), exact_gibbs=ExactGibbs, draw=draw
 )

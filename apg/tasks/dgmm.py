@@ -1,0 +1,502 @@
+"""Deep generative mixture model of rings, "DGMM" (paper section 5.2, Appendix E).
+
+Generative model ``p_theta`` for a dataset of N points in 2-D and I rings:
+
+    mu_i    ~ Normal(0, sigma0^2 I_2)                    i = 1..I   (ring centres)
+    c_n     ~ Cat(uniform over I)                        n = 1..N
+    alpha_n ~ Uniform[0, 2 pi)                           (angle on the ring)
+    x_n | c_n = i, alpha_n ~ Normal(mu_i + g_theta(alpha_n), sigma_eps^2 I_2)
+
+``g_theta`` (the ring shape) is a small MLP of the angle, learned jointly with the
+proposals (eq. 6). It reads ``(cos alpha, sin alpha)`` rather than alpha itself: the
+shape is then periodic by construction, so the curve closes at alpha = 0 = 2 pi
+instead of having to learn continuity across that seam. Its output layer is linear
+(Appendix E ends in a tanh, which would cap the radius at 1; the authors' code worked
+around this with a separately learned radius times a normalized direction, which fixes
+the shape to a circle; ours can learn any closed curve).
+
+Angle densities. The prior density of alpha is ``1 / (2 pi)`` on ``[0, 2 pi)``. Every
+angle proposal is a **von Mises** distribution on the same circle, sampled into
+``[0, 2 pi)``; its density is taken with respect to the same Lebesgue measure on one
+period, so no Jacobian enters the weights. A von Mises (rather than a Beta on
+``alpha / 2 pi``) is chosen because (a) its support has no seam: a point whose angle is
+near 0 has a posterior with mass on both sides of 0 = 2 pi, which a Beta cannot put;
+and (b) it is the exact conditional family: for a circular ``g(alpha) = r (cos, sin)``
+the conditional ``p(alpha_n | x_n, c_n = i, mu)`` is von Mises with mean direction
+``atan2(x_n - mu_i)`` and concentration ``r |x_n - mu_i| / sigma_eps^2``.
+
+Blocks, updated in this order: ``mu`` = {mu} and ``local`` = {c, alpha}.
+
+Proposals (``DGMMProposals``), with neural sufficient statistics (section 3, eq. 10):
+
+- ``q(mu | x)`` (encoder) and ``q(mu | x, c, alpha)`` (APG kernel) are diagonal
+  Gaussians of conjugate form. Each point contributes a learned location
+  statistic ``s_n`` (2) and a learned precision ``lambda_n`` (2), pooled per cluster over
+  the points assigned to it (soft assignments ``gamma_n`` in the encoder, the one-hot
+  ``c_n`` in the kernel):
+
+      prec_i = 1 / sigma0^2 + sum_n gamma_ni lambda_n,
+      mean_i = sum_n gamma_ni lambda_n s_n / prec_i.
+
+  The proposal therefore sharpens as a cluster collects points, for any N. With
+  ``s_n = x_n - g_theta(alpha_n)`` and ``lambda_n = 1 / sigma_eps^2`` it *is* the exact
+  conditional, which the kernel can represent (``s_n = x_n - h(alpha_n)``).
+- ``q(c, alpha | x, mu) = prod_n q(c_n | x_n, mu) q(alpha_n | c_n, x_n, mu)``: per point
+  and cluster, features of ``d_ni = x_n - mu_i`` give the assignment logit and the von
+  Mises parameters of the angle under that cluster (``LocalProposal``).
+
+Architectures: ``apg`` (MLP encoder plus both kernels), ``mlp`` and ``lstm`` (RWS
+encoders with the same NSS parameterization whose point features come from an MLP or an
+LSTM over the points; no kernels).
+
+Legend: L particles, B datasets, N points, I clusters, H hidden units, F features.
+Latents: ``mu (L, B, I, 2)``, ``c (L, B, N)`` (long), ``alpha (L, B, N)`` in [0, 2 pi).
+Data ``x``: ``(B, N, 2)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributions import Normal
+
+from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
+
+TWO_PI = 2.0 * math.pi
+DATA_DIM = 2
+
+
+@dataclass(frozen=True)
+class DGMMConfig:
+    """Hyperparameters of ``p_theta`` (paper section 5.2 defaults).
+
+    ``noise`` is the likelihood's standard deviation sigma_eps (fixed, not learned);
+    ``hidden`` the width of g_theta's tanh layer (Appendix E: 32).
+    """
+
+    num_clusters: int = 4
+    sigma0: float = 3.5
+    noise: float = 0.2
+    hidden: int = 32
+
+    def __post_init__(self):
+        if self.num_clusters < 1:
+            raise ValueError(f"num_clusters must be >= 1, got {self.num_clusters}")
+        if not (self.sigma0 > 0 and self.noise > 0):
+            raise ValueError(f"sigma0 and noise must be positive, got {self.sigma0}, {self.noise}")
+
+
+def angle_features(alpha: Tensor) -> Tensor:
+    """``(cos alpha, sin alpha)``, ``(...,) -> (..., 2)``."""
+    return torch.stack([torch.cos(alpha), torch.sin(alpha)], -1)
+
+
+class DGMM(Model):
+    """``p_theta(x, mu, c, alpha)`` of the module docstring; theta = g_theta's weights."""
+
+    blocks = {"mu": ("mu",), "local": ("c", "alpha")}
+
+    def __init__(self, cfg: DGMMConfig = DGMMConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.shape_net = nn.Sequential(nn.Linear(2, cfg.hidden), nn.Tanh(), nn.Linear(cfg.hidden, DATA_DIM))
+
+    def g(self, alpha: Tensor) -> Tensor:
+        """The learned ring shape ``g_theta(alpha)``, ``(...,) -> (..., 2)``."""
+        return self.shape_net(angle_features(alpha))
+
+    def mean(self, z: Mapping[str, Tensor]) -> Tensor:
+        """Mean of ``p(x_n | ...)``: ``mu_{c_n} + g_theta(alpha_n)``, ``(L, B, N, 2)``."""
+        mu, c = z["mu"], z["c"]
+        index = c.unsqueeze(-1).expand(*c.shape, DATA_DIM)
+        return mu.gather(-2, index) + self.g(z["alpha"])
+
+    def log_likelihood(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+        """``sum_n log N(x_n; mu_{c_n} + g(alpha_n), sigma_eps^2 I)``, ``(L, B)``."""
+        if x.dim() != 3 or x.shape[-1] != DATA_DIM:
+            raise ValueError(f"x must be shaped (B, N, 2), got {tuple(x.shape)}")
+        sq = ((x - self.mean(z)) ** 2).sum((-2, -1))
+        size = x.shape[-2] * DATA_DIM
+        s = self.cfg.noise
+        return -0.5 * sq / s**2 - size * (math.log(s) + 0.5 * math.log(TWO_PI))
+
+    def log_prior_mu(self, mu: Tensor) -> Tensor:
+        """``sum_i log N(mu_i; 0, sigma0^2 I)``, ``(L, B)``."""
+        s = self.cfg.sigma0
+        return (-0.5 * (mu / s) ** 2 - math.log(s) - 0.5 * math.log(TWO_PI)).sum((-2, -1))
+
+    def log_prior_local(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+        """``sum_n log p(c_n) + log p(alpha_n)``: a constant on the support, ``(L, B)``.
+
+        Kept (not dropped as a constant) so that an angle outside ``[0, 2 pi)`` scores -inf.
+        """
+        alpha = z["alpha"]
+        inside = (alpha >= 0) & (alpha < TWO_PI)
+        per_point = torch.where(inside, -math.log(TWO_PI), -math.inf) - math.log(self.cfg.num_clusters)
+        return per_point.to(x.dtype).sum(-1)
+
+    def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+        return self.log_prior_mu(z["mu"]) + self.log_prior_local(x, z) + self.log_likelihood(x, z)
+
+    def log_blanket(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+        # Every point's likelihood involves both mu and (c, alpha), so both blankets hold it.
+        if block == "mu":
+            return self.log_prior_mu(z["mu"]) + self.log_likelihood(x, z)
+        if block == "local":
+            return self.log_prior_local(x, z) + self.log_likelihood(x, z)
+        raise ValueError(f"unknown block {block!r}; the model has {list(self.blocks)}")
+
+
+def simulate_rings(
+    num_datasets: int,
+    num_points: int,
+    generator: torch.Generator,
+    num_clusters: int = 4,
+    sigma0: float = 3.5,
+    radius: float = 2.0,
+    noise: float = 0.2,
+) -> dict[str, Tensor]:
+    """The true data process: points on circles of ``radius`` with Gaussian ``noise``.
+
+    Angles are uniform on ``[0, 2 pi)`` (``torch.rand`` never returns 1, so 0 and 2 pi are
+    not both drawn, unlike the authors' angle grid). Returns float64 ``x (M, N, 2)``,
+    ``mu (M, I, 2)``, ``alpha (M, N)`` and long ``c (M, N)``.
+    """
+    if num_datasets < 1 or num_points < 1:
+        raise ValueError(f"need num_datasets, num_points >= 1, got {num_datasets}, {num_points}")
+    f64 = torch.float64
+    mu = sigma0 * torch.randn(num_datasets, num_clusters, DATA_DIM, generator=generator, dtype=f64)
+    c = torch.randint(num_clusters, (num_datasets, num_points), generator=generator)
+    alpha = TWO_PI * torch.rand(num_datasets, num_points, generator=generator, dtype=f64)
+    centre = mu.gather(1, c.unsqueeze(-1).expand(-1, -1, DATA_DIM))
+    eps = noise * torch.randn(num_datasets, num_points, DATA_DIM, generator=generator, dtype=f64)
+    return {"x": centre + radius * angle_features(alpha) + eps, "mu": mu, "c": c, "alpha": alpha}
+
+
+# --------------------------------------------------------------------------- distributions
+
+
+def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 3) -> Tensor:
+    """Draw from von Mises(loc, concentration) into ``[0, 2 pi)``, any shape.
+
+    Best & Fisher (1979) rejection sampler, vectorized: ``candidates`` proposals per element
+    are drawn at once and the first accepted one is kept (acceptance is >= 0.65 for every
+    concentration, so the rare leftovers take another round). ``torch.distributions.VonMises``
+    draws one proposal per round and is ~20x slower here. The proposal's constants are
+    computed in float64: in float32 they lose all precision for large concentrations.
+    """
+    shape, dtype = loc.shape, loc.dtype
+    k = concentration.detach().reshape(-1).double().clamp_min(1e-6)
+    if not (torch.isfinite(k).all() and torch.isfinite(loc).all()):
+        raise ValueError("von Mises parameters must be finite (the rejection loop would not end)")
+    tau = 1.0 + torch.sqrt(1.0 + 4.0 * k**2)
+    rho = (tau - torch.sqrt(2.0 * tau)) / (2.0 * k)
+    r = (1.0 + rho**2) / (2.0 * rho)
+    theta = torch.empty_like(k)
+    todo = torch.arange(k.numel(), device=k.device)
+    while todo.numel():
+        rr, kk = r[todo], k[todo]
+        u = torch.rand((3, candidates, todo.numel()), dtype=torch.float64, device=k.device)
+        zc = torch.cos(math.pi * u[0])
+        f = (1.0 + rr * zc) / (rr + zc)
+        cc = kk * (rr - f)
+        ok = (cc * (2.0 - cc) > u[1]) | (torch.log(cc / u[1]) + 1.0 >= cc)
+        draw = torch.sign(u[2] - 0.5) * torch.acos(f.clamp(-1.0, 1.0))
+        rejected_before = (~ok).cumprod(0).sum(0, keepdim=True)  # index of the first accepted
+        accepted = rejected_before[0] < candidates
+        first = rejected_before.clamp_max(candidates - 1)
+        theta[todo[accepted]] = draw.gather(0, first).squeeze(0)[accepted]
+        todo = todo[~accepted]
+    alpha = torch.remainder(theta.reshape(shape).to(dtype) + loc.detach(), TWO_PI)
+    # In float32, remainder(-1e-8, 2 pi) rounds to 2 pi itself, outside [0, 2 pi), where
+    # the prior density is zero; that point of the circle is angle 0.
+    return torch.where(alpha >= TWO_PI, torch.zeros_like(alpha), alpha)
+
+
+def von_mises_log_prob(value: Tensor, loc: Tensor, concentration: Tensor) -> Tensor:
+    """Log-density on one period (w.r.t. Lebesgue measure), differentiable in the parameters.
+
+    ``log I0(k) = log i0e(k) + k`` is stable for large k.
+    """
+    k = concentration
+    return k * (torch.cos(value - loc) - 1.0) - torch.log(torch.special.i0e(k)) - math.log(TWO_PI)
+
+
+class LocalProposal:
+    """``q(c, alpha | x, mu) = prod_n q(c_n) q(alpha_n | c_n)`` from per-cluster parameters.
+
+    Parameters are shaped ``(L, B, N, I)``: assignment ``logits`` and, for every cluster,
+    the von Mises parameters the angle would have if the point belonged to it: mean
+    direction ``atan2(direction)`` (``direction (L, B, N, I, 2)``) and concentration
+    ``softplus(raw) + 1e-3``, applied after picking the component (4x fewer elements).
+    ``log_prob`` scores each angle under the component of *its own* assignment, so the
+    reverse kernel of an old ``(c, alpha)`` uses the old ``c``.
+    """
+
+    def __init__(self, logits: Tensor, direction: Tensor, raw_concentration: Tensor):
+        self.log_pi = torch.log_softmax(logits, -1)
+        self.direction, self.raw = direction, raw_concentration
+
+    def sample(self) -> Latents:
+        # Inverse-CDF draw: several times faster than Categorical.sample (multinomial) here.
+        cdf = self.log_pi.detach().exp().cumsum(-1)
+        u = torch.rand(cdf.shape[:-1], dtype=cdf.dtype, device=cdf.device).unsqueeze(-1)
+        c = (cdf[..., :-1] < u * cdf[..., -1:]).sum(-1)
+        loc, k = self._component(c)
+        return {"c": c, "alpha": sample_von_mises(loc, k)}
+
+    def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
+        c, alpha = value["c"], value["alpha"]
+        loc, k = self._component(c)
+        lp_c = self.log_pi.gather(-1, c.unsqueeze(-1)).squeeze(-1)
+        return (lp_c + von_mises_log_prob(alpha, loc, k)).sum(-1)
+
+    def _component(self, c: Tensor) -> tuple[Tensor, Tensor]:
+        idx = c.unsqueeze(-1)
+        u = self.direction.gather(-2, idx.unsqueeze(-1).expand(*c.shape, 1, 2)).squeeze(-2)
+        raw = self.raw.gather(-1, idx).squeeze(-1)
+        return torch.atan2(u[..., 1], u[..., 0]), F.softplus(raw) + 1e-3
+
+
+def gaussian_mu(mean: Tensor, precision: Tensor) -> Factorized:
+    """Diagonal Gaussian block distribution over ``mu`` from ``(L, B, I, 2)`` parameters."""
+    return Factorized({"mu": (Normal(mean, torch.rsqrt(precision), validate_args=False), 2)})
+
+
+def pool_per_cluster(weights: Tensor, stat: Tensor, precision: Tensor, prior_precision: float):
+    """Neural sufficient statistics pooled per cluster (section 3, eq. 10).
+
+    ``weights (..., N, I)`` (soft or one-hot assignments), ``stat`` and ``precision``
+    ``(..., N, 2)``. Returns the conjugate-form Gaussian ``(mean, precision)`` of
+    ``mu (..., I, 2)`` under the prior ``Normal(0, 1 / prior_precision)``: an empty cluster
+    gets exactly the prior.
+    """
+    w_t = weights.transpose(-1, -2)  # (..., I, N)
+    prec = prior_precision + w_t @ precision
+    mean = (w_t @ (precision * stat)) / prec
+    return mean, prec
+
+
+# --------------------------------------------------------------------------- networks
+
+
+class PointFeatures(nn.Module):
+    """Per-point features ``(..., N, F_in) -> (..., N, H)``: two tanh layers (``mlp``) or an
+    LSTM over the point sequence (``lstm``, the RWS-LSTM baseline)."""
+
+    def __init__(self, kind: str, in_dim: int, hidden: int):
+        super().__init__()
+        self.kind = kind
+        if kind == "mlp":
+            self.net: nn.Module = nn.Sequential(
+                nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
+            )
+        elif kind == "lstm":
+            self.net = nn.LSTM(in_dim, hidden, batch_first=True)
+        else:
+            raise ValueError(f"unknown point-feature network {kind!r}")
+
+    def forward(self, u: Tensor) -> Tensor:
+        if self.kind == "mlp":
+            return self.net(u)
+        lead = u.shape[:-2]
+        out, _ = self.net(u.reshape(-1, *u.shape[-2:]))
+        return out.reshape(*lead, *out.shape[-2:])
+
+
+class CentreEncoder(nn.Module):
+    """``q(mu | x)``: per-point features give soft assignments ``gamma_n`` (softmax over I),
+    a location statistic ``s_n = x_n + offset_n`` and a precision ``lambda_n``, pooled per
+    cluster by ``pool_per_cluster`` (Appendix E's encoder with a conjugate-form head)."""
+
+    def __init__(self, cfg: DGMMConfig, features: str, hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        self.features = PointFeatures(features, DATA_DIM, hidden)
+        self.resp = nn.Linear(hidden, cfg.num_clusters)
+        self.stat = nn.Linear(hidden, 2 * DATA_DIM)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = self.features(x / self.cfg.sigma0)  # O(1) inputs for the tanh units
+        offset, raw = self.stat(h).chunk(2, -1)
+        gamma = torch.softmax(self.resp(h), -1)
+        return pool_per_cluster(gamma, x + offset, torch.exp(raw), self.cfg.sigma0**-2)
+
+
+class CentreKernel(nn.Module):
+    """``q(mu | x, c, alpha)``: each point's statistic ``s_n = x_n - h(alpha_n)`` and
+    precision ``lambda_n(alpha_n)`` pooled over the points assigned to each cluster. The
+    precision starts at ``1 / sigma_eps^2``, the exact conditional's, so training starts
+    from sensible scales instead of crawling to them."""
+
+    def __init__(self, cfg: DGMMConfig, hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        self.net = nn.Sequential(
+            nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * DATA_DIM)
+        )
+        with torch.no_grad():
+            self.net[-1].bias[DATA_DIM:] = -2.0 * math.log(cfg.noise)
+
+    def forward(self, x: Tensor, c: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
+        offset, raw = self.net(angle_features(alpha)).chunk(2, -1)  # (L, B, N, 2) each
+        one_hot = F.one_hot(c, self.cfg.num_clusters).to(x.dtype)
+        return pool_per_cluster(one_hot, x - offset, torch.exp(raw), self.cfg.sigma0**-2)
+
+
+class LocalNet(nn.Module):
+    """Per point and cluster, from ``d = x_n - mu_i``: the assignment logit and the von Mises
+    parameters of the angle under that cluster (Appendix E: FC 32 tanh on ``x_n - mu_i``).
+
+    Two paths reach the four outputs (logit, direction (2), raw concentration):
+
+    - a tanh layer on ``d / sigma0``. Its first layer is linear in ``d = x_n - mu_i``, so
+      it is split into a per-point and a per-cluster part that broadcast against each
+      other: the ``(L, B, N, I, H)`` pre-activation is one addition, not a matmul;
+    - a linear skip from ``(|d|^2 / 2 sigma^2, |d| / sigma^2, log |d|, d / |d|)``. For a
+      circular ring of radius r the exact conditional is *linear* in these (logit =
+      -(|d| - r)^2 / 2 sigma^2 - log |d| / 2 + const, concentration = r |d| / sigma^2,
+      direction = a rotation of d / |d|), so the tanh layer only has to learn how the
+      shape departs from a circle. The skip starts at the exact conditional of the
+      untrained model, whose g_theta is near 0 (logit = -|d|^2 / 2 sigma^2, other weights
+      0): Adam moves a weight by about lr per step, so starting a weight of size 1 at 0
+      would cost ~1/lr steps before assignments become sensible.
+    """
+
+    def __init__(self, cfg: DGMMConfig, hidden: int):
+        super().__init__()
+        self.cfg = cfg
+        self.point = nn.Linear(DATA_DIM, hidden)
+        self.cluster = nn.Linear(DATA_DIM, hidden, bias=False)
+        self.out = nn.Linear(hidden, 4)
+        self.skip = nn.Linear(5, 4, bias=False)
+        with torch.no_grad():
+            self.skip.weight.zero_()
+            self.skip.weight[0, 0] = -1.0
+
+    def forward(self, x: Tensor, mu: Tensor) -> LocalProposal:
+        s0, s = self.cfg.sigma0, self.cfg.noise
+        # point(x) - cluster(mu) = W d + b with W shared: the split first layer.
+        pre = self.point(x / s0).unsqueeze(-2) - self.cluster(mu / s0).unsqueeze(-3)  # (L, B, N, I, H)
+        d = x.unsqueeze(-2) - mu.unsqueeze(-3)  # (L, B, N, I, 2)
+        sq = (d**2).sum(-1, keepdim=True)
+        norm = sq.clamp_min(1e-12).sqrt()
+        skip_in = torch.cat([sq / (2 * s**2), norm / s**2, torch.log(norm), d / norm], -1)
+        out = self.out(torch.tanh(pre)) + self.skip(skip_in)
+        return LocalProposal(out[..., 0], out[..., 1:3], out[..., 3])
+
+
+class DGMMProposals(Proposals):
+    """Inference networks for one architecture.
+
+    ``apg``: MLP NSS encoder q(mu | x), NSS kernel q(mu | x, c, alpha) and the local kernel
+    q(c, alpha | x, mu). ``mlp`` / ``lstm``: RWS encoders q(mu | x) whose NSS point features
+    come from an MLP or an LSTM, followed by the same local proposal; no kernels.
+    """
+
+    def __init__(self, cfg: DGMMConfig, architecture: str = "apg", hidden: int = 32):
+        super().__init__()
+        features = {"apg": "mlp", "mlp": "mlp", "lstm": "lstm"}.get(architecture)
+        if features is None:
+            raise ValueError(f"unknown DGMM architecture {architecture!r}; choose apg, mlp or lstm")
+        self.cfg = cfg
+        self.architecture = architecture
+        self.encoder = CentreEncoder(cfg, features, hidden)
+        self.local = LocalNet(cfg, hidden)
+        if architecture == "apg":
+            self.centre_kernel = CentreKernel(cfg, hidden)
+
+    def initial(self, x: Tensor, num_particles: int) -> tuple[Latents, Tensor]:
+        mean, prec = self.encoder(x)
+        shape = (num_particles, *mean.shape)
+        q_mu = gaussian_mu(mean.expand(shape), prec.expand(shape))
+        mu = q_mu.sample()
+        q_local = self.local(x, mu["mu"])
+        local = q_local.sample()
+        return {**mu, **local}, q_mu.log_prob(mu) + q_local.log_prob(local)
+
+    def kernel(self, block: str, x: Tensor, z: Mapping[str, Tensor]):
+        if block == "local":
+            return self.local(x, z["mu"])
+        if block == "mu" and self.architecture == "apg":
+            return gaussian_mu(*self.centre_kernel(x, z["c"], z["alpha"]))
+        return super().kernel(block, x, z)
+
+
+# --------------------------------------------------------------------------- task spec
+
+
+def build_model(**hparams) -> DGMM:
+    """``DGMM(DGMMConfig(**hparams))``: num_clusters, sigma0, noise, hidden."""
+    return DGMM(DGMMConfig(**hparams))
+
+
+def build_proposals(model: DGMM, architecture: str, hidden: int = 32) -> DGMMProposals:
+    return DGMMProposals(model.cfg, architecture, hidden)
+
+
+def simulate(
+    model: DGMM,
+    num_datasets: int,
+    generator: torch.Generator,
+    num_points: int = 200,
+    radius: float = 2.0,
+    noise: float | None = None,
+) -> dict[str, Tensor]:
+    """Datasets of rings with the model's I and sigma0; ``noise`` defaults to the model's
+    sigma_eps. The simulator is the *true* process (fixed circles of ``radius``), not
+    ``p_theta``, whose shape is learned."""
+    cfg = model.cfg
+    return simulate_rings(
+        num_datasets, num_points, generator, cfg.num_clusters, cfg.sigma0, radius,
+        cfg.noise if noise is None else noise,
+    )
+
+
+def reconstruct(model: DGMM, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+    """Mean of ``p_theta(x | z)``: ``g_theta(alpha_n) + mu_{c_n}``, ``(L, B, N, 2)``."""
+    return model.mean(z)
+
+
+def draw(ax, x: np.ndarray, z: Mapping[str, np.ndarray], model: DGMM | None = None) -> None:
+    """Scatter one dataset ``x (N, 2)`` coloured by ``z["c"] (N,)`` and mark the centres
+    ``z["mu"] (I, 2)``; draw the learned ring around each centre.
+
+    The ring is ``mu_i + g_theta`` over a grid of angles when ``model`` is given; otherwise,
+    when ``z`` carries ``"recon" (N, 2)`` (this particle's ``reconstruct`` output), the
+    reconstructions of each cluster's points joined in order of their angles ``z["alpha"]``.
+    With neither, only points and centres are drawn (``TaskSpec.draw`` gets no model).
+    """
+    c, mu = np.asarray(z["c"]), np.asarray(z["mu"])
+    colours = [f"C{i % 10}" for i in range(len(mu))]
+    ax.scatter(x[:, 0], x[:, 1], s=6, c=[colours[i] for i in c], alpha=0.7, linewidths=0)
+    shape = None
+    if model is not None:
+        with torch.no_grad():
+            grid = torch.linspace(0.0, TWO_PI, 101, dtype=next(model.parameters()).dtype)
+            shape = model.g(grid).numpy()
+    for i, centre in enumerate(mu):
+        curve = None
+        if shape is not None:
+            curve = centre + shape
+        elif "recon" in z:
+            mine = c == i
+            if mine.any():
+                order = np.argsort(np.asarray(z["alpha"])[mine])
+                curve = np.asarray(z["recon"])[mine][order]
+                curve = np.concatenate([curve, curve[:1]])  # close the ring
+        if curve is not None:
+            ax.plot(curve[:, 0], curve[:, 1], color=colours[i], lw=1.0)
+        ax.scatter([centre[0]], [centre[1]], marker="x", color=colours[i], s=30)
+    ax.set_aspect("equal")
+
+
+TASK = TaskSpec(
+    "dgmm", build_model, build_proposals, simulate, ("apg", "mlp", "lstm"), reconstruct=reconstruct, draw=draw
+)

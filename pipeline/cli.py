@@ -1,0 +1,249 @@
+"""``apg-pipeline``: one command line for the library and the pipeline stages.
+
+Subcommands::
+
+    apg-pipeline generate --task gmm --out data/gmm/train.npz --num-datasets 1000 --seed 1 [--size num_points=60]
+    apg-pipeline train    --task gmm --method apg --sweeps 5 --particles 10 --batch-size 20 \\
+                          --iterations 300 --lr 3e-3 --seed 0 --data train.npz --out ckpt.pt
+    apg-pipeline evaluate --checkpoint ckpt.pt --data test.npz --sweeps 10 --particles 10 --out metrics.json
+    apg-pipeline sweep    --task gmm          # the DVC stages, with params.yaml
+    apg-pipeline eval-sweep --task gmm
+    apg-pipeline report
+
+``evaluate`` writes JSON with these keys (means over the held-out datasets):
+
+- ``task``, ``method``, ``sweeps`` (K), ``particles`` (L), ``num_datasets`` (M), ``config``
+  (the checkpoint's training config);
+- per-sweep lists of length K: ``log_joint``, ``ess`` (ESS/L, eq. 11), ``log_evidence``,
+  ``ess_<block>`` for every block (methods with block kernels), ``mse`` (tasks that
+  reconstruct);
+- final numbers: ``kl_<block>`` (inclusive KL to the exact conditional, eq. 4; tasks with
+  exact Gibbs conditionals, methods with kernels and K > 1).
+
+Bad input (shapes, non-finite data, K < 1, L < 2, unknown task or method, missing or
+corrupt files, an invalid params file) ends with one line ``apg-pipeline: error: ...`` and
+exit status 2, before any training; outputs are written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+
+from apg.data import atomic_write, save_dataset
+from apg.training import TrainConfig, Trainer, TrainingDiverged, evaluate
+from pipeline.common import check_budget, load_task_data, load_trained, seed_everything
+
+EXIT_BAD_INPUT = 2
+
+
+def run_guarded(work: Callable[[], Any]) -> Any:
+    """Run ``work``; turn expected failures into one line on stderr and exit status 2."""
+    try:
+        return work()
+    except TrainingDiverged as err:
+        _fail(f"training diverged: {err}")
+    except (ValueError, FileNotFoundError, KeyError) as err:
+        # ParamsError, DatasetError, CheckpointError and ValueErrors from the library
+        # all carry a one-line message naming the problem.
+        text = str(err).strip().splitlines()
+        _fail(text[0] if text else type(err).__name__)
+    except KeyboardInterrupt:
+        _fail("interrupted")
+
+
+def _fail(message: str) -> None:
+    print(f"apg-pipeline: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def _key_values(items: list[str], flag: str) -> dict[str, Any]:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}`` (values parsed as YAML scalars)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pipeline.generate import simulate_set
+
+    if args.num_datasets < 1:
+        raise ValueError(f"--num-datasets must be >= 1, got {args.num_datasets}")
+    sizes = _key_values(args.size, "--size")
+    if args.num_points is not None:
+        sizes["num_points"] = args.num_points
+    arrays = simulate_set(args.task, _key_values(args.model, "--model"), args.num_datasets, args.seed, sizes)
+    path = save_dataset(args.out, arrays)
+    print(f"wrote {path}: " + ", ".join(f"{k} {v.shape}" for k, v in arrays.items()))
+
+
+# --------------------------------------------------------------------------- train
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    cfg = TrainConfig(
+        task=args.task,
+        method=args.method,
+        sweeps=args.sweeps,
+        particles=args.particles,
+        batch_size=args.batch_size,
+        iterations=args.iterations,
+        lr=args.lr,
+        resample_mode=args.resample_mode,
+        resampler=args.resampler,
+        model=_key_values(args.model, "--model"),
+        network=_key_values(args.network, "--network"),
+    ).validate()  # before touching data: bad K, L, method, task fail first
+    train_x = load_task_data(cfg.task, args.data, cfg.model)
+    seed_everything(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    trainer = Trainer(cfg, train_x, args.device)
+    from tqdm import tqdm
+
+    with tqdm(total=cfg.iterations, desc=f"{cfg.task}/{cfg.method} K={cfg.sweeps} L={cfg.particles}", unit="it") as bar:
+        for metrics in trainer.run():
+            bar.update(1)
+            bar.set_postfix(log_joint=f"{metrics['log_joint']:.1f}", ess=f"{metrics['ess']:.3f}", refresh=False)
+    path = _save(args.out, cfg, trainer)
+    print(f"wrote {path}")
+
+
+def _save(out: str, cfg: TrainConfig, trainer: Trainer) -> Path:
+    from apg.checkpoint import save_checkpoint
+
+    return save_checkpoint(out, cfg.to_dict(), trainer.state_dict())
+
+
+# --------------------------------------------------------------------------- evaluate
+
+
+def summarize(metrics: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Means over datasets: curves ``(K, M)`` -> lists, finals ``(M,)`` -> floats."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        mean = value.mean(axis=-1)
+        out[key] = [float(v) for v in mean] if value.ndim == 2 else float(mean)
+    return out
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    check_budget(args.sweeps, args.particles)
+    cfg, model, proposals = load_trained(args.checkpoint, args.device)
+    x = load_task_data(cfg.task, args.data, cfg.model).to(args.device)
+    seed_everything(args.seed)
+    metrics = evaluate(cfg, model, proposals, x, args.sweeps, args.particles, args.batch_size, args.resample_mode)
+    payload = {
+        "task": cfg.task,
+        "method": cfg.method,
+        "sweeps": args.sweeps,
+        "particles": args.particles,
+        "num_datasets": int(x.shape[0]),
+        **summarize(metrics),
+        "config": cfg.to_dict(),
+    }
+    text = json.dumps(payload, indent=2)
+    path = atomic_write(args.out, lambda tmp: tmp.write_text(text + "\n"))
+    print(f"wrote {path}")
+
+
+# --------------------------------------------------------------------------- stages
+
+
+def cmd_stage(module: str) -> Callable[[argparse.Namespace], None]:
+    def run(args: argparse.Namespace) -> None:
+        import importlib
+
+        importlib.import_module(f"pipeline.{module}").main(args.rest)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="apg-pipeline", description="APG samplers: train, evaluate, sweep, report.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="simulate datasets of a task into an .npz file")
+    gen.add_argument("--task", default="gmm")
+    gen.add_argument("--out", required=True)
+    gen.add_argument("--num-datasets", type=int, required=True)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--num-points", type=int, default=None, help="shorthand for --size num_points=N")
+    gen.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="task size option")
+    gen.add_argument("--model", action="append", default=[], metavar="KEY=VALUE", help="task model hyperparameter")
+    gen.set_defaults(func=cmd_generate)
+
+    train = sub.add_parser("train", help="train a method on a dataset file and save a checkpoint")
+    train.add_argument("--task", default="gmm")
+    train.add_argument("--method", default="apg")
+    train.add_argument("--sweeps", "-K", type=int, default=5)
+    train.add_argument("--particles", "-L", type=int, default=10)
+    train.add_argument("--batch-size", type=int, default=20)
+    train.add_argument("--iterations", type=int, default=300)
+    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--resample-mode", default="block")
+    train.add_argument("--resampler", default="systematic")
+    train.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
+    train.add_argument("--network", action="append", default=[], metavar="KEY=VALUE")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    train.add_argument("--device", default="cpu")
+    train.add_argument("--data", required=True)
+    train.add_argument("--out", required=True)
+    train.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("evaluate", help="evaluate a checkpoint on held-out datasets, write JSON")
+    ev.add_argument("--checkpoint", required=True)
+    ev.add_argument("--data", required=True)
+    ev.add_argument("--sweeps", "-K", type=int, default=10)
+    ev.add_argument("--particles", "-L", type=int, default=10)
+    ev.add_argument("--batch-size", type=int, default=20)
+    ev.add_argument("--resample-mode", default="block")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--out", required=True)
+    ev.set_defaults(func=cmd_evaluate)
+
+    for name, module, text in (
+        ("sweep", "sweep", "stage: Ray Tune sweep of one task's grid (params.yaml)"),
+        ("eval-sweep", "evaluate", "stage: evaluate every trained cell of a sweep"),
+        ("report", "report", "stage: regenerate reports/ from recorded results"),
+    ):
+        stage = sub.add_parser(name, help=text, add_help=False)
+        stage.add_argument("rest", nargs=argparse.REMAINDER)
+        stage.set_defaults(func=cmd_stage(module))
+    return parser
+
+
+STAGES = {"sweep": "sweep", "eval-sweep": "evaluate", "report": "report"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in STAGES:
+        # Stage subcommands hand every argument (--help included) to the stage's own parser.
+        import importlib
+
+        importlib.import_module(f"pipeline.{STAGES[argv[0]]}").main(argv[1:])
+        return
+    args = build_parser().parse_args(argv)
+    run_guarded(lambda: args.func(args))
+
+
+if __name__ == "__main__":
+    main()

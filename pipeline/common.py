@@ -1,0 +1,107 @@
+"""Helpers every stage shares: checked loading of datasets and trained checkpoints.
+
+Everything here raises ``ValueError`` subclasses with one-line messages, so entry points
+can turn them into a one-line error before any training starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from apg.baselines import METHODS, get_method
+from apg.checkpoint import CheckpointError, load_checkpoint
+from apg.data import DatasetError, load_dataset
+from apg.tasks import get_task
+from apg.training import TrainConfig, build
+
+
+def project_root() -> Path:
+    """The directory holding params.yaml (stages run there); ``APG_PROJECT_ROOT`` overrides."""
+    return Path(os.environ.get("APG_PROJECT_ROOT", os.getcwd())).resolve()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch at an entry point (library code never seeds)."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def check_budget(sweeps: int, particles: int) -> None:
+    if isinstance(sweeps, bool) or not isinstance(sweeps, int) or sweeps < 1:
+        raise ValueError(f"sweeps K must be an integer >= 1, got {sweeps!r}")
+    if isinstance(particles, bool) or not isinstance(particles, int) or particles < 2:
+        raise ValueError(f"particles L must be an integer >= 2, got {particles!r}")
+
+
+def load_task_data(task: str, path: str | Path, model_hparams: dict[str, Any] | None = None) -> Tensor:
+    """Load ``x`` from a dataset file and check that the task's model accepts it.
+
+    The task interface has no declared event shape, so the check is generic: the data
+    must have the rank of a simulated dataset, and one short run of the model and an
+    untrained proposal on the first dataset must succeed.
+    """
+    spec = get_task(task)
+    x = torch.from_numpy(load_dataset(path)["x"]).to(torch.get_default_dtype())
+    model = spec.build_model(**(model_hparams or {}))
+    example = spec.simulate(model, 1, torch.Generator().manual_seed(0))["x"]
+    if x.dim() != example.dim():
+        want = ", ".join(["M", *map(str, example.shape[1:])])
+        raise DatasetError(f"dataset file {path}: 'x' must be shaped like ({want}) for task {task}, got {tuple(x.shape)}")
+    architecture = spec.architectures[0]
+    proposals = spec.build_proposals(model, architecture)
+    method = next(m for m in METHODS.values() if m.architecture == architecture)
+    try:
+        with torch.no_grad():
+            method.run(model, proposals, x[:1], 1, 2)
+    except (RuntimeError, ValueError, IndexError) as err:
+        raise DatasetError(
+            f"dataset file {path}: 'x' shaped {tuple(x.shape)} does not fit task {task} "
+            f"(a simulated one is {tuple(example.shape)}): {_first_line(err)}"
+        ) from None
+    return x
+
+
+def load_trained(path: str | Path, device: torch.device | str = "cpu"):
+    """``(cfg, model, proposals)`` from a checkpoint written by ``train`` or a sweep."""
+    config, state = load_checkpoint(path, map_location=device)
+    try:
+        cfg = TrainConfig.from_dict(config).validate()
+        model, proposals = build(cfg, device)
+        model.load_state_dict(state["model"])
+        proposals.load_state_dict(state["proposals"])
+    except (KeyError, TypeError, RuntimeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file {path} does not match its config ({_first_line(err)})") from None
+    model.eval()
+    proposals.eval()
+    return cfg, model, proposals
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+__all__ = [
+    "check_budget",
+    "file_digest",
+    "get_method",
+    "load_task_data",
+    "load_trained",
+    "project_root",
+    "seed_everything",
+]

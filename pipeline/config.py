@@ -1,0 +1,338 @@
+"""``params.yaml``: loading, validation and the grid of sweep cells.
+
+Everything is checked here, before Ray or MLflow start, so that a bad params file
+fails in well under a second with one line naming the key (``ParamsError``).
+
+Layout (see params.yaml for the documented defaults)::
+
+    tasks: [gmm]                 # task sections the pipeline runs
+    sweep: {...}                 # how Ray runs trials (shared by every task)
+    tracking: {...}              # MLflow experiment
+    report: {...}                # report options
+    <task>:                      # one section per task: model, network, data,
+      ...                        # train, grid, evaluate
+
+A *cell* is one trial: (task, method, K, L, seed) plus the task's training options.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from apg.baselines import METHODS, get_method
+from apg.tasks import get_task, task_names
+from apg.training import TrainConfig
+
+
+class ParamsError(ValueError):
+    """An invalid params file; the message names the key and the reason."""
+
+
+# Allowed keys per section, with their expected types. ``dict`` values under ``model``,
+# ``network`` and ``sizes`` are free-form (they are the task's own keyword arguments and
+# are checked by calling the task's builders).
+SWEEP_KEYS: dict[str, Any] = {
+    "ray_address": (str, type(None)),
+    "num_cpus": (int, type(None)),
+    "cpus_per_trial": (int, float),
+    "gpus_per_trial": (int, float),
+    "max_concurrent": int,
+    "max_failures": int,
+    "checkpoint_every": int,
+    "log_every": int,
+    "torch_threads": int,
+    "storage": str,
+}
+TRACKING_KEYS: dict[str, Any] = {"experiment": str}
+REPORT_KEYS: dict[str, Any] = {"out": str, "figure_format": str, "scale": str}
+TASK_KEYS: dict[str, Any] = {
+    "model": dict,
+    "network": dict,
+    "data": dict,
+    "train": dict,
+    "grid": list,
+    "evaluate": dict,
+}
+DATA_SET_KEYS: dict[str, Any] = {"num_datasets": int, "seed": int, "sizes": dict}
+TRAIN_KEYS: dict[str, Any] = {
+    "batch_size": int,
+    "iterations": int,
+    "lr": (int, float),
+    "resample_mode": str,
+    "resampler": str,
+}
+GRID_KEYS: dict[str, Any] = {"methods": list, "pairs": list, "budget": dict, "seeds": list}
+BUDGET_KEYS: dict[str, Any] = {"total": int, "sweeps": list}
+EVALUATE_KEYS: dict[str, Any] = {
+    "batch_size": int,
+    "resample_mode": str,
+    "seed": int,
+    "pairs": list,
+    "budget": dict,
+    "baseline": str,
+    "figure_sweeps": list,
+    "figure_particles": int,
+}
+TOP_KEYS = ("tasks", "sweep", "tracking", "report")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One trial of a sweep: a training config, a seed and where it came from."""
+
+    task: str
+    method: str
+    sweeps: int
+    particles: int
+    seed: int
+    train: TrainConfig
+
+    @property
+    def name(self) -> str:
+        """Human-readable name, also the MLflow child run's name."""
+        return f"{self.task}/{self.method}/K{self.sweeps}/L{self.particles}/seed{self.seed}"
+
+    def cell_id(self, data_digest: str) -> str:
+        """Stable id: the name plus a hash of everything that changes the result.
+
+        A changed option (iterations, lr, model, data...) gives a new id, so a finished
+        cell is reused only when it is really the same experiment.
+        """
+        payload = json.dumps({"cfg": self.train.to_dict(), "seed": self.seed, "data": data_digest}, sort_keys=True)
+        digest = hashlib.sha256(payload.encode()).hexdigest()[:10]
+        return f"{self.method}-K{self.sweeps}-L{self.particles}-s{self.seed}-{digest}"
+
+
+def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
+    """Read and validate a params file; raise ``ParamsError`` naming the bad key."""
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"params file not found: {path}")
+    try:
+        params = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ParamsError(f"{path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(params, dict):
+        raise ParamsError(f"{path} must hold a mapping of sections")
+    validate_params(params)
+    return params
+
+
+def validate_params(params: dict[str, Any]) -> None:
+    """Check every section and every grid cell (builds each cell's ``TrainConfig``)."""
+    known_tasks = task_names()
+    for key in params:
+        if key not in TOP_KEYS and key not in known_tasks:
+            raise ParamsError(_unknown(key, [*TOP_KEYS, *known_tasks], "top-level section or registered task"))
+    tasks = _require(params, "tasks", list, "tasks")
+    if not tasks:
+        raise ParamsError("tasks: list at least one task")
+    for i, task in enumerate(tasks):
+        if task not in known_tasks:
+            raise ParamsError(f"tasks[{i}]: unknown task {task!r}; registered tasks: {known_tasks}")
+        if task not in params:
+            raise ParamsError(f"tasks[{i}]: task {task!r} has no section {task}: in the params file")
+    _check_section(params, "sweep", SWEEP_KEYS, required=True)
+    sweep = params["sweep"]
+    for key in ("cpus_per_trial", "gpus_per_trial"):
+        if sweep.get(key, 0) < 0:
+            raise ParamsError(f"sweep.{key}: must be >= 0, got {sweep[key]}")
+    for key in ("max_failures", "max_concurrent"):
+        if sweep.get(key, 0) < 0:
+            raise ParamsError(f"sweep.{key}: must be >= 0, got {sweep[key]}")
+    for key in ("checkpoint_every", "log_every", "torch_threads"):
+        if key in sweep and sweep[key] < 1:
+            raise ParamsError(f"sweep.{key}: must be >= 1, got {sweep[key]}")
+    _check_section(params, "tracking", TRACKING_KEYS, required=False)
+    _check_section(params, "report", REPORT_KEYS, required=False)
+    for task in tasks:
+        validate_task(params, task)
+
+
+def validate_task(params: dict[str, Any], task: str) -> None:
+    section = _check_section(params, task, TASK_KEYS, required=True)
+    spec = get_task(task)
+    try:
+        model = spec.build_model(**section.get("model", {}))
+    except (TypeError, ValueError) as err:
+        raise ParamsError(f"{task}.model: {_first_line(err)}") from None
+    data = _check_mapping(section.get("data"), f"{task}.data", {"train": dict, "test": dict, "figures": list})
+    for split in ("train", "test"):
+        if split not in data:
+            raise ParamsError(f"{task}.data.{split}: missing")
+        _check_data_set(data[split], f"{task}.data.{split}")
+    for i, entry in enumerate(data.get("figures", [])):
+        _check_data_set(entry, f"{task}.data.figures[{i}]")
+    _check_mapping(section.get("train"), f"{task}.train", TRAIN_KEYS)
+    cells = grid_cells(params, task)  # validates every cell's TrainConfig
+    for architecture in {get_method(c.method).architecture for c in cells}:
+        try:
+            spec.build_proposals(model, architecture, **section.get("network", {}))
+        except (TypeError, ValueError) as err:
+            raise ParamsError(f"{task}.network: {_first_line(err)}") from None
+    ev = _check_mapping(section.get("evaluate"), f"{task}.evaluate", EVALUATE_KEYS)
+    for j, pair in enumerate(ev.get("pairs", [])):
+        _check_pair(pair, f"{task}.evaluate.pairs[{j}]")
+    if "budget" in ev:
+        _budget_pairs(ev["budget"], f"{task}.evaluate.budget")
+    if "baseline" in ev and ev["baseline"] not in METHODS:
+        raise ParamsError(f"{task}.evaluate.baseline: unknown method {ev['baseline']!r}; choose one of {sorted(METHODS)}")
+    for key in ("batch_size", "figure_particles"):
+        if key in ev and ev[key] < (2 if key == "figure_particles" else 1):
+            raise ParamsError(f"{task}.evaluate.{key}: too small ({ev[key]})")
+    for j, k in enumerate(ev.get("figure_sweeps", [])):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ParamsError(f"{task}.evaluate.figure_sweeps[{j}]: K must be an integer >= 1, got {k!r}")
+
+
+def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
+    """Expand ``<task>.grid`` into cells (validated ``TrainConfig`` each), in grid order.
+
+    Each grid entry crosses its ``methods`` x budgets x ``seeds``; budgets are either
+    explicit ``pairs: [[K, L], ...]`` or ``budget: {total: K*L, sweeps: [K, ...]}`` with
+    ``L = total // K``. Duplicate cells are kept once.
+    """
+    section = params[task]
+    train = section.get("train", {})
+    cells: dict[str, Cell] = {}
+    grid = section.get("grid")
+    if not isinstance(grid, list) or not grid:
+        raise ParamsError(f"{task}.grid: must be a non-empty list of entries")
+    for i, entry in enumerate(grid):
+        where = f"{task}.grid[{i}]"
+        entry = _check_mapping(entry, where, GRID_KEYS)
+        methods = entry.get("methods")
+        if not methods:
+            raise ParamsError(f"{where}.methods: list at least one method")
+        pairs: list[tuple[int, int]] = []
+        for j, pair in enumerate(entry.get("pairs", [])):
+            pairs.append(_check_pair(pair, f"{where}.pairs[{j}]"))
+        if "budget" in entry:
+            pairs += _budget_pairs(entry["budget"], f"{where}.budget")
+        if not pairs:
+            raise ParamsError(f"{where}: give pairs: [[K, L], ...] or budget: {{total: ..., sweeps: [...]}}")
+        seeds = entry.get("seeds", [0])
+        for j, seed in enumerate(seeds):
+            if not isinstance(seed, int) or isinstance(seed, bool):
+                raise ParamsError(f"{where}.seeds[{j}]: must be an integer, got {seed!r}")
+        for j, method in enumerate(methods):
+            if method not in METHODS:
+                raise ParamsError(f"{where}.methods[{j}]: unknown method {method!r}; choose one of {sorted(METHODS)}")
+            for k, l in pairs:
+                for seed in seeds:
+                    cfg = TrainConfig(
+                        task=task,
+                        method=method,
+                        sweeps=k,
+                        particles=l,
+                        model=dict(section.get("model", {})),
+                        network=dict(section.get("network", {})),
+                        **train,
+                    )
+                    try:
+                        cfg.validate()
+                    except ValueError as err:
+                        field = _first_line(err).split(" ")[0]
+                        key = f"{task}.train.{field}" if field in TRAIN_KEYS else where
+                        raise ParamsError(f"{key}: {_first_line(err)}") from None
+                    cell = Cell(task, method, k, l, seed, cfg)
+                    cells.setdefault(cell.name, cell)
+    return list(cells.values())
+
+
+def evaluation_pairs(params: dict[str, Any], task: str) -> dict[str, list[tuple[int, int]]]:
+    """Test-time (K, L) pairs per analysis: ``pairs`` (Table 1, curves) and ``budget`` (Figure 2)."""
+    ev = params[task].get("evaluate", {})
+    out = {"pairs": [tuple(p) for p in ev.get("pairs", [])]}
+    if "budget" in ev:
+        out["budget"] = _budget_pairs(ev["budget"], f"{task}.evaluate.budget")
+    return out
+
+
+def _budget_pairs(budget: Any, where: str) -> list[tuple[int, int]]:
+    budget = _check_mapping(budget, where, BUDGET_KEYS)
+    total = budget.get("total")
+    sweeps = budget.get("sweeps")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 2:
+        raise ParamsError(f"{where}.total: must be an integer K*L >= 2, got {total!r}")
+    if not sweeps:
+        raise ParamsError(f"{where}.sweeps: list at least one K")
+    pairs = []
+    for j, k in enumerate(sweeps):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ParamsError(f"{where}.sweeps[{j}]: K must be an integer >= 1, got {k!r}")
+        if total < k:
+            raise ParamsError(f"{where}.total: budget {total} is smaller than K={k}")
+        if total // k < 2:
+            raise ParamsError(f"{where}.sweeps[{j}]: budget {total} // K={k} leaves L < 2 particles")
+        pairs.append((k, total // k))
+    return pairs
+
+
+def _check_pair(pair: Any, where: str) -> tuple[int, int]:
+    if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)):
+        raise ParamsError(f"{where}: must be a pair [K, L] of integers, got {pair!r}")
+    k, l = pair
+    if k < 1:
+        raise ParamsError(f"{where}: K must be >= 1, got {k}")
+    if l < 2:
+        raise ParamsError(f"{where}: L must be >= 2, got {l}")
+    return k, l
+
+
+def _check_data_set(entry: Any, where: str) -> None:
+    entry = _check_mapping(entry, where, DATA_SET_KEYS)
+    if entry.get("num_datasets", 0) < 1:
+        raise ParamsError(f"{where}.num_datasets: must be an integer >= 1, got {entry.get('num_datasets')!r}")
+    if "seed" not in entry:
+        raise ParamsError(f"{where}.seed: missing (datasets are always seeded)")
+
+
+def _check_section(params: dict[str, Any], name: str, keys: dict[str, Any], required: bool) -> dict[str, Any]:
+    if name not in params:
+        if required:
+            raise ParamsError(f"{name}: missing section")
+        return {}
+    return _check_mapping(params[name], name, keys)
+
+
+def _check_mapping(value: Any, where: str, keys: dict[str, Any]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ParamsError(f"{where}: must be a mapping, got {type(value).__name__}")
+    for key, item in value.items():
+        if key not in keys:
+            raise ParamsError(_unknown(f"{where}.{key}", list(keys), "key"))
+        want = keys[key]
+        if isinstance(item, bool) and want is not bool or not isinstance(item, want):
+            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+            raise ParamsError(f"{where}.{key}: must be {names}, got {item!r}")
+    return value
+
+
+def _unknown(key: str, known: list[str], what: str) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(known)}"
+    return f"{key}: unknown {what}{hint}"
+
+
+def _require(params: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in params:
+        raise ParamsError(f"{where}: missing")
+    if not isinstance(params[key], kind):
+        raise ParamsError(f"{where}: must be a {kind.__name__}, got {params[key]!r}")
+    return params[key]
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -1,0 +1,190 @@
+"""Stage ``evaluate``: every trained cell of a task's sweep on held-out datasets.
+
+``python -m pipeline.evaluate --task gmm`` reads ``results/<task>/sweep.json`` and writes
+``results/eval/<task>/``:
+
+- ``metrics.parquet`` (and ``metrics.csv``): tidy long format, one row per
+  ``task, method, K, L, seed, train_K, train_L, cell_id, dataset, sweep, metric, value``.
+  ``K, L`` are the test-time budget, ``train_K, train_L`` the cell's training budget,
+  ``dataset`` the index of the held-out dataset, ``sweep`` 1..K for curves; metrics of
+  the final particles only (``kl_<block>``) have ``sweep = K``. Every cell is evaluated at
+  each test-time pair of ``<task>.evaluate.pairs`` (Table 1, convergence curves) and of
+  ``<task>.evaluate.budget`` (Figure 2: ``L = total // K``, section 5.4).
+- ``training.parquet``: the training curves recorded by the sweep (iteration, metric, value).
+- ``samples.npz``: the highest-weight particle after selected sweeps on the figure sets,
+  for Figure-1-style pictures; ``samples.json`` indexes it.
+- ``meta.json``: the scale everything was made at (iterations, dataset counts, seeds),
+  which the report prints under every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from apg.baselines import get_method
+from apg.checkpoint import CheckpointError
+from apg.data import atomic_write, load_dataset
+from apg.training import evaluate as evaluate_cell
+from pipeline.common import file_digest, load_task_data, load_trained, project_root, seed_everything
+from pipeline.config import evaluation_pairs, load_params
+
+COLUMNS = ["task", "method", "K", "L", "seed", "train_K", "train_L", "cell_id", "dataset", "sweep", "metric", "value"]
+
+
+def tidy(metrics: dict[str, np.ndarray], ids: dict[str, Any]) -> pd.DataFrame:
+    """Curves ``(K, M)`` and finals ``(M,)`` -> long rows with the ``ids`` columns."""
+    frames = []
+    for metric, value in metrics.items():
+        curve = value if value.ndim == 2 else value[None, :]
+        num_sweeps, num_datasets = curve.shape
+        # Finals belong to the last sweep of the run (the particles they were computed on).
+        first = 1 if value.ndim == 2 else ids["K"]
+        sweeps = np.repeat(np.arange(first, first + num_sweeps), num_datasets)
+        frames.append(
+            pd.DataFrame(
+                {
+                    "dataset": np.tile(np.arange(num_datasets), num_sweeps),
+                    "sweep": sweeps,
+                    "metric": metric,
+                    "value": curve.reshape(-1).astype(np.float64),
+                }
+            )
+        )
+    frame = pd.concat(frames, ignore_index=True)
+    for key, val in ids.items():
+        frame[key] = val
+    return frame[COLUMNS]
+
+
+def best_particles(cfg, model, proposals, x: torch.Tensor, sweeps: list[int], particles: int) -> dict[int, dict[str, np.ndarray]]:
+    """``{sweep: {latent: (M, ...)}}``: each dataset's highest-weight particle after each sweep.
+
+    RWS methods run one step whatever K is, so they only have sweep 1.
+    """
+    out: dict[int, dict[str, np.ndarray]] = {}
+
+    def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
+        if k in sweeps:
+            best = log_w.argmax(0)  # (B,)
+            rows = torch.arange(log_w.shape[1])
+            out[k] = {name: t[best, rows].cpu().numpy() for name, t in z.items()}
+
+    with torch.no_grad():
+        get_method(cfg.method).run(
+            model, proposals, x, max(sweeps), particles, "block", cfg.resampler, collectors=[collect]
+        )
+    return out
+
+
+def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) -> dict[str, Any]:
+    summary_path = root / "results" / task / "sweep.json"
+    if not summary_path.is_file():
+        raise ValueError(f"sweep summary {summary_path} not found; run the sweep stage first")
+    summary = json.loads(summary_path.read_text())
+    section = params[task]
+    ev = section.get("evaluate", {})
+    plan = evaluation_pairs(params, task)
+    test_path = root / "data" / task / "test.npz"
+    test_x = load_task_data(task, test_path, section.get("model", {}))
+    figure_sets = sorted((root / "data" / task).glob("figure_*.npz"))
+    figure_sweeps = ev.get("figure_sweeps", [1])
+    frames, histories, samples, index = [], [], {}, []
+    unique_pairs = sorted({tuple(p) for pairs in plan.values() for p in pairs})
+    for cell in summary["cells"]:
+        ckpt = root / cell["checkpoint"]
+        if file_digest(ckpt) != cell["checkpoint_sha256"]:
+            raise CheckpointError(f"checkpoint {ckpt} changed since the sweep recorded it; re-run the sweep")
+        cfg, model, proposals = load_trained(ckpt)
+        ids = {
+            "task": task,
+            "method": cell["method"],
+            "seed": cell["seed"],
+            "train_K": cell["K"],
+            "train_L": cell["L"],
+            "cell_id": cell["cell_id"],
+        }
+        for k, l in unique_pairs:
+            # Same seed for every cell at a pair: methods see the same randomness budget.
+            seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
+            metrics = evaluate_cell(
+                cfg, model, proposals, test_x, k, l, ev.get("batch_size", 20), ev.get("resample_mode", "block")
+            )
+            frames.append(tidy(metrics, {**ids, "K": k, "L": l}))
+        hist = pd.read_csv(root / cell["history"])
+        histories.append(
+            hist.melt(id_vars="iteration", var_name="metric", value_name="value").assign(
+                task=task, method=cell["method"], K=cell["K"], L=cell["L"], seed=cell["seed"], cell_id=cell["cell_id"]
+            )
+        )
+        for i, path in enumerate(figure_sets):
+            x = load_task_data(task, path, section.get("model", {}))
+            samples[f"x__{path.stem}"] = x.numpy()
+            seed_everything(ev.get("seed", 0) + i)
+            best = best_particles(cfg, model, proposals, x, figure_sweeps, ev.get("figure_particles", 10))
+            for sweep, z in best.items():
+                for name, arr in z.items():
+                    key = f"{cell['cell_id']}__{path.stem}__sweep{sweep}__{name}"
+                    samples[key] = arr
+                index.append({"cell_id": cell["cell_id"], "method": cell["method"], "seed": cell["seed"],
+                              "figure_set": path.stem, "sweeps": sorted(best)})
+    metrics_frame = pd.concat(frames, ignore_index=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "metrics.parquet", lambda tmp: metrics_frame.to_parquet(tmp, index=False))
+    atomic_write(out_dir / "metrics.csv", lambda tmp: metrics_frame.to_csv(tmp, index=False))
+    training = pd.concat(histories, ignore_index=True)
+    atomic_write(out_dir / "training.parquet", lambda tmp: training.to_parquet(tmp, index=False))
+    atomic_write(out_dir / "samples.npz", lambda tmp: _savez(tmp, samples))
+    meta = {
+        "task": task,
+        "iterations": sorted({c["iterations"] for c in summary["cells"]}),
+        "train_datasets": section["data"]["train"]["num_datasets"],
+        "test_datasets": int(test_x.shape[0]),
+        "test_sizes": section["data"]["test"].get("sizes", {}),
+        "batch_size": section["train"].get("batch_size"),
+        "lr": section["train"].get("lr"),
+        "seeds": sorted({c["seed"] for c in summary["cells"]}),
+        "cells": [{k: c[k] for k in ("cell_id", "name", "method", "K", "L", "seed", "iterations", "mean_it_per_s", "checkpoint")} for c in summary["cells"]],
+        "pairs": [list(p) for p in plan.get("pairs", [])],
+        "budget": {"total": ev["budget"]["total"], "pairs": [list(p) for p in plan["budget"]]} if "budget" in plan else None,
+        "baseline": ev.get("baseline"),
+        "figure_sets": [{"name": p.stem, "shape": list(load_dataset(p)["x"].shape)} for p in figure_sets],
+        "samples": index,
+    }
+    text = json.dumps(meta, indent=2)
+    atomic_write(out_dir / "meta.json", lambda tmp: tmp.write_text(text + "\n"))
+    return meta
+
+
+def _savez(tmp: Path, arrays: dict[str, np.ndarray]) -> None:
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="evaluate every trained cell of a task's sweep")
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--out", default=None, help="output directory (default results/eval/<task>)")
+    args = parser.parse_args(argv)
+    from pipeline.cli import run_guarded
+
+    def work() -> None:
+        params = load_params(args.params)
+        root = project_root()
+        torch.set_num_threads(params["sweep"].get("torch_threads", 1))
+        out = Path(args.out or root / "results" / "eval" / args.task)
+        meta = evaluate_task(params, args.task, root, out)
+        print(f"wrote {out} ({len(meta['cells'])} cells)")
+
+    run_guarded(work)
+
+
+if __name__ == "__main__":
+    main()

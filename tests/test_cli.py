@@ -1,0 +1,151 @@
+"""``apg-pipeline`` generate / train / evaluate: a round trip, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from apg.training import Trainer, TrainingDiverged
+from pipeline.cli import main
+
+TRAIN = ["--task", "gmm", "--method", "apg", "-K", "2", "-L", "3", "--batch-size", "4", "--iterations", "3", "--lr", "0.01", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    torch.manual_seed(0)
+    main(["generate", "--out", str(root / "train.npz"), "--num-datasets", "8", "--seed", "1", "--num-points", "12"])
+    main(["generate", "--out", str(root / "test.npz"), "--num-datasets", "3", "--seed", "2", "--num-points", "15"])
+    main(["train", *TRAIN, "--data", str(root / "train.npz"), "--out", str(root / "ckpt.pt")])
+    return root
+
+
+def run_error(argv, capsys, progress: bool = False) -> str:
+    """Run the CLI expecting a one-line error with exit status 2; return that line.
+
+    ``progress``: the progress bar (stderr) had started, so only the last line is the error.
+    """
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "Traceback" not in "\n".join(err)
+    if not progress:
+        assert len(err) == 1, err
+    assert err[-1].startswith("apg-pipeline: error: "), err
+    return err[-1]
+
+
+def test_round_trip(files, capsys):
+    payload = torch.load(files / "ckpt.pt", weights_only=True)
+    assert payload["format"] == "apg-checkpoint-1"
+    out = files / "metrics.json"
+    main(["evaluate", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"), "-K", "3", "-L", "4", "--out", str(out)])
+    metrics = json.loads(out.read_text())
+    assert (metrics["task"], metrics["method"], metrics["sweeps"], metrics["particles"], metrics["num_datasets"]) == ("gmm", "apg", 3, 4, 3)
+    for key in ("log_joint", "ess", "log_evidence", "ess_globals", "ess_c"):
+        assert len(metrics[key]) == 3 and all(math.isfinite(v) for v in metrics[key]), key
+    for key in ("kl_globals", "kl_c"):
+        assert math.isfinite(metrics[key])
+    assert all(0 < v <= 1 for v in metrics["ess"])
+    assert metrics["config"]["iterations"] == 3 and metrics["config"]["sweeps"] == 2
+
+
+def test_rws_evaluates_one_step(files):
+    ckpt, out = files / "rws.pt", files / "rws.json"
+    argv = [*TRAIN, "--data", str(files / "train.npz"), "--out", str(ckpt)]
+    argv[argv.index("apg")] = "rws-lstm"
+    main(["train", *argv])
+    main(["evaluate", "--checkpoint", str(ckpt), "--data", str(files / "test.npz"), "-K", "2", "-L", "3", "--out", str(out)])
+    metrics = json.loads(out.read_text())
+    # RWS spends its K*L particles in a single importance-sampling step: one curve point, no KL.
+    assert len(metrics["log_joint"]) == 1 and "kl_c" not in metrics
+
+
+@pytest.fixture()
+def bad_files(tmp_path):
+    np.savez(tmp_path / "shape.npz", x=np.zeros((4, 10, 3)))
+    np.savez(tmp_path / "rank.npz", x=np.zeros((4, 10)))
+    np.savez(tmp_path / "nan.npz", x=np.full((4, 10, 2), np.nan))
+    (tmp_path / "corrupt.npz").write_bytes(b"not a zip")
+    (tmp_path / "corrupt.pt").write_bytes(b"not a checkpoint")
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"-K": "0"}, "sweeps (K)"),
+        ({"-L": "1"}, "particles (L)"),
+        ({"--method": "nope"}, "unknown method 'nope'"),
+        ({"--task": "nope"}, "unknown task 'nope'"),
+        ({"--lr": "-0.5"}, "lr must be a positive number"),
+        ({"--data": "missing.npz"}, "not found"),
+        ({"--data": "corrupt.npz"}, "corrupt"),
+        ({"--data": "shape.npz"}, "does not fit task gmm"),
+        ({"--data": "rank.npz"}, "must be shaped like"),
+        ({"--data": "nan.npz"}, "NaN or infinite"),
+    ],
+)
+def test_train_bad_input(files, bad_files, capsys, change, expected):
+    argv = [*TRAIN, "--data", str(files / "train.npz"), "--out", str(bad_files / "out.pt")]
+    for flag, value in change.items():
+        if flag == "--data":
+            value = str(bad_files / value)
+        argv[argv.index(flag) + 1] = value
+    line = run_error(["train", *argv], capsys)
+    assert expected in line
+    assert not (bad_files / "out.pt").exists()
+    assert not list(bad_files.glob(".out.pt*"))  # no temporary file left behind
+
+
+@pytest.mark.parametrize(
+    "checkpoint, data, sweeps, particles, expected",
+    [
+        ("missing.pt", "test.npz", "2", "3", "checkpoint file not found"),
+        ("corrupt.pt", "test.npz", "2", "3", "corrupt or not a checkpoint"),
+        ("ckpt.pt", "nan.npz", "2", "3", "NaN or infinite"),
+        ("ckpt.pt", "test.npz", "0", "3", "sweeps K"),
+        ("ckpt.pt", "test.npz", "2", "1", "particles L"),
+    ],
+)
+def test_evaluate_bad_input(files, bad_files, capsys, checkpoint, data, sweeps, particles, expected):
+    def where(name):
+        return str((files if (files / name).exists() else bad_files) / name)
+
+    out = bad_files / "m.json"
+    line = run_error(
+        ["evaluate", "--checkpoint", where(checkpoint), "--data", where(data), "-K", sweeps, "-L", particles, "--out", str(out)], capsys
+    )
+    assert expected in line
+    assert not out.exists()
+
+
+def test_nan_loss_stops_with_message(files, tmp_path, capsys, monkeypatch):
+    def diverge(self):
+        raise TrainingDiverged("loss became nan at iteration 1; try a lower learning rate")
+
+    monkeypatch.setattr(Trainer, "step", diverge)
+    out = tmp_path / "ckpt.pt"
+    line = run_error(["train", *TRAIN, "--data", str(files / "train.npz"), "--out", str(out)], capsys, progress=True)
+    assert "training diverged" in line and "nan" in line
+    assert not out.exists()
+
+
+def test_module_entry_point_reports_one_line(tmp_path):
+    """``python -m pipeline.cli`` works and prints no traceback for bad input."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train", "-K", "0", "--data", "x.npz", "--out", str(tmp_path / "c.pt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "apg-pipeline: error: sweeps (K) must be an integer >= 1, got 0"

@@ -1,0 +1,434 @@
+"""Tests of the rings task (apg/tasks/dgmm.py): simulator, model, proposals, sampler identities."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributions import Categorical, Normal, Uniform
+
+from apg.blocks import Factorized, Proposals
+from apg.smc.sampler import run_apg
+from apg.tasks import get_task
+from apg.tasks.dgmm import (
+    DGMM,
+    TWO_PI,
+    DGMMConfig,
+    LocalProposal,
+    build_model,
+    build_proposals,
+    pool_per_cluster,
+    reconstruct,
+    sample_von_mises,
+    simulate,
+    von_mises_log_prob,
+)
+
+
+@pytest.fixture
+def f64():
+    torch.set_default_dtype(torch.float64)  # restored by conftest
+
+
+def _data(num_datasets=3, num_points=40, seed=0, **kw):
+    model = build_model(**kw)
+    return model, simulate(model, num_datasets, torch.Generator().manual_seed(seed), num_points=num_points)
+
+
+def _random_latents(model: DGMM, x: torch.Tensor, num_particles: int) -> dict[str, torch.Tensor]:
+    batch, num_points = x.shape[:2]
+    i = model.cfg.num_clusters
+    return {
+        "mu": model.cfg.sigma0 * torch.randn(num_particles, batch, i, 2),
+        "c": torch.randint(i, (num_particles, batch, num_points)),
+        "alpha": TWO_PI * torch.rand(num_particles, batch, num_points),
+    }
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def test_simulator_shapes_support_and_seeding():
+    model = build_model(num_clusters=3)
+    out = simulate(model, 5, torch.Generator().manual_seed(7), num_points=33, radius=1.5)
+    assert out["x"].shape == (5, 33, 2) and out["x"].dtype == torch.float64
+    assert out["mu"].shape == (5, 3, 2)
+    assert out["c"].shape == (5, 33) and out["c"].dtype == torch.long
+    assert int(out["c"].min()) >= 0 and int(out["c"].max()) < 3
+    assert float(out["alpha"].min()) >= 0.0 and float(out["alpha"].max()) < TWO_PI
+    again = simulate(model, 5, torch.Generator().manual_seed(7), num_points=33, radius=1.5)
+    other = simulate(model, 5, torch.Generator().manual_seed(8), num_points=33, radius=1.5)
+    for k in out:
+        assert torch.equal(out[k], again[k])
+    assert not torch.equal(out["x"], other["x"])
+
+
+def test_simulated_points_lie_on_rings_of_the_given_radius():
+    model = build_model()
+    out = simulate(model, 50, torch.Generator().manual_seed(0), num_points=200, radius=2.0, noise=0.2)
+    centre = out["mu"].gather(1, out["c"].unsqueeze(-1).expand(-1, -1, 2))
+    resid = out["x"] - centre - 2.0 * torch.stack([out["alpha"].cos(), out["alpha"].sin()], -1)
+    # The residual is the noise: mean 0, sd 0.2 per coordinate (20,000 draws: SE of sd ~ 0.001).
+    assert abs(float(resid.mean())) < 3 * 0.2 / math.sqrt(resid.numel())
+    assert abs(float(resid.std()) - 0.2) < 0.005
+    dist = (out["x"] - centre).norm(dim=-1)
+    assert abs(float(dist.mean()) - 2.0) < 0.02
+
+
+def test_simulator_handles_test_set_sizes():
+    model = build_model()
+    for n in (100, 600):
+        assert simulate(model, 2, torch.Generator().manual_seed(0), num_points=n)["x"].shape == (2, n, 2)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def test_likelihood_and_joint_by_hand(f64):
+    model = build_model(num_clusters=2, sigma0=2.0, noise=0.5)
+    with torch.no_grad():  # g(alpha) = (cos alpha, 0) + (0.3, -0.2): weights set by hand
+        for p in model.shape_net.parameters():
+            p.zero_()
+        first, last = model.shape_net[0], model.shape_net[2]
+        first.weight[0, 0] = 1e-4  # tanh(1e-4 cos) ~ 1e-4 cos, so last weight 1e4 gives cos
+        last.weight[0, 0] = 1e4
+        last.bias[:] = torch.tensor([0.3, -0.2])
+    x = torch.tensor([[[1.0, 2.0], [-1.0, 0.5]]])  # B=1, N=2
+    z = {
+        "mu": torch.tensor([[[[0.5, 1.0], [-2.0, 0.0]]]]),  # L=1, B=1, I=2
+        "c": torch.tensor([[[0, 1]]]),
+        "alpha": torch.tensor([[[0.0, math.pi / 2]]]),
+    }
+    g0 = torch.tensor([1.0 + 0.3, -0.2])  # at alpha = 0
+    g1 = torch.tensor([math.cos(math.pi / 2) + 0.3, -0.2])
+    m0, m1 = torch.tensor([0.5, 1.0]) + g0, torch.tensor([-2.0, 0.0]) + g1
+    by_hand_ll = sum(
+        Normal(m, 0.5).log_prob(xi).sum() for m, xi in ((m0, x[0, 0]), (m1, x[0, 1]))
+    )
+    ll = model.log_likelihood(x, z)
+    assert ll.shape == (1, 1)
+    assert torch.allclose(ll, by_hand_ll.reshape(1, 1), atol=1e-6)
+    prior = Normal(0.0, 2.0).log_prob(z["mu"]).sum() + 2 * (math.log(1 / TWO_PI) + math.log(0.5))
+    assert torch.allclose(model.log_joint(x, z), (by_hand_ll + prior).reshape(1, 1), atol=1e-6)
+    # An angle outside [0, 2 pi) has zero prior density.
+    bad = {**z, "alpha": torch.tensor([[[0.0, 7.0]]])}
+    assert torch.isneginf(model.log_joint(x, bad)).all()
+
+
+@pytest.mark.parametrize("block", ["mu", "local"])
+def test_blanket_differences_equal_joint_differences(f64, block):
+    model, data = _data()
+    model = model.double()
+    x = data["x"]
+    z_old = _random_latents(model, x, 4)
+    z_new = _random_latents(model, x, 4)
+    mixed = {**z_old, **{k: z_new[k] for k in model.blocks[block]}}
+    d_blanket = model.log_blanket(block, x, mixed) - model.log_blanket(block, x, z_old)
+    d_joint = model.log_joint(x, mixed) - model.log_joint(x, z_old)
+    assert d_blanket.shape == (4, 3)
+    assert torch.allclose(d_blanket, d_joint, rtol=1e-12, atol=1e-8)
+    assert d_joint.abs().min() > 0  # the test moved something
+
+
+def test_model_rejects_bad_shapes_and_blocks():
+    model, data = _data()
+    z = _random_latents(model, data["x"].float(), 2)
+    with pytest.raises(ValueError, match=r"\(B, N, 2\)"):
+        model.log_likelihood(data["x"].float()[..., :1], z)
+    with pytest.raises(ValueError, match="unknown block"):
+        model.log_blanket("tau", data["x"].float(), z)
+    with pytest.raises(ValueError, match="architecture"):
+        build_proposals(model, "transformer")
+
+
+def test_reconstruct_is_centre_plus_shape():
+    model, data = _data()
+    x = data["x"].float()
+    z = _random_latents(model, x, 2)
+    rec = reconstruct(model, x, z)
+    assert rec.shape == (2, 3, 40, 2)
+    p, b, n = 1, 2, 5
+    expect = z["mu"][p, b, z["c"][p, b, n]] + model.g(z["alpha"][p, b, n])
+    assert torch.allclose(rec[p, b, n], expect)
+
+
+# --------------------------------------------------------------------------- distributions
+
+
+def test_von_mises_sampler_matches_its_density():
+    loc = torch.tensor([0.1, 3.0, 6.2, 1.0])
+    conc = torch.tensor([0.05, 2.0, 50.0, 500.0])
+    n = 20000
+    s = sample_von_mises(loc.expand(n, 4), conc.expand(n, 4))
+    assert float(s.min()) >= 0.0 and float(s.max()) < TWO_PI
+    # E cos(theta - loc) = I1(k) / I0(k); E sin(theta - loc) = 0; both within 4 SE.
+    c, sn = torch.cos(s - loc), torch.sin(s - loc)
+    expect = torch.special.i1e(conc) / torch.special.i0e(conc)
+    se_c, se_s = c.std(0) / math.sqrt(n), sn.std(0) / math.sqrt(n)
+    assert ((c.mean(0) - expect).abs() < 4 * se_c + 1e-6).all()
+    assert (sn.mean(0).abs() < 4 * se_s + 1e-6).all()
+    # The density integrates to one over a period, also for a large concentration.
+    grid = torch.linspace(0, TWO_PI, 200001, dtype=torch.float64)
+    for k in (0.05, 2.0, 500.0):
+        dens = von_mises_log_prob(grid, torch.tensor(1.0, dtype=torch.float64), torch.tensor(k, dtype=torch.float64)).exp()
+        assert abs(float(torch.trapezoid(dens, grid)) - 1.0) < 1e-6
+    ref = torch.distributions.VonMises(loc, conc).log_prob(s[:5])
+    assert torch.allclose(von_mises_log_prob(s[:5], loc, conc), ref, atol=1e-4)
+
+
+def test_von_mises_draws_stay_inside_the_prior_support_in_float32():
+    # Draws just below loc = 0 wrap to just below 2 pi, which rounds to 2 pi in float32.
+    s = sample_von_mises(torch.zeros(200000), torch.full((200000,), 1e4))
+    assert s.dtype == torch.float32 and bool((s < TWO_PI).all()) and bool((s >= 0).all())
+    model = build_model()
+    z = {"mu": torch.zeros(1, 1, 4, 2), "c": torch.zeros(1, 1, 200000, dtype=torch.long), "alpha": s.view(1, 1, -1)}
+    assert torch.isfinite(model.log_prior_local(torch.zeros(1, 200000, 2), z)).all()
+    with pytest.raises(ValueError, match="finite"):
+        sample_von_mises(torch.zeros(3), torch.tensor([1.0, float("nan"), 2.0]))
+
+
+def test_local_proposal_scores_each_angle_under_its_own_assignment():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 3, 5, 4)
+    direction = torch.randn(2, 3, 5, 4, 2)
+    raw = torch.randn(2, 3, 5, 4)
+    q = LocalProposal(logits, direction, raw)
+    z = q.sample()
+    assert z["c"].shape == (2, 3, 5) and z["alpha"].shape == (2, 3, 5)
+    old = {"c": torch.randint(4, (2, 3, 5)), "alpha": TWO_PI * torch.rand(2, 3, 5)}
+    by_hand = torch.zeros(2, 3)
+    for p in range(2):
+        for b in range(3):
+            for n in range(5):
+                i = old["c"][p, b, n]
+                u = direction[p, b, n, i]
+                conc = torch.nn.functional.softplus(raw[p, b, n, i]) + 1e-3
+                vm = torch.distributions.VonMises(torch.atan2(u[1], u[0]), conc)
+                by_hand[p, b] += torch.log_softmax(logits[p, b, n], -1)[i] + vm.log_prob(old["alpha"][p, b, n])
+    assert torch.allclose(q.log_prob(old), by_hand, atol=1e-4)
+
+
+def test_local_proposal_assignment_frequencies():
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).expand(50000, 1, 1, 4)
+    q = LocalProposal(logits, torch.ones(50000, 1, 1, 4, 2), torch.zeros(50000, 1, 1, 4))
+    freq = torch.bincount(q.sample()["c"].flatten(), minlength=4).double() / 50000
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    assert ((freq - p).abs() < 4 * (p * (1 - p) / 50000).sqrt()).all()
+
+
+def test_pooling_sharpens_with_count_and_leaves_empty_clusters_at_the_prior():
+    n = 50
+    weights = torch.zeros(n, 3)
+    weights[:10, 0] = 1.0
+    weights[10:, 1] = 1.0  # cluster 2 is empty
+    stat = torch.randn(n, 2)
+    mean, prec = pool_per_cluster(weights, stat, torch.full((n, 2), 4.0), prior_precision=0.1)
+    assert torch.allclose(prec[:, 0], torch.tensor([0.1 + 40, 0.1 + 160, 0.1]))
+    assert torch.allclose(mean[2], torch.zeros(2)) and torch.allclose(prec[2], torch.full((2,), 0.1))
+    assert torch.allclose(mean[0], 40 * stat[:10].mean(0) / 40.1)
+
+
+# --------------------------------------------------------------------------- sampler identities
+
+
+class _Spy(Proposals):
+    """Wraps proposals; replaces chosen block kernels and records what each kernel saw."""
+
+    def __init__(self, inner: Proposals, replace: dict):
+        super().__init__()
+        self.inner, self.replace, self.seen = inner, replace, []
+
+    def initial(self, x, num_particles):
+        return self.inner.initial(x, num_particles)
+
+    def kernel(self, block, x, z):
+        dist = self.replace[block](x, z) if block in self.replace else self.inner.kernel(block, x, z)
+        spy = self
+
+        class Recorded:
+            def sample(self_inner):
+                new = dist.sample()
+                spy.seen.append((block, dict(z), new))
+                return new
+
+            def log_prob(self_inner, value):
+                return dist.log_prob(value)
+
+        return Recorded()
+
+
+def _prior_mu(model):
+    def kernel(x, z):
+        loc = torch.zeros_like(z["mu"])
+        return Factorized({"mu": (Normal(loc, model.cfg.sigma0), 2)})
+
+    return kernel
+
+
+def _prior_local(model):
+    def kernel(x, z):
+        shape = z["c"].shape
+        i = model.cfg.num_clusters
+        return Factorized({
+            "c": (Categorical(logits=torch.zeros(*shape, i)), 1),
+            "alpha": (Uniform(torch.zeros(shape), torch.full(shape, TWO_PI)), 1),
+        })
+
+    return kernel
+
+
+def test_prior_kernels_give_likelihood_ratio_increments(f64):
+    """eq. 9 with q = prior: the incremental weight is p(x | new) / p(x | old)."""
+    model, data = _data(num_datasets=2, num_points=30)
+    model = model.double()
+    x = data["x"]
+    inner = build_proposals(model, "apg").double()
+    spy = _Spy(inner, {"mu": _prior_mu(model), "local": _prior_local(model)})
+    result = run_apg(model, spy, x, num_sweeps=3, num_particles=5)
+    assert [s[0] for s in spy.seen] == ["mu", "local", "mu", "local"]
+    for sweep, (block, z_old, new) in zip((1, 1, 2, 2), spy.seen, strict=True):
+        z_new = {**z_old, **new}
+        ratio = model.log_likelihood(x, z_new) - model.log_likelihood(x, z_old)
+        got = result.sweeps[sweep].log_increments[block]
+        assert torch.allclose(got, ratio, rtol=1e-10, atol=1e-7)
+        assert ratio.abs().max() > 1.0
+
+
+def test_exact_mu_conditional_gives_zero_increment(f64):
+    """With g fixed, q(mu | x, c, alpha) can be the exact conjugate conditional (the form of
+    the NSS kernel with s_n = x_n - g(alpha_n), lambda_n = 1 / sigma_eps^2): then the
+    incremental weight of the mu block is exactly one."""
+    model, data = _data(num_datasets=2, num_points=30)
+    model = model.double()
+    x = data["x"]
+    cfg = model.cfg
+
+    def exact_mu(x, z):
+        one_hot = torch.nn.functional.one_hot(z["c"], cfg.num_clusters).double()
+        stat = x - model.g(z["alpha"])
+        mean, prec = pool_per_cluster(one_hot, stat, torch.full_like(stat, cfg.noise**-2), cfg.sigma0**-2)
+        return Factorized({"mu": (Normal(mean, prec.rsqrt()), 2)})
+
+    spy = _Spy(build_proposals(model, "apg").double(), {"mu": exact_mu})
+    with torch.no_grad():
+        result = run_apg(model, spy, x, num_sweeps=3, num_particles=6)
+    for stats in result.sweeps[1:]:
+        assert stats.log_increments["mu"].abs().max() < 1e-6
+        assert stats.log_increments["local"].abs().max() > 1e-3  # not trivially zero
+
+
+def test_running_log_joint_matches_recomputed_joint(f64):
+    model, data = _data(num_datasets=2, num_points=30)
+    model = model.double()
+    result = run_apg(model, build_proposals(model, "apg").double(), data["x"], num_sweeps=4, num_particles=5)
+    assert torch.allclose(result.log_joint, model.log_joint(data["x"], result.z), rtol=1e-10)
+
+
+# --------------------------------------------------------------------------- proposals
+
+
+@pytest.mark.parametrize("arch", ["apg", "mlp", "lstm"])
+def test_proposals_run_on_datasets_of_any_size(arch):
+    model = build_model()
+    proposals = build_proposals(model, arch)
+    sweeps = 2 if arch == "apg" else 1
+    for n in (100, 600):
+        x = simulate(model, 2, torch.Generator().manual_seed(n), num_points=n)["x"].float()
+        with torch.no_grad():
+            result = run_apg(model, proposals, x, sweeps, 3)
+        assert result.z["mu"].shape == (3, 2, 4, 2)
+        assert result.z["c"].shape == (3, 2, n) and result.z["alpha"].shape == (3, 2, n)
+        assert torch.isfinite(result.log_weights).all()
+        assert float(result.z["alpha"].min()) >= 0.0 and float(result.z["alpha"].max()) < TWO_PI
+
+
+def test_rws_architectures_have_no_kernels():
+    model, data = _data()
+    proposals = build_proposals(model, "mlp")
+    z, _ = proposals.initial(data["x"].float(), 2)
+    with pytest.raises(NotImplementedError):
+        proposals.kernel("mu", data["x"].float(), z)
+
+
+def test_apg_loss_reaches_model_and_every_proposal_network():
+    from apg.objectives import apg_loss
+
+    model, data = _data(num_datasets=2, num_points=30)
+    proposals = build_proposals(model, "apg")
+    apg_loss(run_apg(model, proposals, data["x"].float(), 3, 4)).backward()
+    for name, module in (("model", model), ("encoder", proposals.encoder),
+                         ("kernel", proposals.centre_kernel), ("local", proposals.local)):
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        assert grads and any(g.abs().sum() > 0 for g in grads), name
+
+
+def test_task_registry_and_draw():
+    task = get_task("dgmm")
+    assert task.name == "dgmm" and task.architectures == ("apg", "mlp", "lstm")
+    assert task.reconstruct is reconstruct and task.draw is not None
+    mpl = pytest.importorskip("matplotlib")
+    mpl.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model, data = _data(num_datasets=1)
+    z = {"mu": data["mu"][0].numpy(), "c": data["c"][0].numpy(), "alpha": data["alpha"][0].numpy()}
+    fig, ax = plt.subplots()
+    task.draw(ax, data["x"][0].numpy(), z, model=model)
+    assert len(ax.lines) == model.cfg.num_clusters
+    fig2, ax2 = plt.subplots()
+    task.draw(ax2, data["x"][0].numpy(), z)
+    assert len(ax2.lines) == 0 and len(ax2.collections) == 1 + model.cfg.num_clusters
+    plt.close("all")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        DGMMConfig(noise=0.0)
+    assert isinstance(build_model(sigma0=2.0), DGMM)
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.slow
+def test_short_training_improves_inference_and_learns_a_ring():
+    """A short CPU run of APG (about a minute) trains g_theta and the proposals jointly.
+
+    Held-out log joint and ESS/L of the mu block must improve over the untrained model, and
+    the learned shape must be a ring of the simulator's radius 2: reconstructions lie at
+    2 +- 0.25 from their centres (0.25 is a bit more than the noise sd 0.2; the maximum-
+    likelihood ring of noisy points is itself sqrt(r^2 + 2 sigma^2) - r ~ 0.02 wider) and
+    |g_theta| varies little with the angle (an untrained g is a blob of radius ~0.2).
+    """
+    from apg.training import TrainConfig, Trainer, evaluate
+
+    torch.set_num_threads(1)
+    model = build_model()
+    train = simulate(model, 200, torch.Generator().manual_seed(1), num_points=60)["x"].float()
+    test = simulate(model, 10, torch.Generator().manual_seed(2), num_points=60)["x"].float()
+    cfg = TrainConfig(task="dgmm", method="apg", sweeps=5, particles=10, batch_size=10, iterations=200, lr=3e-3)
+    trainer = Trainer(cfg, train)
+
+    def held_out():
+        torch.manual_seed(5)
+        out = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10, batch_size=10)
+        return out["log_joint"][-1].mean(), out["ess_mu"][-1].mean()
+
+    lj0, ess0 = held_out()
+    for _ in trainer.run():
+        pass
+    lj1, ess1 = held_out()
+    assert lj1 > lj0 + 0.5 * abs(lj0), (lj0, lj1)
+    assert ess1 > ess0 + 0.1, (ess0, ess1)
+
+    torch.manual_seed(6)
+    with torch.no_grad():
+        result = run_apg(trainer.model, trainer.proposals, test, 5, 10)
+        centre = result.z["mu"].gather(-2, result.z["c"].unsqueeze(-1).expand(-1, -1, -1, 2))
+        dist = (reconstruct(trainer.model, test, result.z) - centre).norm(dim=-1)  # (L, B, N)
+        w = torch.softmax(result.log_weights, 0)
+        mean_dist = float((w * dist.mean(-1)).sum(0).mean())
+        shape = trainer.model.g(torch.linspace(0, TWO_PI, 64)).norm(dim=-1)
+    assert abs(mean_dist - 2.0) < 0.25, mean_dist
+    assert float(shape.std() / shape.mean()) < 0.1

@@ -1,0 +1,293 @@
+"""The DVC / Ray Tune / MLflow pipeline.
+
+Fast tests check params validation and fail-fast paths (no Ray). Slow tests run the real
+stages on tiny params in a temporary git repo: ``dvc repro`` end to end, and a sweep
+interrupted after some trials finished, then resumed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from pipeline import tracking
+from pipeline.config import ParamsError, grid_cells, validate_params
+from pipeline.sweep import SweepError, check_ray_address
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = {
+    "tasks": ["gmm"],
+    "sweep": {
+        "ray_address": None,
+        "num_cpus": 2,
+        "cpus_per_trial": 1,
+        "gpus_per_trial": 0,
+        "max_concurrent": 0,
+        "max_failures": 1,
+        "checkpoint_every": 4,
+        "log_every": 2,
+        "torch_threads": 1,
+        "storage": "results/sweeps",
+    },
+    "tracking": {"experiment": "apg-test"},
+    "report": {"out": "reports", "figure_format": "png", "scale": "tiny test"},
+    "gmm": {
+        "model": {},
+        "network": {"hidden": 8},
+        "data": {
+            "train": {"num_datasets": 16, "seed": 1, "sizes": {"num_points": 15}},
+            "test": {"num_datasets": 3, "seed": 2, "sizes": {"num_points": 15}},
+            "figures": [{"num_datasets": 1, "seed": 3, "sizes": {"num_points": 30}}],
+        },
+        "train": {"batch_size": 4, "iterations": 6, "lr": 0.01, "resample_mode": "block", "resampler": "systematic"},
+        "grid": [{"methods": ["apg", "rws-mlp"], "pairs": [[2, 3]], "seeds": [0]}],
+        "evaluate": {
+            "batch_size": 4,
+            "resample_mode": "block",
+            "seed": 0,
+            "pairs": [[2, 3], [3, 3]],
+            "budget": {"total": 6, "sweeps": [1, 3]},
+            "baseline": "rws-mlp",
+            "figure_sweeps": [1, 2],
+            "figure_particles": 3,
+        },
+    },
+}
+
+
+def tiny(**changes) -> dict:
+    """TINY with ``changes`` given as dotted keys, e.g. ``tiny(**{"gmm.train.lr": -1})``."""
+    params = copy.deepcopy(TINY)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        node = params
+        for key in parents:
+            node = node[int(key)] if isinstance(node, list) else node[key]
+        node[leaf] = value
+    return params
+
+
+# --------------------------------------------------------------------------- fast: params
+
+
+def test_tiny_params_are_valid():
+    validate_params(tiny())
+    cells = grid_cells(tiny(), "gmm")
+    assert [c.name for c in cells] == ["gmm/apg/K2/L3/seed0", "gmm/rws-mlp/K2/L3/seed0"]
+
+
+def test_budget_grid_expands_to_pairs():
+    params = tiny(**{"gmm.grid": [{"methods": ["apg"], "budget": {"total": 20, "sweeps": [2, 5]}, "seeds": [0, 1]}]})
+    assert sorted((c.sweeps, c.particles, c.seed) for c in grid_cells(params, "gmm")) == [
+        (2, 10, 0), (2, 10, 1), (5, 4, 0), (5, 4, 1)
+    ]
+
+
+def test_cell_id_changes_with_any_option():
+    base = grid_cells(tiny(), "gmm")[0].cell_id("data")
+    assert grid_cells(tiny(), "gmm")[0].cell_id("data") == base
+    assert grid_cells(tiny(**{"gmm.train.iterations": 7}), "gmm")[0].cell_id("data") != base
+    assert grid_cells(tiny(), "gmm")[0].cell_id("other data") != base
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"gmm.trian": {}}, "gmm.trian: unknown key; did you mean 'train'?"),
+        ({"sweep.cpus_per_trail": 1}, "sweep.cpus_per_trail: unknown key; did you mean 'cpus_per_trial'?"),
+        ({"gmm.grid.0.methods": ["apg", "vae"]}, "gmm.grid[0].methods[1]: unknown method 'vae'"),
+        ({"tasks": ["gmm", "nope"]}, "tasks[1]: unknown task 'nope'"),
+        ({"gmm.grid.0.pairs": [[0, 3]]}, "gmm.grid[0].pairs[0]: K must be >= 1"),
+        ({"gmm.grid.0.pairs": [[2, 1]]}, "gmm.grid[0].pairs[0]: L must be >= 2"),
+        ({"gmm.evaluate.pairs": [[2, 1]]}, "gmm.evaluate.pairs[0]: L must be >= 2"),
+        ({"gmm.grid.0.budget": {"total": 4, "sweeps": [5]}}, "gmm.grid[0].budget.total: budget 4 is smaller than K=5"),
+        ({"gmm.evaluate.budget": {"total": 4, "sweeps": [5]}}, "gmm.evaluate.budget.total: budget 4 is smaller than K=5"),
+        ({"gmm.train.lr": -0.1}, "gmm.train.lr: lr must be a positive number"),
+        ({"gmm.train.iterations": "many"}, "gmm.train.iterations: must be int"),
+        ({"gmm.model": {"nu_0": 0.3}}, "gmm.model: "),
+        ({"gmm.network": {"hiden": 8}}, "gmm.network: "),
+        ({"sweep.gpus_per_trial": -1}, "sweep.gpus_per_trial: must be >= 0"),
+    ],
+)
+def test_bad_params_name_the_key(changes, expected):
+    with pytest.raises(ParamsError) as info:
+        validate_params(tiny(**changes))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(expected), message
+
+
+def test_sweep_stage_fails_before_ray_starts(tmp_path, capsys):
+    import ray
+
+    from pipeline.sweep import main
+
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(tiny(**{"gmm.grid.0.pairs": [[2, 1]]})))
+    with pytest.raises(SystemExit) as info:
+        main(["--task", "gmm", "--params", str(path)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == "apg-pipeline: error: gmm.grid[0].pairs[0]: L must be >= 2, got 1"
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("name", ["params.yaml", "params-paper.yaml"])
+def test_committed_params_files_are_valid(name):
+    from pipeline.config import load_params
+
+    params = load_params(REPO / name)
+    assert all(grid_cells(params, task) for task in params["tasks"])
+
+
+def test_unreachable_services_fail_fast():
+    start = time.perf_counter()
+    with pytest.raises(tracking.TrackingError, match="http://127.0.0.1:9"):
+        tracking.check_reachable("http://127.0.0.1:9")
+    with pytest.raises(SweepError, match="127.0.0.1:9"):
+        check_ray_address("127.0.0.1:9")
+    assert time.perf_counter() - start < 15
+
+
+# --------------------------------------------------------------------------- slow: real stages
+
+
+def make_repo(root: Path, params: dict) -> Path:
+    """A throwaway git + DVC repo holding this project's code and ``params``."""
+    for name in ("apg", "pipeline"):
+        shutil.copytree(REPO / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
+        shutil.copy(REPO / name, root / name)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"]):
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    return root
+
+
+def env() -> dict:
+    out = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    out.pop("MLFLOW_TRACKING_URI", None)
+    out.pop("RAY_ADDRESS", None)
+    return out
+
+
+def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def mlflow_runs(root: Path, experiment: str) -> pd.DataFrame:
+    import mlflow
+
+    client = mlflow.tracking.MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    return client, client.search_runs([exp.experiment_id])
+
+
+@pytest.mark.slow
+def test_dvc_repro_end_to_end(tmp_path):
+    root = make_repo(tmp_path, tiny())
+    first = run(["dvc", "repro"], root)
+    for stage in ("generate@gmm", "sweep@gmm", "evaluate@gmm", "report"):
+        assert f"Running stage '{stage}'" in first.stdout
+
+    # MLflow: one parent per sweep, one child per trial, with step metrics.
+    client, runs = mlflow_runs(root, "apg-test")
+    parents = [r for r in runs if tracking.TAG_SWEEP in r.data.tags]
+    assert len(parents) == 1
+    children = [r for r in runs if r.data.tags.get(tracking.TAG_PARENT) == parents[0].info.run_id]
+    assert sorted(r.info.run_name for r in children) == ["gmm/apg/K2/L3/seed0", "gmm/rws-mlp/K2/L3/seed0"]
+    for child in children:
+        assert child.info.status == "FINISHED"
+        history = client.get_metric_history(child.info.run_id, "log_joint")
+        assert [m.step for m in history] == [2, 4, 6]
+        assert all(math.isfinite(m.value) for m in history)
+        assert "it_per_s" in child.data.metrics
+
+    # Report: files exist, every (method, K, L) cell of Table 1 has finite numbers.
+    reports = root / "reports"
+    for name in ("README.md", "metrics.json", "tables/gmm_table1.md", "figures/gmm_budget.png",
+                 "figures/gmm_sweeps.png", "figures/gmm_training.png", "figures/gmm_samples.png"):
+        assert (reports / name).is_file(), name
+    table = pd.read_csv(reports / "tables" / "gmm_table1.csv")
+    assert sorted(zip(table["method"], table["K"], table["L"], strict=True)) == [
+        ("apg", 2, 3), ("apg", 3, 3), ("rws-mlp", 2, 3), ("rws-mlp", 3, 3)
+    ]
+    for column in ("log_joint", "d_log_joint", "ess", "log_evidence"):
+        assert table[column].map(math.isfinite).all(), column
+    apg = table[table["method"] == "apg"]
+    for column in ("ess_globals", "ess_c", "kl_globals", "kl_c"):
+        assert apg[column].map(math.isfinite).all(), column
+    assert "tiny test" in (reports / "README.md").read_text()
+    metrics = json.loads((reports / "metrics.json").read_text())
+    assert set(metrics["gmm"]) == {"apg/K2/L3", "apg/K3/L3", "rws-mlp/K2/L3", "rws-mlp/K3/L3"}
+
+    second = run(["dvc", "repro"], root)
+    assert "Running stage" not in second.stdout
+    assert "Data and pipelines are up to date" in second.stdout
+
+
+@pytest.mark.slow
+def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path):
+    params = tiny(**{
+        "sweep.max_concurrent": 1,  # cells finish one after another, so we can stop between them
+        "gmm.train.iterations": 40,
+        "gmm.grid": [{"methods": ["rws-mlp", "apg", "rws-lstm"], "pairs": [[2, 3]], "seeds": [0]}],
+    })
+    root = make_repo(tmp_path, params)
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    cells = root / "results" / "sweeps" / "gmm" / "cells"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", "--task", "gmm"], cwd=root, env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 400
+        while not list(cells.glob("*/done.json")) and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)  # Tune stops trials and saves its state; the driver shuts Ray down
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    finished = {p.parent.name: p.stat().st_mtime_ns for p in cells.glob("*/done.json")}
+    assert 1 <= len(finished) < 3, finished
+    assert not (root / "results" / "gmm" / "sweep.json").exists()
+
+    run([sys.executable, "-m", "pipeline.sweep", "--task", "gmm"], root)
+    summary = json.loads((root / "results" / "gmm" / "sweep.json").read_text())
+    assert len(summary["cells"]) == 3
+    last_run = json.loads((root / "results" / "sweeps" / "gmm" / "last_run.json").read_text())
+    assert sorted(last_run["skipped"]) == sorted(finished)
+    assert len(last_run["trained"]) == 3 - len(finished)
+    for cell_id, mtime in finished.items():  # finished cells were not touched again
+        assert (cells / cell_id / "done.json").stat().st_mtime_ns == mtime
+    assert all(c["iterations"] == 40 for c in summary["cells"])
+
+    # One child run per cell even across the interruption.
+    _, runs = mlflow_runs(root, "apg-test")
+    names = sorted(r.info.run_name for r in runs if tracking.TAG_PARENT in r.data.tags)
+    assert names == ["gmm/apg/K2/L3/seed0", "gmm/rws-lstm/K2/L3/seed0", "gmm/rws-mlp/K2/L3/seed0"]
+
+
+@pytest.mark.slow
+def test_unsatisfiable_gpu_request_fails_before_trials(tmp_path):
+    root = make_repo(tmp_path, tiny(**{"sweep.gpus_per_trial": 1}))
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.sweep", "--task", "gmm"], cwd=root, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "apg-pipeline: error: sweep.gpus_per_trial=1 but the Ray cluster has 0 GPUs"
+    assert not (root / "results" / "sweeps" / "gmm" / "cells").exists()
