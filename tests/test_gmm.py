@@ -127,18 +127,20 @@ def test_evidence_estimate_is_unbiased(f64, mode):
 
 @pytest.mark.slow
 def test_short_training_lowers_inclusive_kl_and_raises_ess():
+    # About 30 s on an idle 2-core machine. Margins seen when written: KL {mu, tau} 0.63 ->
+    # 0.08, KL {c} 6.1 -> 0.8, ESS/L 0.18 -> 0.38.
     model = GMM()
     train = simulate(model.cfg, 1000, 60, seed=1)["x"].float()
-    test = simulate(model.cfg, 40, 60, seed=2)["x"].float()
-    cfg = TrainConfig(sweeps=5, particles=10, batch_size=20, iterations=150, lr=3e-3)
+    test = simulate(model.cfg, 20, 60, seed=2)["x"].float()
+    cfg = TrainConfig(sweeps=5, particles=10, batch_size=20, iterations=250, lr=1e-2)
     trainer = Trainer(cfg, train)
     before = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10)
     for _ in trainer.run():
         pass
     after = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10)
     for block in ("globals", "c"):
-        assert after[f"kl_{block}"].mean() < 0.8 * before[f"kl_{block}"].mean()
-    assert after["ess"][-1].mean() > before["ess"][-1].mean() + 0.05
+        assert after[f"kl_{block}"].mean() < 0.5 * before[f"kl_{block}"].mean(), block
+    assert after["ess"][-1].mean() > before["ess"][-1].mean() + 0.08
     assert after["log_joint"][-1].mean() > before["log_joint"][-1].mean()
 
 
