@@ -67,6 +67,8 @@ from torch import Tensor, nn
 from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
+from apg.distributions import sample_categorical
+from apg.nn import PointFeatures
 
 TWO_PI = 2.0 * math.pi
 DATA_DIM = 2
@@ -244,10 +246,7 @@ class LocalProposal:
         self.direction, self.raw = direction, raw_concentration
 
     def sample(self) -> Latents:
-        # Inverse-CDF draw: several times faster than Categorical.sample (multinomial) here.
-        cdf = self.log_pi.detach().exp().cumsum(-1)
-        u = torch.rand(cdf.shape[:-1], dtype=cdf.dtype, device=cdf.device).unsqueeze(-1)
-        c = (cdf[..., :-1] < u * cdf[..., -1:]).sum(-1)
+        c = sample_categorical(self.log_pi)
         loc, k = self._component(c)
         return {"c": c, "alpha": sample_von_mises(loc, k)}
 
@@ -284,30 +283,6 @@ def pool_per_cluster(weights: Tensor, stat: Tensor, precision: Tensor, prior_pre
 
 
 # --------------------------------------------------------------------------- networks
-
-
-class PointFeatures(nn.Module):
-    """Per-point features ``(..., N, F_in) -> (..., N, H)``: two tanh layers (``mlp``) or an
-    LSTM over the point sequence (``lstm``, the RWS-LSTM baseline)."""
-
-    def __init__(self, kind: str, in_dim: int, hidden: int):
-        super().__init__()
-        self.kind = kind
-        if kind == "mlp":
-            self.net: nn.Module = nn.Sequential(
-                nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
-            )
-        elif kind == "lstm":
-            self.net = nn.LSTM(in_dim, hidden, batch_first=True)
-        else:
-            raise ValueError(f"unknown point-feature network {kind!r}")
-
-    def forward(self, u: Tensor) -> Tensor:
-        if self.kind == "mlp":
-            return self.net(u)
-        lead = u.shape[:-2]
-        out, _ = self.net(u.reshape(-1, *u.shape[-2:]))
-        return out.reshape(*lead, *out.shape[-2:])
 
 
 class CentreEncoder(nn.Module):

@@ -26,6 +26,7 @@ from torch.distributions import Gamma, Normal
 
 from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.distributions import CategoricalBlock
+from apg.nn import PointFeatures
 
 
 @dataclass(frozen=True)
@@ -183,38 +184,6 @@ class ExactGibbs(Proposals):
 
 
 # --------------------------------------------------------------------------- networks
-
-
-class PointFeatures(nn.Module):
-    """Per-point features of a dataset, ``(..., N, F_in) -> (..., N, H)``.
-
-    ``linear``: the identity (Appendix E's APG encoder reads x_n directly);
-    ``mlp``: two tanh layers; ``lstm``: a bidirectional-free LSTM over the point sequence
-    (the RWS-LSTM baseline).
-    """
-
-    def __init__(self, kind: str, in_dim: int, hidden: int):
-        super().__init__()
-        self.kind = kind
-        if kind == "linear":
-            self.out_dim = in_dim
-        elif kind == "mlp":
-            self.net = nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
-            self.out_dim = hidden
-        elif kind == "lstm":
-            self.net = nn.LSTM(in_dim, hidden, batch_first=True)
-            self.out_dim = hidden
-        else:
-            raise ValueError(f"unknown point-feature network {kind!r}")
-
-    def forward(self, u: Tensor) -> Tensor:
-        if self.kind == "linear":
-            return u
-        if self.kind == "mlp":
-            return self.net(u)
-        lead = u.shape[:-2]
-        out, _ = self.net(u.reshape(-1, *u.shape[-2:]))
-        return out.reshape(*lead, *out.shape[-2:])
 
 
 class GlobalsProposal(nn.Module):
