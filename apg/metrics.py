@@ -1,4 +1,4 @@
-"""Evaluation metrics: log joint, ESS/L, log-evidence estimate, inclusive KL, MSE.
+"""Evaluation metrics: log joint, ESS/L, log-evidence estimates, inclusive KL, MSE.
 
 All functions return per-dataset values ``(B,)`` (or per-sweep lists of them), so
 callers can average over datasets and runs themselves and report a spread.
@@ -11,9 +11,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from apg.blocks import Proposals
+from apg.blocks import Model, Proposals
 from apg.smc.sampler import APGResult
-from apg.smc.weights import normalized_weights
+from apg.smc.weights import log_mean_exp, normalized_weights, sanitize
 
 
 def sweep_curves(result: APGResult) -> dict[str, list[Tensor]]:
@@ -70,3 +70,26 @@ def reconstruction_mse(x: Tensor, reconstruction: Tensor, log_weights: Tensor) -
     ``(L, B, ...)``, averaged over event dims, ``(B,)``."""
     err = ((reconstruction - x.unsqueeze(0)) ** 2).flatten(2).mean(-1)
     return (normalized_weights(log_weights) * err).sum(0)
+
+
+@torch.no_grad()
+def importance_log_evidence(model: Model, proposals: Proposals, x: Tensor, num_samples: int, chunk: int = 100) -> Tensor:
+    """Importance-sampled ``log p(x)`` from the encoder, ``(B,)`` (Rezende et al. 2014,
+    appendix E, eq. 19): ``log (1/S) sum_s p(x, z_s) / q(z_s | x)`` with ``z_s ~ q(z | x)``.
+
+    ``p(x)`` itself is an unbiased estimate, so ``log p(x)`` is biased low by Jensen's
+    gap, which shrinks as ``S`` grows. Samples are drawn ``chunk`` at a time so that large
+    budgets fit in memory; the chunks are combined exactly (a log-mean-exp of log-means).
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    parts, sizes = [], []
+    for start in range(0, num_samples, chunk):
+        size = min(chunk, num_samples - start)
+        z, log_q = proposals.initial(x, size)
+        log_w = sanitize(model.log_joint(x, z) - log_q)
+        parts.append(log_mean_exp(log_w, dim=0))
+        sizes.append(size)
+    stacked = torch.stack(parts)  # (chunks, B)
+    log_frac = torch.log(torch.tensor(sizes, dtype=stacked.dtype, device=stacked.device) / num_samples)
+    return torch.logsumexp(stacked + log_frac.unsqueeze(-1), dim=0)

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from apg.baselines import get_method
-from apg.metrics import inclusive_kl, reconstruction_mse, sweep_curves
+from apg.baselines import Method, get_method
+from apg.metrics import importance_log_evidence, inclusive_kl, reconstruction_mse, sweep_curves
 from apg.smc.resampling import get_resampler
 from apg.smc.sampler import RESAMPLE_MODES
 from apg.tasks import get_task
@@ -46,13 +46,14 @@ class TrainConfig:
     resampler: str = "systematic"
     model: dict[str, Any] = field(default_factory=dict)  # task hyperparameters
     network: dict[str, Any] = field(default_factory=dict)  # proposal hyperparameters
+    method_options: dict[str, Any] = field(default_factory=dict)  # the method's own knobs (Method.defaults)
 
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the first bad field; return self."""
         task = get_task(self.task)
-        method = get_method(self.method)
-        if method.architecture not in task.architectures:
-            raise ValueError(f"method {self.method!r} is not available for task {self.task!r}")
+        if not isinstance(self.method_options, dict):
+            raise ValueError(f"method_options must be a mapping, got {self.method_options!r}")
+        make_method(self).check_task(task)
         _check_int("sweeps (K)", self.sweeps, 1)
         _check_int("particles (L)", self.particles, 2)
         _check_int("batch_size", self.batch_size, 1)
@@ -81,12 +82,16 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def make_method(cfg: TrainConfig) -> Method:
+    """The method named by ``cfg.method`` with ``cfg.method_options`` applied."""
+    return get_method(cfg.method).configure(**cfg.method_options)
+
+
 def build(cfg: TrainConfig, device: torch.device | str = "cpu"):
     """The task's model and the method's proposals for ``cfg``, on ``device``."""
     task = get_task(cfg.task)
-    method = get_method(cfg.method)
     model = task.build_model(**cfg.model).to(device)
-    proposals = task.build_proposals(model, method.architecture, **cfg.network).to(device)
+    proposals = make_method(cfg).build_proposals(task, model, **cfg.network).to(device)
     return model, proposals
 
 
@@ -100,11 +105,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, train_x: Tensor, device: torch.device | str = "cpu"):
         self.cfg = cfg.validate()
         self.device = torch.device(device)
-        self.method = get_method(cfg.method)
+        self.method = make_method(cfg)
         self.model, self.proposals = build(cfg, self.device)
         params = [p for p in (*self.model.parameters(), *self.proposals.parameters()) if p.requires_grad]
-        # Adam betas (0.9, 0.99) as in the paper's experiments.
-        self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.99))
+        # Adam betas (0.9, 0.99) as in the paper's experiments. A method with nothing to
+        # learn (exact Gibbs on a model without parameters) gets no optimizer: its steps
+        # still run the sampler and report metrics, but take no gradient.
+        self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.99)) if params else None
         self.train_x = train_x.to(self.device, torch.get_default_dtype())
         self.iteration = 0
         self._order = torch.randperm(len(self.train_x))
@@ -131,9 +138,10 @@ class Trainer:
             raise TrainingDiverged(
                 f"loss became {loss.item()} at iteration {self.iteration + 1}; try a lower learning rate"
             )
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
         self.iteration += 1
         last = result.sweeps[-1]
         return {
@@ -154,7 +162,7 @@ class Trainer:
         return {
             "model": self.model.state_dict(),
             "proposals": self.proposals.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
             "iteration": self.iteration,
             "order": self._order.clone(),
             "cursor": self._cursor,
@@ -164,7 +172,8 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.proposals.load_state_dict(state["proposals"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.iteration = int(state["iteration"])
         self._order, self._cursor = state["order"].clone(), int(state["cursor"])
         torch.set_rng_state(state["rng"])
@@ -185,12 +194,14 @@ def evaluate(
 
     Returns per-dataset metrics: curves over sweeps shaped ``(K, M)`` (``log_joint``,
     ``ess``, ``log_evidence``, ``ess_<block>``, and ``mse`` when the task can
-    reconstruct) and final-particle metrics shaped ``(M,)`` (``kl_<block>`` when the task
-    has exact conditionals and the method has kernels).
+    reconstruct) and final-particle metrics shaped ``(M,)``: ``kl_<block>`` when the task
+    has exact conditionals and the method has kernels, and ``log_evidence_is``, the
+    importance-sampled ``log p(x)`` from the method's initial proposal (encoder) with the
+    same budget of ``sweeps * particles`` samples (Rezende et al. 2014, appendix E).
     """
     task = get_task(cfg.task)
-    method = get_method(cfg.method)
-    exact = task.exact_gibbs(model) if task.exact_gibbs is not None else None
+    method = make_method(cfg)
+    exact = task.exact_gibbs(model) if task.exact_gibbs is not None and method.kernels else None
     chunks: dict[str, list[np.ndarray]] = {}
     for start in range(0, len(x), batch_size):
         xb = x[start : start + batch_size]
@@ -205,6 +216,7 @@ def evaluate(
         if exact is not None and len(result.sweeps) > 1:
             for block, names in model.blocks.items():
                 out[f"kl_{block}"] = inclusive_kl(exact, proposals, block, names, xb, result.z, result.log_weights)
+        out["log_evidence_is"] = importance_log_evidence(model, proposals, xb, sweeps * particles)
         for k, v in out.items():
             chunks.setdefault(k, []).append(v.cpu().numpy())
     return {k: np.concatenate(v, axis=-1) for k, v in chunks.items()}

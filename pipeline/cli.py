@@ -19,6 +19,8 @@ Subcommands::
   reconstruct);
 - final numbers: ``kl_<block>`` (inclusive KL to the exact conditional, eq. 4; tasks with
   exact Gibbs conditionals, methods with kernels and K > 1).
+- ``log_evidence_is``: importance-sampled ``log p(x)`` from the method's encoder with
+  K*L samples (Rezende et al. 2014, appendix E), for every method.
 
 Bad input (shapes, non-finite data, K < 1, L < 2, unknown task or method, missing or
 corrupt files, an invalid params file) ends with one line ``apg-pipeline: error: ...`` and
@@ -108,6 +110,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         resampler=args.resampler,
         model=_key_values(args.model, "--model"),
         network=_key_values(args.network, "--network"),
+        method_options=_key_values(args.option, "--option"),
     ).validate()  # before touching data: bad K, L, method, task fail first
     train_x = load_task_data(cfg.task, args.data, cfg.model)
     seed_everything(args.seed)
@@ -200,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resampler", default="systematic")
     train.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
     train.add_argument("--network", action="append", default=[], metavar="KEY=VALUE")
+    train.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="the method's own option (e.g. step_size=0.05 for hmc-rws)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     train.add_argument("--device", default="cpu")

@@ -67,6 +67,7 @@ TRAIN_KEYS: dict[str, Any] = {
     "lr": (int, float),
     "resample_mode": str,
     "resampler": str,
+    "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}
 }
 GRID_KEYS: dict[str, Any] = {"methods": list, "pairs": list, "budget": dict, "seeds": list}
 BUDGET_KEYS: dict[str, Any] = {"total": int, "sweeps": list}
@@ -105,7 +106,11 @@ class Cell:
         A changed option (iterations, lr, model, data...) gives a new id, so a finished
         cell is reused only when it is really the same experiment.
         """
-        payload = json.dumps({"cfg": self.train.to_dict(), "seed": self.seed, "data": data_digest}, sort_keys=True)
+        cfg = self.train.to_dict()
+        if not cfg["method_options"]:
+            # Cells of methods without options keep the ids they had before options existed.
+            del cfg["method_options"]
+        payload = json.dumps({"cfg": cfg, "seed": self.seed, "data": data_digest}, sort_keys=True)
         digest = hashlib.sha256(payload.encode()).hexdigest()[:10]
         return f"{self.method}-K{self.sweeps}-L{self.particles}-s{self.seed}-{digest}"
 
@@ -172,11 +177,11 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         _check_data_set(entry, f"{task}.data.figures[{i}]")
     _check_mapping(section.get("train"), f"{task}.train", TRAIN_KEYS)
     cells = grid_cells(params, task)  # validates every cell's TrainConfig
-    for architecture in {get_method(c.method).architecture for c in cells}:
+    for method in {c.method for c in cells}:
         try:
-            spec.build_proposals(model, architecture, **section.get("network", {}))
+            get_method(method).build_proposals(spec, model, **section.get("network", {}))
         except (TypeError, ValueError) as err:
-            raise ParamsError(f"{task}.network: {_first_line(err)}") from None
+            raise ParamsError(f"{task}.network: {_first_line(err)} (method {method})") from None
     ev = _check_mapping(section.get("evaluate"), f"{task}.evaluate", EVALUATE_KEYS)
     for j, pair in enumerate(ev.get("pairs", [])):
         _check_pair(pair, f"{task}.evaluate.pairs[{j}]")
@@ -200,7 +205,13 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
     ``L = total // K``. Duplicate cells are kept once.
     """
     section = params[task]
-    train = section.get("train", {})
+    train = dict(section.get("train", {}))
+    options = train.pop("method_options", None) or {}
+    for name, opts in options.items():
+        if name not in METHODS:
+            raise ParamsError(f"{task}.train.method_options.{name}: unknown method; choose one of {sorted(METHODS)}")
+        if not isinstance(opts, dict):
+            raise ParamsError(f"{task}.train.method_options.{name}: must be a mapping of options, got {opts!r}")
     cells: dict[str, Cell] = {}
     grid = section.get("grid")
     if not isinstance(grid, list) or not grid:
@@ -234,13 +245,18 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
                         particles=l,
                         model=dict(section.get("model", {})),
                         network=dict(section.get("network", {})),
+                        method_options=dict(options.get(method, {})),
                         **train,
                     )
                     try:
                         cfg.validate()
                     except ValueError as err:
                         field = _first_line(err).split(" ")[0]
-                        key = f"{task}.train.{field}" if field in TRAIN_KEYS else where
+                        head, _, rest = field.partition(".")
+                        if head == "method_options":
+                            key = f"{task}.train.method_options.{method}" + (f".{rest}" if rest else "")
+                        else:
+                            key = f"{task}.train.{field}" if field in TRAIN_KEYS else where
                         raise ParamsError(f"{key}: {_first_line(err)}") from None
                     cell = Cell(task, method, k, l, seed, cfg)
                     cells.setdefault(cell.name, cell)

@@ -28,10 +28,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from apg.baselines import get_method
 from apg.checkpoint import CheckpointError
 from apg.data import atomic_write, load_dataset
 from apg.training import evaluate as evaluate_cell
+from apg.training import make_method
 from pipeline.common import file_digest, load_task_data, load_trained, project_root, seed_everything
 from pipeline.config import evaluation_pairs, load_params
 
@@ -77,7 +77,7 @@ def best_particles(cfg, model, proposals, x: torch.Tensor, sweeps: list[int], pa
             out[k] = {name: t[best, rows].cpu().numpy() for name, t in z.items()}
 
     with torch.no_grad():
-        get_method(cfg.method).run(
+        make_method(cfg).run(
             model, proposals, x, max(sweeps), particles, "block", cfg.resampler, collectors=[collect]
         )
     return out
@@ -135,6 +135,7 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                 index.append({"cell_id": cell["cell_id"], "method": cell["method"], "seed": cell["seed"],
                               "figure_set": path.stem, "sweeps": sorted(best)})
     metrics_frame = pd.concat(frames, ignore_index=True)
+    run_ids = mlflow_run_ids(summary)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "metrics.parquet", lambda tmp: metrics_frame.to_parquet(tmp, index=False))
     atomic_write(out_dir / "metrics.csv", lambda tmp: metrics_frame.to_csv(tmp, index=False))
@@ -150,7 +151,11 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         "batch_size": section["train"].get("batch_size"),
         "lr": section["train"].get("lr"),
         "seeds": sorted({c["seed"] for c in summary["cells"]}),
-        "cells": [{k: c[k] for k in ("cell_id", "name", "method", "K", "L", "seed", "iterations", "mean_it_per_s", "checkpoint")} for c in summary["cells"]],
+        "cells": [
+            {**{k: c[k] for k in ("cell_id", "name", "method", "K", "L", "seed", "iterations", "mean_it_per_s", "checkpoint")},
+             "mlflow_run_id": run_ids.get(c["cell_id"])}
+            for c in summary["cells"]
+        ],
         "pairs": [list(p) for p in plan.get("pairs", [])],
         "budget": {"total": ev["budget"]["total"], "pairs": [list(p) for p in plan["budget"]]} if "budget" in plan else None,
         "baseline": ev.get("baseline"),
@@ -160,6 +165,30 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     text = json.dumps(meta, indent=2)
     atomic_write(out_dir / "meta.json", lambda tmp: tmp.write_text(text + "\n"))
     return meta
+
+
+def mlflow_run_ids(summary: dict[str, Any]) -> dict[str, str]:
+    """``{cell_id: MLflow child run id}`` for the sweep's cells, so that every reported
+    number can be traced to its run; empty when the tracking store cannot be read (the
+    cell id is also a tag, ``apg.cell_id``, on the child run)."""
+    info = summary.get("mlflow") or {}
+    if not info.get("parent_run_id"):
+        return {}
+    try:
+        from pipeline import tracking
+
+        client = tracking.client(info["tracking_uri"])
+        out = {}
+        for cell in summary["cells"]:
+            run = tracking.find_run(
+                client, info["experiment_id"], {tracking.TAG_PARENT: info["parent_run_id"], tracking.TAG_CELL: cell["cell_id"]}
+            )
+            if run is not None:
+                out[cell["cell_id"]] = run.info.run_id
+        return out
+    except Exception as err:  # noqa: BLE001 - traceability is best effort; evaluation must not fail on it
+        print(f"note: MLflow run ids not recorded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        return {}
 
 
 def _savez(tmp: Path, arrays: dict[str, np.ndarray]) -> None:

@@ -5,6 +5,9 @@
 
 - ``README.md``: the index, with every table and figure and the scale it was made at;
 - ``tables/<task>_table1.{md,csv}``: Table 1 (our numbers, the paper's beside them);
+- ``tables/<task>_methods.{md,csv}``: every method at the same sample budgets K*L: held-out
+  log joint, ESS/L and both log-evidence estimates, mean and std over seeds, with the
+  cell ids and MLflow run ids each number comes from;
 - ``figures/<task>_budget.png``: Figure 2, log joint and ESS/L versus K at K*L fixed;
 - ``figures/<task>_sweeps.png``: convergence versus sweeps; ``<task>_training.png``;
 - ``figures/<task>_samples.png``: Figure-1-style pictures (the task's ``draw`` hook),
@@ -164,6 +167,56 @@ def _pm(mean: Any, std: Any) -> str:
     return f"{text} ± {_num(std)}" if text and _num(std) else text
 
 
+# --------------------------------------------------------------------------- method comparison
+
+COMPARISON_METRICS = ("log_joint", "ess", "log_evidence", "log_evidence_is")
+
+
+def comparison_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
+    """One row per (budget K*L, method, K, L) of the evaluation pairs.
+
+    Each cell (one trained seed) is first averaged over the held-out datasets; the table
+    gives the mean and std of those per-seed numbers over seeds, so ``std`` is the spread
+    between training runs. ``cells`` / ``runs`` list the cell ids and MLflow run ids the
+    row averages.
+    """
+    pairs = {tuple(p) for p in meta["pairs"]}
+    fin = finals(frame)
+    fin = fin[[(k, l) in pairs for k, l in zip(fin["K"], fin["L"], strict=False)]]
+    fin = fin[fin["metric"].isin(COMPARISON_METRICS)]
+    per_seed = fin.groupby(["method", "K", "L", "seed", "cell_id", "metric"])["value"].mean().reset_index()
+    stats = per_seed.groupby(["method", "K", "L", "metric"])["value"].agg(["mean", "std"]).reset_index()
+    wide = stats.pivot_table(index=["method", "K", "L"], columns="metric", values=["mean", "std"], dropna=False)
+    table = pd.DataFrame(index=wide.index)
+    for metric in COMPARISON_METRICS:
+        if ("mean", metric) in wide:
+            table[metric] = wide[("mean", metric)]
+            table[f"{metric}_std"] = wide[("std", metric)]
+    run_of = {c["cell_id"]: c.get("mlflow_run_id") or "" for c in meta["cells"]}
+    cells = per_seed.groupby(["method", "K", "L"])["cell_id"].agg(lambda ids: sorted(set(ids)))
+    table["seeds"] = per_seed.groupby(["method", "K", "L"])["seed"].nunique()
+    table["cells"] = [" ".join(ids) for ids in cells.reindex(table.index)]
+    table["runs"] = [" ".join(run_of.get(i, "") for i in ids) for ids in cells.reindex(table.index)]
+    table = table.reset_index()
+    table.insert(0, "budget", table["K"] * table["L"])
+    return table.sort_values(["budget", "method", "K"]).reset_index(drop=True)
+
+
+def comparison_markdown(table: pd.DataFrame) -> str:
+    labels = {"log_joint": "log p(x,z)", "ess": "ESS/L", "log_evidence": "log p(x) SMC", "log_evidence_is": "log p(x) IS"}
+    metrics = [m for m in COMPARISON_METRICS if m in table]
+    header = ["K×L", "method", "K", "L", *(labels[m] for m in metrics), "seeds", "cells (MLflow runs)"]
+    rows = [header, ["---"] * len(header)]
+    for row in table.to_dict("records"):
+        trace = ", ".join(
+            f"`{c}` ({r[:8]})" if r else f"`{c}`"
+            for c, r in zip(row["cells"].split(), (row["runs"].split() + [""] * 99), strict=False)
+        )
+        rows.append([str(row["budget"]), row["method"], str(row["K"]), str(row["L"]),
+                     *(_pm(row[m], row.get(f"{m}_std")) for m in metrics), str(row["seeds"]), trace])
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
 # --------------------------------------------------------------------------- figures
 
 
@@ -302,6 +355,10 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
     atomic_write(tables / f"{task}_table1.csv", lambda tmp: table.to_csv(tmp, index=False))
     md = table_markdown(table, (paper or {}).get("block_labels"))
     atomic_write(tables / f"{task}_table1.md", lambda tmp: tmp.write_text(md + "\n"))
+    methods = comparison_table(frame, meta)
+    atomic_write(tables / f"{task}_methods.csv", lambda tmp: methods.to_csv(tmp, index=False))
+    methods_md = comparison_markdown(methods)
+    atomic_write(tables / f"{task}_methods.md", lambda tmp: tmp.write_text(methods_md + "\n"))
     made = {}
     for name, ok in (
         ("budget", budget_figure(frame, meta, caption, figures / f"{task}_budget.{fmt}")),
@@ -318,7 +375,8 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
         }
         for row in table.itertuples(index=False)
     }
-    return {"task": task, "caption": caption, "table_md": md, "figures": made, "metrics": headline, "paper": paper}
+    return {"task": task, "caption": caption, "table_md": md, "methods_md": methods_md, "figures": made,
+            "metrics": headline, "paper": paper}
 
 
 FIGURE_TEXT = {
@@ -358,6 +416,18 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
             "spend K*L particles in one step. The CSV has every column unrounded.",
             "",
             part["table_md"],
+            "",
+            f"### Methods at equal sample budgets ([csv](tables/{task}_methods.csv))",
+            "",
+            "Every method at each test-time budget K×L: held-out log joint, ESS/L, the SMC estimate "
+            "of log p(x) and the importance-sampled one from the method's encoder with K×L samples "
+            "(Rezende et al. 2014, appendix E). Mean ± std over seeds (each seed first averaged over "
+            "the held-out datasets). RWS and reparam draw K×L samples in one step; HMC-RWS runs L "
+            "chains through K-1 HMC transitions (extra gradient evaluations per transition); gibbs "
+            "uses the exact conditionals. Each row names the sweep cells (and MLflow child runs, "
+            "tag `apg.cell_id`) it averages.",
+            "",
+            part["methods_md"],
             "",
         ]
         for name, rel in part["figures"].items():

@@ -7,13 +7,20 @@ in ``METHODS``.
 
 from __future__ import annotations
 
+from apg.baselines.gibbs import BootstrapGibbs, ExactGibbs
+from apg.baselines.hmc import HMCRWS
 from apg.baselines.method import APG, Method
+from apg.baselines.reparam import Reparam
 from apg.baselines.rws import RWS
 
 METHODS: dict[str, Method] = {
     "apg": APG(),
     "rws-mlp": RWS("rws-mlp", "mlp"),
     "rws-lstm": RWS("rws-lstm", "lstm"),
+    "gibbs": ExactGibbs(),
+    "gibbs-bootstrap": BootstrapGibbs(),
+    "hmc-rws": HMCRWS(),
+    "reparam": Reparam(),
 }
 
 

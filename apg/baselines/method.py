@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from torch import Tensor
 
-from apg.blocks import Model, Proposals
+from apg.blocks import Model, Proposals, TaskSpec
 from apg.objectives import apg_loss
 from apg.smc.sampler import APGResult, Collector, run_apg
 
@@ -16,10 +18,43 @@ class Method:
 
     ``architecture`` names the task proposals it trains; ``run`` spends a budget of
     ``sweeps x particles`` samples per dataset; ``loss`` is the surrogate to minimize.
+    ``kernels`` says whether its proposals have block kernels (``q(z_b | x, z_-b)``),
+    which the inclusive-KL metric (eq. 4) needs. ``options`` are the method's own knobs
+    (``TrainConfig.method_options``), set by ``configure``.
     """
 
     name = "apg"
     architecture = "apg"
+    kernels = True
+    # Option name -> default; ``configure`` accepts exactly these keys.
+    defaults: Mapping[str, Any] = {}
+
+    def __init__(self) -> None:
+        self.options: dict[str, Any] = dict(self.defaults)
+
+    def configure(self, **options: Any) -> Method:
+        """A copy of this method with ``options`` set; raises ``ValueError`` for unknown
+        names or bad values (``check_options``)."""
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            known = sorted(self.defaults) or "none"
+            raise ValueError(f"method_options has unknown option(s) {unknown} for method {self.name!r}; known: {known}")
+        out = copy.copy(self)
+        out.options = {**self.defaults, **options}
+        out.check_options()
+        return out
+
+    def check_options(self) -> None:
+        """Raise ``ValueError`` naming the first bad option value."""
+
+    def check_task(self, task: TaskSpec) -> None:
+        """Raise ``ValueError`` unless the method can run on ``task``."""
+        if self.architecture not in task.architectures:
+            raise ValueError(f"method {self.name!r} is not available for task {task.name!r}")
+
+    def build_proposals(self, task: TaskSpec, model: Model, **network: Any) -> Proposals:
+        """The proposals this method trains (default: the task's ``architecture``)."""
+        return task.build_proposals(model, self.architecture, **network)
 
     def run(
         self,

@@ -12,7 +12,10 @@ from apg.smc.sampler import run_apg
 
 
 class RWS(Method):
+    kernels = False
+
     def __init__(self, name: str, architecture: str):
+        super().__init__()
         self.name = name
         self.architecture = architecture
 

@@ -152,7 +152,8 @@ def run_apg(
             proposed = kernel.sample()
             log_q_new = kernel.log_prob(proposed)
             old = {name: z[name] for name in model_blocks[block]}
-            log_q_old = kernel.log_prob(old).detach()
+            with torch.no_grad():  # the reverse kernel enters only the (detached) weight
+                log_q_old = kernel.log_prob(old)
             z_new = {**z, **proposed}
             blanket_old = model.log_blanket(block, x, z)
             blanket_new = model.log_blanket(block, x, z_new)

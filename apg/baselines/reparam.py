@@ -1,0 +1,116 @@
+"""Stochastic backpropagation (Rezende, Mohamed & Wierstra 2014).
+
+A Gaussian recognition model ``q_phi(u | x)`` (diagonal covariance) over the model's
+unconstrained continuous latents, trained on the ELBO (exclusive KL) with gradients
+through the samples ``u = m(x) + s(x) * eps``, ``eps ~ N(0, I)``. Discrete latents are
+summed out of the likelihood by the model's continuous view
+(``apg.baselines.continuous``), so only continuous latents are sampled; for reporting,
+they are then drawn from their exact conditional, which leaves the importance weight
+``p(x, u) / q(u | x)`` unchanged, so ``log_evidence`` is the paper's appendix-E estimate.
+
+Budget: a cell of K sweeps x L particles draws ``K * L`` samples in one step (like RWS).
+
+Legend: L samples, B datasets, N points, H hidden units, F flattened latent dims.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from apg.baselines.continuous import ContinuousTarget, continuous_target
+from apg.baselines.method import Method
+from apg.blocks import Latents, Model, Proposals, TaskSpec
+from apg.smc.sampler import APGResult, Step, SweepStats
+from apg.smc.weights import ess_fraction, log_evidence, normalized_weights, sanitize
+
+
+class GaussianRecognition(Proposals):
+    """``q_phi(u | x) = N(u; m(x), diag s(x)^2)`` from a permutation-invariant set encoder.
+
+    Each point ``(B, N, P)`` goes through a tanh MLP, the features are averaged over the
+    points, and a second MLP gives ``m`` and ``log s`` for every unconstrained latent.
+    The output layer starts at zero (``q = N(0, I)``, the breadth of the priors).
+    """
+
+    def __init__(self, target: ContinuousTarget, hidden: int = 32):
+        super().__init__()
+        self.target = target
+        self.shapes = dict(target.event_shapes)
+        self.sizes = {k: math.prod(s) for k, s in self.shapes.items()}
+        total = sum(self.sizes.values())
+        self.points = nn.Sequential(nn.Linear(target.point_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+        self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * total))
+        nn.init.zeros_(self.head[-1].weight)
+        nn.init.zeros_(self.head[-1].bias)
+
+    def gaussian(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean and standard deviation, each ``(B, F)``."""
+        h = self.points(self.target.points(x)).mean(-2)
+        loc, log_scale = self.head(h).chunk(2, dim=-1)
+        return loc, torch.exp(log_scale)
+
+    def rsample(self, x: Tensor, num_samples: int) -> tuple[Latents, Tensor]:
+        """Reparameterized ``u ~ q(u | x)`` ``{name: (L, B, *event)}`` and ``log q(u | x)`` ``(L, B)``."""
+        loc, scale = self.gaussian(x)
+        eps = torch.randn((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
+        flat = loc + scale * eps
+        log_q = (-0.5 * eps**2 - torch.log(scale) - 0.5 * math.log(2 * math.pi)).sum(-1)
+        u, start = {}, 0
+        for name, size in self.sizes.items():
+            u[name] = flat[..., start : start + size].reshape(num_samples, x.shape[0], *self.shapes[name])
+            start += size
+        return u, log_q
+
+    def initial(self, x: Tensor, num_particles: int) -> tuple[Latents, Tensor]:
+        """All latents (discrete ones from their exact conditional) and their density
+        ``q(z | x) = q(u | x) / |dz/du| * p(z_disc | x, z_cont)``, so that
+        ``p(x, z) / q(z | x) = p(x, u) / q(u | x)``, the appendix-E weight."""
+        u, log_q = self.rsample(x, num_particles)
+        u = {k: v.detach() for k, v in u.items()}
+        z, log_disc = self.target.complete(x, u)
+        return z, log_q - self.target.log_det_jacobian(u) + log_disc
+
+
+class Reparam(Method):
+    """Stochastic backpropagation with a Gaussian recognition model (module docstring)."""
+
+    name = "reparam"
+    architecture = "reparam"
+    kernels = False
+
+    def check_task(self, task: TaskSpec) -> None:
+        """Any task whose model has a continuous view; that is checked at build time,
+        when the model exists (``continuous_target`` raises ``ValueError``)."""
+
+    def build_proposals(self, task: TaskSpec, model: Model, **network: Any) -> Proposals:
+        hidden = network.get("hidden", 32)
+        return GaussianRecognition(continuous_target(model), hidden)
+
+    def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
+        num = sweeps * particles
+        target = proposals.target
+        u, log_q = proposals.rsample(x, num)
+        log_f = target.log_density(x, u)  # log p(x, u), discrete latents summed out
+        with torch.no_grad():
+            z, _ = target.complete(x, {k: v.detach() for k, v in u.items()})
+        log_p = model.log_joint(x, z)
+        log_w = sanitize((log_f - log_q).detach())
+        with torch.no_grad():
+            stats = SweepStats(
+                (normalized_weights(log_w) * log_p.detach()).sum(0), ess_fraction(log_w), {}, log_evidence(log_w), {}
+            )
+        for collect in collectors:
+            collect(1, z, log_w)
+        # The step's terms are the ELBO integrand's: log q(u | x) and log p(x, u), both
+        # differentiable through the reparameterized samples.
+        return APGResult(z, log_w, log_p, [stats], [Step(normalized_weights(log_w), log_q, log_f)])
+
+    def loss(self, result: APGResult) -> Tensor:
+        step = result.steps[0]
+        # Negative ELBO, E_q[log p(x, u) - log q(u | x)], averaged over samples and datasets;
+        # its gradient flows through u (stochastic backpropagation).
+        return -(step.log_joint - step.log_q).mean()
