@@ -1,0 +1,428 @@
+"""Bouncing MNIST: placement, likelihood, blankets, cost in T, simulator, sampler, training."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from apg.smc.sampler import run_apg
+from apg.tasks import bmnist, get_task
+from apg.tasks.bmnist import (
+    BMNISTConfig,
+    BouncingMNIST,
+    correlate,
+    crop,
+    frame_log_likelihood,
+    pixel_offsets,
+    reflect,
+    render,
+    simulate_trajectories,
+    where_key,
+)
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist"
+
+
+def _mnist_dir() -> str | None:
+    for d in (os.environ.get("APG_MNIST_DIR"), SHARED):
+        if d and (Path(d) / "t10k-images-idx3-ubyte.gz").is_file():
+            return str(d)
+    return None
+
+
+needs_mnist = pytest.mark.skipif(_mnist_dir() is None, reason="MNIST files not available (set APG_MNIST_DIR)")
+
+
+@pytest.fixture
+def f64():
+    torch.set_default_dtype(torch.float64)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _bilinear_ref(img: np.ndarray, y: float, x: float) -> float:
+    """Bilinear sample of ``img`` at continuous (row y, column x), zero outside."""
+    h, w = img.shape
+    y0, x0 = math.floor(y), math.floor(x)
+    total = 0.0
+    for yy, wy in ((y0, 1 - (y - y0)), (y0 + 1, y - y0)):
+        for xx, wx in ((x0, 1 - (x - x0)), (x0 + 1, x - x0)):
+            if 0 <= yy < h and 0 <= xx < w:
+                total += wy * wx * img[yy, xx]
+    return total
+
+
+def _render_ref(digits: np.ndarray, offsets: np.ndarray, canvas: int) -> np.ndarray:
+    """Pixel by pixel: canvas(i, j) = sum_d digit_d sampled at (i - oy_d, j - ox_d)."""
+    out = np.zeros((canvas, canvas))
+    for img, (ox, oy) in zip(digits, offsets, strict=True):
+        for i in range(canvas):
+            for j in range(canvas):
+                out[i, j] += _bilinear_ref(img, i - oy, j - ox)
+    return out
+
+
+CASES = [  # (column, row) offsets of two 5x5 digits on a 13x13 canvas
+    [(0.0, 0.0), (8.0, 8.0)],  # integer, touching the corners
+    [(2.25, 3.5), (3.75, 2.125)],  # fractional, overlapping
+    [(-2.6, 4.3), (10.4, -1.2)],  # partly off the canvas
+    [(-9.0, 1.0), (20.5, 3.0)],  # entirely off the canvas
+]
+
+
+@pytest.mark.parametrize("offsets", CASES)
+def test_render_matches_pixel_reference(f64, offsets):
+    digits = torch.rand(2, 5, 5)
+    off = torch.tensor(offsets)
+    got = render(digits, off, canvas_size=13)
+    want = _render_ref(digits.numpy(), off.numpy(), 13)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
+
+
+@pytest.mark.parametrize("offsets", CASES)
+def test_crop_matches_pixel_reference(f64, offsets):
+    frames = torch.rand(1, 1, 13, 13)
+    off = torch.tensor(offsets)[None, None, None]  # (L=1, B=1, F=1, D=2, 2)
+    got = crop(frames, off, digit_size=5)[0, 0, 0]
+    for d, (ox, oy) in enumerate(offsets):
+        want = [[_bilinear_ref(frames[0, 0].numpy(), oy + r, ox + c) for c in range(5)] for r in range(5)]
+        np.testing.assert_allclose(got[d].numpy(), np.array(want), atol=1e-12)
+
+
+def test_crop_is_adjoint_of_render(f64):
+    """<render(d, o), f> = <d, crop(f, o)>: cropping is placement's transpose."""
+    digit = torch.rand(1, 1, 1, 1, 6, 6)
+    frame = torch.rand(1, 1, 17, 17)
+    off = torch.tensor([3.3, 7.8]).reshape(1, 1, 1, 1, 2)
+    lhs = (render(digit[0, 0], off[0, 0], 17) * frame[0]).sum()
+    rhs = (digit * crop(frame, off, 6)).sum()
+    assert torch.allclose(lhs, rhs)
+
+
+def test_where_maps_to_canvas_box():
+    off = pixel_offsets(torch.tensor([[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0]]))
+    assert off.tolist() == [[0.0, 0.0], [68.0, 68.0], [34.0, 34.0]]
+
+
+def test_correlate_matches_direct_sum(f64):
+    frames = torch.rand(2, 9, 9)
+    templates = torch.rand(3, 2, 2, 4, 4)  # (L, B, D, S, S)
+    got = correlate(frames, templates)
+    assert got.shape == (3, 2, 2, 6, 6)
+    for l, b, d, sy, sx in [(0, 0, 0, 0, 0), (2, 1, 1, 5, 3), (1, 0, 1, 2, 4)]:
+        want = (frames[b, sy : sy + 4, sx : sx + 4] * templates[l, b, d]).sum()
+        assert torch.allclose(got[l, b, d, sy, sx], want)
+
+
+def test_frame_likelihood_equals_dense_bernoulli(f64):
+    cfg = BMNISTConfig(canvas_size=20, digit_size=6, prob_eps=1e-3)
+    L, B, Fr, D = 2, 3, 2, 3
+    templates = (torch.rand(L, B, D, 6, 6) * 0.8).requires_grad_()
+    where = torch.rand(L, B, Fr, D, 2) * 2.6 - 1.3  # some digits partly off the canvas
+    where[0, 0, 0, 1] = where[0, 0, 0, 0] + 0.05  # heavy overlap
+    x = torch.rand(B, Fr, 20, 20) * (torch.rand(B, Fr, 20, 20) < 0.3)
+    got = frame_log_likelihood(x, templates, where, cfg)
+    canvas = render(templates.unsqueeze(2), pixel_offsets(where, 20, 6), 20)
+    p = canvas.clamp(cfg.prob_eps, 1 - cfg.prob_eps)
+    want = (x * p.log() + (1 - x) * torch.log1p(-p)).sum((-3, -2, -1))
+    assert got.shape == (L, B)
+    assert torch.allclose(got, want, atol=1e-9)
+    # the hand-written backward pass equals autograd through the dense formula
+    weights = torch.rand(L, B)
+    (g_got,) = torch.autograd.grad((weights * got).sum(), templates)
+    (g_want,) = torch.autograd.grad((weights * want).sum(), templates)
+    assert g_want.abs().sum() > 0
+    assert torch.allclose(g_got, g_want, atol=1e-9)
+
+
+def test_explaining_away_is_correlation_of_residual(f64):
+    """The encoder's residual map equals the correlation of (frame - placed template)."""
+    cfg = BMNISTConfig()
+    model = BouncingMNIST(cfg)
+    prop = bmnist.BMNISTProposals(model, "apg", 1)
+    tmpl = prop.mean_template
+    frame = torch.rand(96, 96)
+    where = torch.tensor([0.31, -0.47])
+    off = pixel_offsets(where)
+    placed = render(tmpl[None], off[None], 96)
+    want = F.conv2d((frame - placed)[None, None], tmpl[None, None])[0, 0]
+    size = tmpl.shape[-1]
+    auto = F.conv2d(F.pad(tmpl, (size - 1,) * 4)[None, None], tmpl[None, None])[0, 0]
+    corr = F.conv2d(frame[None, None], tmpl[None, None])[0, 0]
+    got = corr - render(auto[None], (off - (size - 1))[None], corr.shape[-1])
+    assert torch.allclose(got, want, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- model and blankets
+
+
+def _random_latents(L, B, T, D, scale=0.6):
+    z = {"z_what": torch.randn(L, B, D, 10)}
+    for t in range(1, T + 1):
+        z[where_key(t)] = (torch.rand(L, B, D, 2) * 2 - 1) * scale
+    return z
+
+
+def test_blocks_depend_on_video_length():
+    model = BouncingMNIST()
+    blocks = model.blocks_for(torch.zeros(1, 4, 96, 96))
+    assert list(blocks) == ["what", "where_1", "where_2", "where_3", "where_4"]
+    assert blocks["where_3"] == ("z_where_3",)
+    with pytest.raises(ValueError, match=r"\(B, T, 96, 96\)"):
+        model.blocks_for(torch.zeros(4, 96, 96))
+    with pytest.raises(ValueError, match="unknown block"):
+        model.log_blanket("where_x", torch.zeros(1, 2, 96, 96), _random_latents(1, 1, 2, 1))
+
+
+def test_incremental_weight_from_blanket_equals_full_joint(f64):
+    """For every block, blanket(new) - blanket(old) = log_joint(new) - log_joint(old)."""
+    L, B, T, D = 3, 2, 4, 2
+    model = BouncingMNIST(BMNISTConfig(canvas_size=48))
+    x = torch.rand(B, T, 48, 48) * (torch.rand(B, T, 48, 48) < 0.2)
+    z = _random_latents(L, B, T, D)
+    for block, names in model.blocks_for(x).items():
+        new = dict(z)
+        for name in names:
+            new[name] = _random_latents(L, B, T, D)[name]
+        local = model.log_blanket(block, x, new) - model.log_blanket(block, x, z)
+        full = model.log_joint(x, new) - model.log_joint(x, z)
+        assert torch.allclose(local, full, rtol=0, atol=1e-8), block
+        assert local.abs().min() > 1e-3  # the test is not vacuous
+
+
+def test_log_joint_matches_direct_formula(f64):
+    L, B, T, D = 2, 1, 3, 2
+    cfg = BMNISTConfig(sigma0=0.3)
+    model = BouncingMNIST(cfg)
+    x = torch.rand(B, T, 96, 96) * (torch.rand(B, T, 96, 96) < 0.2)
+    z = _random_latents(L, B, T, D)
+    where = torch.stack([z[where_key(t)] for t in range(1, T + 1)], 2)
+    std = torch.distributions.Normal(0.0, 1.0)
+    prior = std.log_prob(z["z_what"]).sum((-2, -1)) + std.log_prob(where[:, :, 0]).sum((-2, -1))
+    prior = prior + torch.distributions.Normal(where[:, :, :-1], 0.3).log_prob(where[:, :, 1:]).sum((-3, -2, -1))
+    canvas = model.reconstruct(z, T).clamp(cfg.prob_eps, 1 - cfg.prob_eps)
+    lik = (x * canvas.log() + (1 - x) * torch.log1p(-canvas)).sum((-3, -2, -1))
+    assert torch.allclose(model.log_joint(x, z), prior + lik, atol=1e-8)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten calls and the elements they output (a proxy for work done)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls[str(func.overloadpacket)] += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.elements += t.numel()
+        return out
+
+
+def _block_cost(block: str, num_frames: int) -> tuple[Counter, int]:
+    torch.manual_seed(0)
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", 2)
+    x = torch.rand(1, num_frames, 96, 96)
+    z = _random_latents(2, 1, num_frames, 2)
+    counter = _OpCounter()
+    with counter:  # what one block update of run_apg does
+        kernel = prop.kernel(block, x, z)
+        new = kernel.sample()
+        kernel.log_prob(new)
+        kernel.log_prob({k: z[k] for k in new})
+        z_new = {**z, **new}
+        model.log_blanket(block, x, z_new) - model.log_blanket(block, x, z)
+    return counter.calls, counter.elements
+
+
+def test_where_block_cost_does_not_grow_with_T():
+    calls10, elems10 = _block_cost("where_5", 10)
+    calls100, elems100 = _block_cost("where_5", 100)
+    assert calls10 == calls100
+    assert elems10 == elems100
+    # the what block touches every frame once: linear, not quadratic
+    _, what10 = _block_cost("what", 10)
+    _, what100 = _block_cost("what", 100)
+    assert 5 < what100 / what10 < 11
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def test_reflect_folds_into_the_box():
+    u = torch.tensor([0.0, 0.5, 1.2, -1.2, 3.0, -5.5, 7.9])
+    assert torch.allclose(reflect(u), torch.tensor([0.0, 0.5, 0.8, -0.8, -1.0, -0.5, -0.1]), atol=1e-6)
+
+
+def test_trajectories_stay_inside_and_follow_the_random_walk():
+    g = torch.Generator().manual_seed(1)
+    where = simulate_trajectories(400, 30, 3, 0.2, g)
+    assert where.shape == (400, 30, 3, 2)
+    assert where.abs().max() <= 1.0
+    steps = where[:, 1:] - where[:, :-1]
+    # away from the walls a step is the model's Normal(0, 0.2^2) increment
+    interior = (where[:, :-1].abs() < 0.4).all(-1, keepdim=True).expand_as(steps)
+    sd = steps[interior].std().item()
+    assert abs(sd - 0.2) < 0.01
+
+
+@needs_mnist
+def test_simulated_videos_keep_digits_inside_the_canvas():
+    task = get_task("bmnist")
+    model = task.build_model()
+    g = torch.Generator().manual_seed(0)
+    data = task.simulate(model, 6, g, num_frames=7, num_digits=3, split="test", mnist_dir=_mnist_dir())
+    x, where = data["x"], data["z_where"]
+    assert x.shape == (6, 7, 96, 96) and where.shape == (6, 7, 3, 2)
+    assert data["labels"].shape == (6, 3) and x.min() >= 0 and x.max() <= 1
+    assert where.abs().max() <= 1
+    # every digit lies wholly inside its 29 x 29 box and every box inside the canvas: all
+    # ink of each digit shows, and there is no ink outside the boxes
+    from apg.data.mnist import load_mnist
+
+    images = torch.from_numpy(load_mnist("test", _mnist_dir()).images).float() / 255
+    off = pixel_offsets(where)
+    assert off.min() >= 0 and off.max() <= 68
+    for m in range(6):
+        for t in range(7):
+            for d in range(3):
+                alone = render(images[data["indices"][m, d]][None], off[m, t, d][None])
+                assert torch.allclose(alone.sum(), images[data["indices"][m, d]].sum(), rtol=1e-5)
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    base = torch.floor(off).long()
+    for m in range(6):
+        for t in range(7):
+            for d in range(3):
+                c, r = base[m, t, d].tolist()
+                mask[m, t, r : r + 29, c : c + 29] = True
+    assert x[~mask].abs().max() == 0
+    # training videos come from the training split
+    train = task.simulate(model, 2, g, num_frames=2, num_digits=2, split="train", mnist_dir=_mnist_dir())
+    assert train["indices"].max() < 60000 and train["x"].shape == (2, 2, 96, 96)
+
+
+# --------------------------------------------------------------------------- proposals and sampler
+
+
+def test_apg_run_shapes_and_gradients():
+    task = get_task("bmnist")
+    model = task.build_model()
+    prop = task.build_proposals(model, "apg", num_digits=2)
+    x = torch.rand(2, 3, 96, 96) * (torch.rand(2, 3, 96, 96) < 0.1)
+    result = run_apg(model, prop, x, 2, 3)
+    assert result.z["z_what"].shape == (3, 2, 2, 10)
+    assert result.z["z_where_3"].shape == (3, 2, 2, 2)
+    assert list(result.sweeps[-1].ess_blocks) == ["what", "where_1", "where_2", "where_3"]
+    assert len(result.steps) == 1 + 4
+    from apg.objectives import apg_loss
+
+    apg_loss(result).backward()
+    for name, module in (("decoder", model.decoder), ("where", prop.where_net), ("what", prop.what_net)):
+        grads = [p.grad for p in module.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), name
+        assert any(g.abs().sum() > 0 for g in grads), name
+    recon = task.reconstruct(model, x, result.z)
+    assert recon.shape == (3, 2, 3, 96, 96) and recon.min() >= 0 and recon.max() <= 1
+
+
+def test_template_memo_sees_parameter_updates():
+    model = BouncingMNIST()
+    z_what = torch.randn(2, 1, 3, 10)
+    first = model.templates(z_what)
+    assert model.templates(z_what) is first  # one decode per block update
+    with torch.no_grad():
+        model.decoder.net[-1].bias.add_(1.0)
+    assert not torch.allclose(model.templates(z_what), first)
+
+
+def test_proposal_does_not_train_the_decoder():
+    """eq. 5 trains phi only: the where kernel uses detached templates."""
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", 2)
+    x = torch.rand(1, 2, 96, 96)
+    z = _random_latents(2, 1, 2, 2)
+    q = prop.kernel("where_1", x, z)
+    q.log_prob(q.sample()).sum().backward()
+    assert all(p.grad is None for p in model.decoder.parameters())
+    assert not any(n.startswith("model") for n, _ in prop.named_parameters())
+
+
+def test_rws_architecture_has_no_kernels():
+    model = BouncingMNIST()
+    prop = bmnist.build_proposals(model, "mlp", num_digits=2)
+    x = torch.rand(1, 2, 96, 96)
+    result = run_apg(model, prop, x, 1, 4)
+    assert result.z["z_what"].shape == (4, 1, 2, 10)
+    with pytest.raises(NotImplementedError):
+        prop.kernel("what", x, result.z)
+    with pytest.raises(ValueError, match="architecture"):
+        bmnist.build_proposals(model, "lstm")
+
+
+def test_num_digits_is_not_in_the_state_dict():
+    model = BouncingMNIST()
+    a = bmnist.build_proposals(model, "apg", num_digits=3)
+    b = bmnist.build_proposals(model, "apg", num_digits=5)
+    b.load_state_dict(a.state_dict())
+    z, log_q = b.initial(torch.rand(1, 2, 96, 96), 2)
+    assert z["z_what"].shape == (2, 1, 5, 10) and log_q.shape == (2, 1)
+
+
+def test_animate_and_draw():
+    model = BouncingMNIST()
+    x = torch.rand(4, 96, 96)
+    z = {k: v[0, 0] for k, v in _random_latents(1, 1, 4, 3).items()}
+    frames = bmnist.animate(model, x, z)
+    assert frames.shape == (4, 96, 196, 3) and frames.dtype == np.uint8
+    corner = np.round((z["z_where_1"][0].numpy() + 1) * 34).astype(int)
+    assert (frames[0, corner[1], corner[0]] == bmnist._COLORS[0]).all()
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    bmnist.draw(ax, x.numpy(), {k: v.numpy() for k, v in z.items()})
+    assert len(ax.patches) == 4 * 3
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- training (slow)
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_training_lowers_heldout_mse_and_sweeps_help():
+    from apg.training import TrainConfig, Trainer, evaluate
+
+    torch.set_num_threads(1)
+    task = get_task("bmnist")
+    g = torch.Generator().manual_seed(0)
+    sim_model = task.build_model()
+    train = task.simulate(sim_model, 200, g, num_frames=5, num_digits=2, split="train", mnist_dir=_mnist_dir())
+    test = task.simulate(sim_model, 10, g, num_frames=5, num_digits=2, split="test", mnist_dir=_mnist_dir())
+    cfg = TrainConfig(task="bmnist", method="apg", sweeps=3, particles=4, batch_size=5, iterations=80,
+                      lr=1e-3, network={"num_digits": 2})
+    trainer = Trainer(cfg, train["x"])
+
+    def mse() -> np.ndarray:
+        return evaluate(cfg, trainer.model, trainer.proposals, test["x"], sweeps=4, particles=4, batch_size=10)["mse"]
+
+    before = mse()
+    for _ in trainer.run():
+        pass
+    after = mse()
+    assert after[-1].mean() < 0.8 * before[-1].mean()
+    assert after[-1].mean() < after[0].mean()  # more sweeps, lower reconstruction error
