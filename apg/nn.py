@@ -37,14 +37,14 @@ class PointFeatures(nn.Module):
         return out.reshape(*lead, *out.shape[-2:])
 
 
-class _PairwiseLogits(torch.autograd.Function):
+class _PairwiseTanhLinear(torch.autograd.Function):
     """``tanh(point + cluster) @ weight`` over every (point, cluster) pair, fused.
 
-    The (L, B, N, I, H) hidden tensor is the largest in a GMM training step. Autograd would
-    keep it plus several same-sized temporaries and, for the broadcast addition, reduce
-    over the particle and cluster dims in one multi-dim ``sum`` that this torch build runs
-    about 14x slower than two single-dim sums. Here the forward keeps only the hidden tensor
-    and the backward makes one buffer, updated in place.
+    The (L, B, N, I, H) hidden tensor is the largest in a mixture model's training step.
+    Autograd would keep it plus several same-sized temporaries and, for the broadcast
+    addition, reduce over the particle and cluster dims in one multi-dim ``sum`` that this
+    torch build runs about 14x slower than two single-dim sums. Here the forward keeps only
+    the hidden tensor and the backward works in one buffer, in place.
     """
 
     @staticmethod
@@ -58,9 +58,10 @@ class _PairwiseLogits(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         hidden, weight = ctx.saved_tensors
         width = hidden.shape[-1]
-        grad_weight = hidden.reshape(-1, width).T @ grad.reshape(-1)
-        # d logits / d pre-activation = weight * (1 - hidden^2), times the incoming grad.
-        pre = torch.mul(hidden, hidden).sub_(1.0).mul_(-weight).mul_(grad.unsqueeze(-1))
+        grad_weight = hidden.reshape(-1, width).T @ grad.reshape(-1, weight.shape[-1])
+        # d out / d pre-activation: (grad @ weight^T) * (1 - hidden^2)
+        pre = grad @ weight.T
+        pre.mul_(torch.mul(hidden, hidden).sub_(1.0)).neg_()
         grad_cluster = pre.sum(-3)  # (..., B, I, H)
         grad_point = pre.sum(-2)  # (..., B, N, H)
         while grad_point.dim() > ctx.point_dims:
@@ -68,13 +69,13 @@ class _PairwiseLogits(torch.autograd.Function):
         return grad_point, grad_cluster, grad_weight
 
 
-def pairwise_logits(point: Tensor, cluster: Tensor, weight: Tensor) -> Tensor:
-    """One logit per (point, cluster) pair from a one-hidden-layer tanh MLP, ``(L, B, N, I)``.
+def pairwise_tanh_linear(point: Tensor, cluster: Tensor, weight: Tensor) -> Tensor:
+    """A one-hidden-layer tanh MLP on every (point, cluster) pair, ``(L, B, N, I, O)``.
 
-    ``point``: ``(B, N, H)`` the first layer's per-point part (bias included);
-    ``cluster``: ``(L, B, I, H)`` its per-cluster part; ``weight``: ``(H,)`` the output
-    layer (add its bias outside). Splitting the first layer this way forms the pair tensor
-    with one broadcast addition instead of expanding and concatenating inputs; tanh, the
-    activation of Appendix E, costs less per element than sigmoid in this torch build.
+    ``point``: ``(B, N, H)`` (or ``(L, B, N, H)``) the first layer's per-point part, bias
+    included; ``cluster``: ``(L, B, I, H)`` its per-cluster part; ``weight``: ``(H, O)``
+    the output layer (add its bias outside). Splitting the first layer this way forms the
+    pair tensor with one broadcast addition instead of expanding and concatenating inputs;
+    tanh, the activation of Appendix E, costs less per element than sigmoid in this build.
     """
-    return _PairwiseLogits.apply(point, cluster, weight)
+    return _PairwiseTanhLinear.apply(point, cluster, weight)

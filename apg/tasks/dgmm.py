@@ -68,7 +68,7 @@ from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
 from apg.distributions import sample_categorical
-from apg.nn import PointFeatures
+from apg.nn import PointFeatures, pairwise_tanh_linear
 
 TWO_PI = 2.0 * math.pi
 DATA_DIM = 2
@@ -333,7 +333,7 @@ class LocalNet(nn.Module):
 
     - a tanh layer on ``d / sigma0``. Its first layer is linear in ``d = x_n - mu_i``, so
       it is split into a per-point and a per-cluster part that broadcast against each
-      other: the ``(L, B, N, I, H)`` pre-activation is one addition, not a matmul;
+      other (``apg.nn.pairwise_tanh_linear``, fused with the output layer);
     - a linear skip from ``(|d|^2 / 2 sigma^2, |d| / sigma^2, log |d|, d / |d|)``. For a
       circular ring of radius r the exact conditional is *linear* in these (logit =
       -(|d| - r)^2 / 2 sigma^2 - log |d| / 2 + const, concentration = r |d| / sigma^2,
@@ -357,13 +357,13 @@ class LocalNet(nn.Module):
 
     def forward(self, x: Tensor, mu: Tensor) -> LocalProposal:
         s0, s = self.cfg.sigma0, self.cfg.noise
-        # point(x) - cluster(mu) = W d + b with W shared: the split first layer.
-        pre = self.point(x / s0).unsqueeze(-2) - self.cluster(mu / s0).unsqueeze(-3)  # (L, B, N, I, H)
+        # The split first layer: point(x) - cluster(mu), broadcast over (point, cluster) pairs.
         d = x.unsqueeze(-2) - mu.unsqueeze(-3)  # (L, B, N, I, 2)
         sq = (d**2).sum(-1, keepdim=True)
         norm = sq.clamp_min(1e-12).sqrt()
         skip_in = torch.cat([sq / (2 * s**2), norm / s**2, torch.log(norm), d / norm], -1)
-        out = self.out(torch.tanh(pre)) + self.skip(skip_in)
+        hidden_out = pairwise_tanh_linear(self.point(x / s0), -self.cluster(mu / s0), self.out.weight.T)
+        out = hidden_out + self.out.bias + self.skip(skip_in)  # (L, B, N, I, 4)
         return LocalProposal(out[..., 0], out[..., 1:3], out[..., 3])
 
 

@@ -26,7 +26,7 @@ from torch.distributions import Gamma, Normal
 
 from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.distributions import CategoricalBlock
-from apg.nn import PointFeatures, pairwise_logits
+from apg.nn import PointFeatures, pairwise_tanh_linear
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class AssignmentProposal(nn.Module):
     because precisions span orders of magnitude). The first layer is split into a per-point
     and a per-cluster part that broadcast against each other, so the (L, B, N, I, H) hidden
     tensor is formed by one addition instead of by expanding and concatenating inputs
-    (``apg.nn.pairwise_logits``, fused with the output layer and a faster backward).
+    (``apg.nn.pairwise_tanh_linear``, fused with the output layer and a faster backward).
     """
 
     def __init__(self, cfg: GMMConfig, hidden: int = 32):
@@ -244,7 +244,8 @@ class AssignmentProposal(nn.Module):
         # W (x_n - mu_i) + V log tau_i + b = (W x_n + b) + (V log tau_i - W mu_i)
         per_point = self.offset(x)  # (B, N, H)
         per_cluster = self.log_precision(torch.log(tau)) - mu @ self.offset.weight.T  # (L, B, I, H)
-        return pairwise_logits(per_point, per_cluster, self.out.weight[0]) + self.out.bias  # (L, B, N, I)
+        logits = pairwise_tanh_linear(per_point, per_cluster, self.out.weight.T) + self.out.bias
+        return logits.squeeze(-1)  # (L, B, N, I)
 
 
 class GMMProposals(Proposals):
