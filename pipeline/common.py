@@ -19,7 +19,7 @@ from apg.baselines import METHODS, get_method
 from apg.checkpoint import CheckpointError, load_checkpoint
 from apg.data import DatasetError, load_dataset
 from apg.tasks import get_task
-from apg.training import TrainConfig, build
+from apg.training import TrainConfig, build, make_method
 
 
 def project_root() -> Path:
@@ -48,9 +48,10 @@ def load_task_data(task: str, path: str | Path, model_hparams: dict[str, Any] | 
     untrained proposal on the first dataset must succeed.
     """
     spec = get_task(task)
+    # Files may store x in a compact dtype (``data.x_dtype``, e.g. float16): cast back.
     x = torch.from_numpy(load_dataset(path)["x"]).to(torch.get_default_dtype())
     model = spec.build_model(**(model_hparams or {}))
-    example = spec.simulate(model, 1, torch.Generator().manual_seed(0))["x"]
+    example = _example_x(task, model_hparams or {})
     if x.dim() != example.dim():
         want = ", ".join(["M", *map(str, example.shape[1:])])
         raise DatasetError(f"dataset file {path}: 'x' must be shaped like ({want}) for task {task}, got {tuple(x.shape)}")
@@ -66,6 +67,36 @@ def load_task_data(task: str, path: str | Path, model_hparams: dict[str, Any] | 
             f"(a simulated one is {tuple(example.shape)}): {_first_line(err)}"
         ) from None
     return x
+
+
+_EXAMPLES: dict[str, Tensor] = {}
+
+
+def _example_x(task: str, model_hparams: dict[str, Any]) -> Tensor:
+    """One simulated dataset at the task's default sizes, cached per process: some
+    simulators are costly to start (Bouncing MNIST reads and checksums MNIST)."""
+    key = f"{task}:{sorted(model_hparams.items())!r}"
+    if key not in _EXAMPLES:
+        spec = get_task(task)
+        with torch.no_grad():
+            _EXAMPLES[key] = spec.simulate(spec.build_model(**model_hparams), 1, torch.Generator().manual_seed(0))["x"]
+    return _EXAMPLES[key]
+
+
+def with_network(cfg: TrainConfig, model, proposals, overrides: dict[str, Any] | None, device: torch.device | str = "cpu"):
+    """``(cfg, proposals)`` with proposal-network keyword ``overrides`` (e.g. the number of
+    objects to track in a held-out set), loading the trained weights into the rebuilt
+    networks. Overrides must not change any weight's shape (``CheckpointError`` otherwise)."""
+    if not overrides or all(cfg.network.get(k) == v for k, v in overrides.items()):
+        return cfg, proposals
+    cfg = TrainConfig.from_dict({**cfg.to_dict(), "network": {**cfg.network, **overrides}}).validate()
+    rebuilt = make_method(cfg).build_proposals(get_task(cfg.task), model, **cfg.network).to(device)
+    try:
+        rebuilt.load_state_dict(proposals.state_dict())
+    except RuntimeError as err:
+        raise CheckpointError(f"network overrides {overrides} change the trained weights' shapes ({_first_line(err)})") from None
+    rebuilt.eval()
+    return cfg, rebuilt
 
 
 def load_trained(path: str | Path, device: torch.device | str = "cpu"):
@@ -104,4 +135,5 @@ __all__ = [
     "load_trained",
     "project_root",
     "seed_everything",
+    "with_network",
 ]

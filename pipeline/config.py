@@ -60,7 +60,14 @@ TASK_KEYS: dict[str, Any] = {
     "grid": list,
     "evaluate": dict,
 }
-DATA_SET_KEYS: dict[str, Any] = {"num_datasets": int, "seed": int, "sizes": dict}
+DATA_SET_KEYS: dict[str, Any] = {"num_datasets": int, "seed": int, "sizes": dict, "name": str, "network": dict}
+# ``<task>.data`` itself: the training set, held-out test sets (one ``test`` or several
+# named ``tests``), figure sets, and the dtype ``x`` is stored in.
+DATA_KEYS: dict[str, Any] = {"train": dict, "test": dict, "tests": list, "figures": list, "x_dtype": str}
+# Storage dtypes for ``x``: a plain cast back to the default dtype on load, so every
+# reader (sweep, evaluate, cli) works unchanged. float16 halves the files (grey levels in
+# [0, 1] keep 11 significant bits); integer quantization would need a scale every reader knows.
+X_DTYPES = ("float32", "float64", "float16")
 TRAIN_KEYS: dict[str, Any] = {
     "batch_size": int,
     "iterations": int,
@@ -168,20 +175,26 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         model = spec.build_model(**section.get("model", {}))
     except (TypeError, ValueError) as err:
         raise ParamsError(f"{task}.model: {_first_line(err)}") from None
-    data = _check_mapping(section.get("data"), f"{task}.data", {"train": dict, "test": dict, "figures": list})
-    for split in ("train", "test"):
-        if split not in data:
-            raise ParamsError(f"{task}.data.{split}: missing")
-        _check_data_set(data[split], f"{task}.data.{split}")
-    for i, entry in enumerate(data.get("figures", [])):
-        _check_data_set(entry, f"{task}.data.figures[{i}]")
+    data = _check_mapping(section.get("data"), f"{task}.data", DATA_KEYS)
+    if "train" not in data:
+        raise ParamsError(f"{task}.data.train: missing")
+    _check_data_set(data["train"], f"{task}.data.train")
+    if "network" in data["train"]:
+        raise ParamsError(f"{task}.data.train.network: training uses {task}.network; overrides are for held-out sets")
+    if data.get("x_dtype", "float32") not in X_DTYPES:
+        raise ParamsError(f"{task}.data.x_dtype: must be one of {list(X_DTYPES)}, got {data['x_dtype']!r}")
+    sets = evaluation_sets(section, where=f"{task}.data")  # checks names and each entry
     _check_mapping(section.get("train"), f"{task}.train", TRAIN_KEYS)
     cells = grid_cells(params, task)  # validates every cell's TrainConfig
+    network = section.get("network", {})
+    overrides = {json.dumps(s.get("network", {}), sort_keys=True): s["where"] for s in sets}
     for method in {c.method for c in cells}:
-        try:
-            get_method(method).build_proposals(spec, model, **section.get("network", {}))
-        except (TypeError, ValueError) as err:
-            raise ParamsError(f"{task}.network: {_first_line(err)} (method {method})") from None
+        for key, where in overrides.items():
+            try:
+                get_method(method).build_proposals(spec, model, **{**network, **json.loads(key)})
+            except (TypeError, ValueError) as err:
+                at = f"{where}.network" if key != "{}" else f"{task}.network"
+                raise ParamsError(f"{at}: {_first_line(err)} (method {method})") from None
     ev = _check_mapping(section.get("evaluate"), f"{task}.evaluate", EVALUATE_KEYS)
     for j, pair in enumerate(ev.get("pairs", [])):
         _check_pair(pair, f"{task}.evaluate.pairs[{j}]")
@@ -195,6 +208,47 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     for j, k in enumerate(ev.get("figure_sweeps", [])):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ParamsError(f"{task}.evaluate.figure_sweeps[{j}]: K must be an integer >= 1, got {k!r}")
+
+
+def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[str, Any]]:
+    """The held-out and figure sets of a task section, each with its file ``stem``.
+
+    ``data.test`` (one set, file ``test.npz``, name ``test``) and ``data.tests`` (a list of
+    sets, each with a unique ``name``, files ``test_<name>.npz``) may be given alone or
+    together. Figure sets are ``figure_<i>.npz`` (``kind: figure``). Any set may carry
+    ``network``: proposal-network keyword overrides used when evaluating on it (e.g. the
+    number of objects to track), merged over ``<task>.network``; they must not change the
+    shapes of the trained weights.
+
+    Returns ``[{"name", "stem", "kind": "test" | "figure", "where", **entry}]``, test sets first.
+    """
+    data = section.get("data") or {}
+    sets: list[dict[str, Any]] = []
+    if "test" in data:
+        _check_data_set(data["test"], f"{where}.test")
+        sets.append({**data["test"], "name": data["test"].get("name", "test"), "stem": "test", "kind": "test",
+                     "where": f"{where}.test"})
+    tests = data.get("tests") or []
+    if not isinstance(tests, list):
+        raise ParamsError(f"{where}.tests: must be a list of data sets, got {tests!r}")
+    for i, entry in enumerate(tests):
+        at = f"{where}.tests[{i}]"
+        _check_data_set(entry, at)
+        name = entry.get("name")
+        if not name or not all(ch.isalnum() or ch in "-_." for ch in name):
+            raise ParamsError(f"{at}.name: give each test set a name of letters, digits, '-', '_' or '.', got {name!r}")
+        sets.append({**entry, "stem": f"test_{name}", "kind": "test", "where": at})
+    if not sets:
+        raise ParamsError(f"{where}.test: missing (give test: {{...}} or tests: [{{name: ..., ...}}])")
+    names = [s["name"] for s in sets]
+    for name in names:
+        if names.count(name) > 1:
+            raise ParamsError(f"{where}.tests: duplicate test set name {name!r}")
+    for i, entry in enumerate(data.get("figures") or []):
+        at = f"{where}.figures[{i}]"
+        _check_data_set(entry, at)
+        sets.append({**entry, "name": entry.get("name", f"figure_{i}"), "stem": f"figure_{i}", "kind": "figure", "where": at})
+    return sets
 
 
 def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:

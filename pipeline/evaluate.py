@@ -4,9 +4,12 @@
 ``results/eval/<task>/``:
 
 - ``metrics.parquet`` (and ``metrics.csv``): tidy long format, one row per
-  ``task, method, K, L, seed, train_K, train_L, cell_id, dataset, sweep, metric, value``.
-  ``K, L`` are the test-time budget, ``train_K, train_L`` the cell's training budget,
-  ``dataset`` the index of the held-out dataset, ``sweep`` 1..K for curves; metrics of
+  ``task, method, K, L, seed, train_K, train_L, cell_id, test_set, test_sizes, dataset,
+  sweep, metric, value``. ``K, L`` are the test-time budget, ``train_K, train_L`` the
+  cell's training budget, ``test_set`` the held-out set's name (``test`` for
+  ``data.test``, else its ``data.tests`` name; every cell runs on every set, with the
+  set's ``network`` overrides), ``test_sizes`` its simulator sizes as JSON,
+  ``dataset`` the index of the held-out dataset in its set, ``sweep`` 1..K for curves; metrics of
   the final particles only (``kl_<block>``) have ``sweep = K``. Every cell is evaluated at
   each test-time pair of ``<task>.evaluate.pairs`` (Table 1, convergence curves) and of
   ``<task>.evaluate.budget`` (Figure 2: ``L = total // K``, section 5.4).
@@ -29,13 +32,24 @@ import pandas as pd
 import torch
 
 from apg.checkpoint import CheckpointError
-from apg.data import atomic_write, load_dataset
+from apg.data import atomic_write
+from apg.tasks import get_task
 from apg.training import evaluate as evaluate_cell
 from apg.training import make_method
-from pipeline.common import file_digest, load_task_data, load_trained, project_root, seed_everything
-from pipeline.config import evaluation_pairs, load_params
+from pipeline.common import (
+    file_digest,
+    load_task_data,
+    load_trained,
+    project_root,
+    seed_everything,
+    with_network,
+)
+from pipeline.config import evaluation_pairs, evaluation_sets, load_params
 
-COLUMNS = ["task", "method", "K", "L", "seed", "train_K", "train_L", "cell_id", "dataset", "sweep", "metric", "value"]
+COLUMNS = ["task", "method", "K", "L", "seed", "train_K", "train_L", "cell_id", "test_set", "test_sizes",
+           "dataset", "sweep", "metric", "value"]
+# Save a figure particle's reconstruction when one dataset has at most this many numbers.
+RECON_MAX_ELEMENTS = 20_000
 
 
 def tidy(metrics: dict[str, np.ndarray], ids: dict[str, Any]) -> pd.DataFrame:
@@ -66,15 +80,25 @@ def tidy(metrics: dict[str, np.ndarray], ids: dict[str, Any]) -> pd.DataFrame:
 def best_particles(cfg, model, proposals, x: torch.Tensor, sweeps: list[int], particles: int) -> dict[int, dict[str, np.ndarray]]:
     """``{sweep: {latent: (M, ...)}}``: each dataset's highest-weight particle after each sweep.
 
-    RWS methods run one step whatever K is, so they only have sweep 1.
+    RWS methods run one step whatever K is, so they only have sweep 1. When the task can
+    reconstruct and a dataset is small (at most ``RECON_MAX_ELEMENTS`` numbers, e.g. the
+    rings' points), the particle's reconstruction is saved as ``recon`` (``(M, ...)``, like
+    ``x``) for the pictures; large data (videos) are reconstructed by the report from the
+    model instead (``animate``), so samples.npz stays small.
     """
+    reconstruct = get_task(cfg.task).reconstruct
+    keep_recon = reconstruct is not None and x[0].numel() <= RECON_MAX_ELEMENTS
     out: dict[int, dict[str, np.ndarray]] = {}
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         if k in sweeps:
             best = log_w.argmax(0)  # (B,)
             rows = torch.arange(log_w.shape[1])
-            out[k] = {name: t[best, rows].cpu().numpy() for name, t in z.items()}
+            chosen = {name: t[best, rows] for name, t in z.items()}
+            out[k] = {name: t.cpu().numpy() for name, t in chosen.items()}
+            if keep_recon:
+                recon = reconstruct(model, x, {name: t[None] for name, t in chosen.items()})[0]
+                out[k]["recon"] = recon.cpu().numpy()
 
     with torch.no_grad():
         make_method(cfg).run(
@@ -91,9 +115,15 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     section = params[task]
     ev = section.get("evaluate", {})
     plan = evaluation_pairs(params, task)
-    test_path = root / "data" / task / "test.npz"
-    test_x = load_task_data(task, test_path, section.get("model", {}))
-    figure_sets = sorted((root / "data" / task).glob("figure_*.npz"))
+    model_hparams = section.get("model", {})
+    data_dir = root / "data" / task
+    # Every held-out set (Table 1 and curves: each with its own sizes and network overrides)
+    # and every figure set is read once, before the cells.
+    sets = evaluation_sets(section)
+    for entry in sets:
+        entry["x"] = load_task_data(task, data_dir / f"{entry['stem']}.npz", model_hparams)
+    test_sets = [e for e in sets if e["kind"] == "test"]
+    figure_sets = [e for e in sets if e["kind"] == "figure"]
     figure_sweeps = ev.get("figure_sweeps", [1])
     frames, histories, samples, index = [], [], {}, []
     unique_pairs = sorted({tuple(p) for pairs in plan.values() for p in pairs})
@@ -110,30 +140,34 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
             "train_L": cell["L"],
             "cell_id": cell["cell_id"],
         }
-        for k, l in unique_pairs:
-            # Same seed for every cell at a pair: methods see the same randomness budget.
-            seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
-            metrics = evaluate_cell(
-                cfg, model, proposals, test_x, k, l, ev.get("batch_size", 20), ev.get("resample_mode", "block")
-            )
-            frames.append(tidy(metrics, {**ids, "K": k, "L": l}))
+        for entry in test_sets:
+            set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
+            set_ids = {**ids, "test_set": entry["name"], "test_sizes": json.dumps(entry.get("sizes", {}), sort_keys=True)}
+            for k, l in unique_pairs:
+                # Same seed for every cell at a pair: methods see the same randomness budget.
+                seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
+                metrics = evaluate_cell(
+                    set_cfg, model, set_proposals, entry["x"], k, l, ev.get("batch_size", 20), ev.get("resample_mode", "block")
+                )
+                frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
         hist = pd.read_csv(root / cell["history"])
         histories.append(
             hist.melt(id_vars="iteration", var_name="metric", value_name="value").assign(
                 task=task, method=cell["method"], K=cell["K"], L=cell["L"], seed=cell["seed"], cell_id=cell["cell_id"]
             )
         )
-        for i, path in enumerate(figure_sets):
-            x = load_task_data(task, path, section.get("model", {}))
-            samples[f"x__{path.stem}"] = x.numpy()
+        for i, entry in enumerate(figure_sets):
+            stem, x = entry["stem"], entry["x"]
+            samples[f"x__{stem}"] = x.numpy()
+            set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
             seed_everything(ev.get("seed", 0) + i)
-            best = best_particles(cfg, model, proposals, x, figure_sweeps, ev.get("figure_particles", 10))
+            best = best_particles(set_cfg, model, set_proposals, x, figure_sweeps, ev.get("figure_particles", 10))
             for sweep, z in best.items():
                 for name, arr in z.items():
-                    key = f"{cell['cell_id']}__{path.stem}__sweep{sweep}__{name}"
+                    key = f"{cell['cell_id']}__{stem}__sweep{sweep}__{name}"
                     samples[key] = arr
-                index.append({"cell_id": cell["cell_id"], "method": cell["method"], "seed": cell["seed"],
-                              "figure_set": path.stem, "sweeps": sorted(best)})
+            index.append({"cell_id": cell["cell_id"], "method": cell["method"], "seed": cell["seed"],
+                          "figure_set": stem, "sweeps": sorted(best)})
     metrics_frame = pd.concat(frames, ignore_index=True)
     run_ids = mlflow_run_ids(summary)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -142,12 +176,20 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     training = pd.concat(histories, ignore_index=True)
     atomic_write(out_dir / "training.parquet", lambda tmp: training.to_parquet(tmp, index=False))
     atomic_write(out_dir / "samples.npz", lambda tmp: _savez(tmp, samples))
+    first = test_sets[0]
     meta = {
         "task": task,
         "iterations": sorted({c["iterations"] for c in summary["cells"]}),
         "train_datasets": section["data"]["train"]["num_datasets"],
-        "test_datasets": int(test_x.shape[0]),
-        "test_sizes": section["data"]["test"].get("sizes", {}),
+        "train_sizes": section["data"]["train"].get("sizes", {}),
+        # The first test set: Table 1, the method table and the sweep / budget figures.
+        "test_datasets": int(first["x"].shape[0]),
+        "test_sizes": first.get("sizes", {}),
+        "test_sets": [
+            {"name": e["name"], "file": f"{e['stem']}.npz", "num_datasets": int(e["x"].shape[0]),
+             "shape": list(e["x"].shape), "sizes": e.get("sizes", {}), "network": e.get("network", {})}
+            for e in test_sets
+        ],
         "batch_size": section["train"].get("batch_size"),
         "lr": section["train"].get("lr"),
         "seeds": sorted({c["seed"] for c in summary["cells"]}),
@@ -159,7 +201,8 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         "pairs": [list(p) for p in plan.get("pairs", [])],
         "budget": {"total": ev["budget"]["total"], "pairs": [list(p) for p in plan["budget"]]} if "budget" in plan else None,
         "baseline": ev.get("baseline"),
-        "figure_sets": [{"name": p.stem, "shape": list(load_dataset(p)["x"].shape)} for p in figure_sets],
+        "figure_sets": [{"name": e["stem"], "shape": list(e["x"].shape), "sizes": e.get("sizes", {}),
+                         "network": e.get("network", {})} for e in figure_sets],
         "samples": index,
     }
     text = json.dumps(meta, indent=2)

@@ -69,11 +69,24 @@ def finals(frame: pd.DataFrame) -> pd.DataFrame:
 
 def scale_caption(meta: dict[str, Any], label: str) -> str:
     iters = "/".join(str(i) for i in meta["iterations"])
+    sets = meta.get("test_sets") or []
+    if len(sets) > 1:
+        held_out = "held-out sets " + ", ".join(f"{s['name']} ({s['num_datasets']})" for s in sets)
+    else:
+        held_out = f"{meta['test_datasets']} held-out datasets"
     return (
         f"{label}: {iters} training iterations on {meta['train_datasets']} simulated datasets "
-        f"(batch {meta['batch_size']}), {meta['test_datasets']} held-out datasets, "
-        f"seeds {meta['seeds']}"
+        f"(batch {meta['batch_size']}), {held_out}, seeds {meta['seeds']}"
     )
+
+
+def primary_test_set(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
+    """Rows of the first held-out set (Table 1, method table, sweep and budget figures);
+    results written before several test sets existed have one set and no column."""
+    sets = meta.get("test_sets") or []
+    if "test_set" not in frame or not sets:
+        return frame
+    return frame[frame["test_set"] == sets[0]["name"]]
 
 
 # --------------------------------------------------------------------------- Table 1
@@ -269,6 +282,50 @@ def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
     return True
 
 
+def mse_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path) -> bool:
+    """Figure 4: reconstruction MSE versus sweep, one line per held-out set (e.g. per (T, D)),
+    one panel per method, at the largest evaluation pair; one-step methods (RWS) as points."""
+    sub = frame[frame["metric"] == "mse"]
+    if sub.empty or not meta["pairs"]:
+        return False
+    k_max, l_at = max(tuple(p) for p in meta["pairs"])
+    sub = sub[(sub["K"] == k_max) & (sub["L"] == l_at)]
+    if "test_set" not in sub:
+        sub = sub.assign(test_set="test")
+    order = [s["name"] for s in meta.get("test_sets") or []] or sorted(set(sub["test_set"]))
+    methods = sorted(set(sub["method"]), key=lambda m: (-sub[sub["method"] == m]["sweep"].nunique(), m))
+    fig, axes = plt.subplots(1, len(methods), figsize=(4.5 * len(methods), 3.8), squeeze=False, sharey=True)
+    colors = dict(zip(order, sns.color_palette("viridis", len(order)), strict=False))
+    for ax, method in zip(axes[0], methods, strict=False):
+        stats = mean_std(sub[sub["method"] == method], ["test_set", "sweep"])
+        for name in order:
+            group = stats[stats["test_set"] == name]
+            if group.empty:
+                continue
+            style = {"marker": "o", "ls": "none"} if len(group) == 1 else {"marker": "."}
+            ax.errorbar(group["sweep"], group["mean"], yerr=group["std"], label=name, color=colors[name], capsize=2, **style)
+        ax.set_xlabel("sweep k" if stats["sweep"].nunique() > 1 else "one step (K*L particles)")
+        ax.set_title(method, fontsize=9)
+        ax.set_xticks(sorted(set(stats["sweep"])))
+    axes[0, 0].set_ylabel("reconstruction MSE per pixel")
+    axes[0, 0].legend(fontsize=7, title="test set", title_fontsize=7)
+    fig.suptitle(f"Reconstruction MSE versus sweeps, per held-out set (Figure 4; K={k_max}, L={l_at})")
+    _save(fig, path, caption)
+    return True
+
+
+def mse_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
+    """Final-sweep reconstruction MSE per (test set, method, K, L): mean and std over seeds x datasets."""
+    sub = finals(frame[frame["metric"] == "mse"])
+    if sub.empty:
+        return pd.DataFrame()
+    if "test_set" not in sub:
+        sub = sub.assign(test_set="test")
+    table = sub.groupby(["test_set", "method", "K", "L"])["value"].agg(["mean", "std"]).reset_index()
+    rank = {s["name"]: i for i, s in enumerate(meta.get("test_sets") or [])}
+    return table.sort_values(["test_set", "method", "K"], key=lambda c: c.map(rank) if c.name == "test_set" else c).reset_index(drop=True)
+
+
 def training_figure(training: pd.DataFrame, caption: str, path: Path) -> bool:
     if training.empty:
         return False
@@ -294,24 +351,50 @@ def samples_figure(task: str, samples: dict[str, np.ndarray], meta: dict[str, An
     entries = [e for e in meta["samples"] if e["seed"] == seed]
     columns = sorted({(e["figure_set"], s) for e in entries for s in e["sweeps"]})
     methods = sorted({e["method"] for e in entries})
-    fig, axes = plt.subplots(len(methods), len(columns), figsize=(3 * len(columns), 3 * len(methods)), squeeze=False)
+    panels = {}  # (row, column) -> (title, x, z), only where the method has that sample
     for i, method in enumerate(methods):
         entry = {e["figure_set"]: e for e in entries if e["method"] == method}
         for j, (fset, sweep) in enumerate(columns):
-            ax = axes[i, j]
             e = entry.get(fset)
             prefix = f"{e['cell_id']}__{fset}__sweep{sweep}__" if e else None
             z = {k[len(prefix):]: v[0] for k, v in samples.items() if prefix and k.startswith(prefix)}
-            if not z:
-                ax.axis("off")
-                continue
-            spec.draw(ax, samples[f"x__{fset}"][0], z)
-            ax.set_title(f"{method}, sweep {sweep}\n{fset} (x {tuple(samples[f'x__{fset}'].shape[1:])})", fontsize=8)
-            ax.set_xticks([])
-            ax.set_yticks([])
-    fig.suptitle("Samples: highest-weight particle after k sweeps (Figure 1 style)")
+            if z:
+                x = samples[f"x__{fset}"]
+                panels[i, j] = (f"{method}, sweep {sweep}\n{fset} (x {tuple(x.shape[1:])})", x[0], z)
+    if not panels:
+        return False
+    aspect = _draw_aspect(spec, next(iter(panels.values())))
+    if aspect > 2.0:  # wide pictures (a strip of video frames): one picture per row, no empty rows
+        width = min(2.0 * aspect, 16.0)
+        fig, grid = plt.subplots(len(panels), 1, figsize=(width, (width / aspect + 0.45) * len(panels) + 0.9), squeeze=False)
+        axes = dict(zip(sorted(panels), grid[:, 0], strict=True))
+    else:
+        fig, grid = plt.subplots(len(methods), len(columns), figsize=(3 * len(columns), 3 * len(methods)), squeeze=False)
+        axes = {(i, j): grid[i, j] for i in range(len(methods)) for j in range(len(columns))}
+    for key, ax in axes.items():
+        if key not in panels:
+            ax.axis("off")
+            continue
+        title, x, z = panels[key]
+        spec.draw(ax, x, z)
+        ax.set_title(title, fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle("Samples: highest-weight particle after k sweeps (Figures 1 and 3 style)")
     _save(fig, path, caption)
     return True
+
+
+def _draw_aspect(spec, panel: tuple[str, np.ndarray, dict[str, np.ndarray]]) -> float:
+    """Width / height of what ``spec.draw`` makes of one sample (drawn on a scratch axes)."""
+    _, x, z = panel
+    fig, ax = plt.subplots()
+    try:
+        spec.draw(ax, x, z)
+        (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+        return abs(x1 - x0) / max(abs(y1 - y0), 1e-12)
+    finally:
+        plt.close(fig)
 
 
 def animation(task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], root: Path, path: Path) -> bool:
@@ -348,7 +431,8 @@ def _save(fig, path: Path, caption: str) -> None:
 
 
 def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None, out: Path, root: Path, label: str, fmt: str) -> dict[str, Any]:
-    meta, frame = results["meta"], results["metrics"]
+    meta, all_sets = results["meta"], results["metrics"]
+    frame = primary_test_set(all_sets, meta)
     caption = scale_caption(meta, label)
     table = table1(frame, meta, paper)
     tables, figures = out / "tables", out / "figures"
@@ -359,8 +443,17 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
     atomic_write(tables / f"{task}_methods.csv", lambda tmp: methods.to_csv(tmp, index=False))
     methods_md = comparison_markdown(methods)
     atomic_write(tables / f"{task}_methods.md", lambda tmp: tmp.write_text(methods_md + "\n"))
+    mse = mse_table(all_sets, meta)
+    mse_md = ""
+    if not mse.empty:
+        atomic_write(tables / f"{task}_mse.csv", lambda tmp: mse.to_csv(tmp, index=False))
+        mse_md = "\n".join(
+            ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
+            + [f"| {r.test_set} | {r.method} | {r.K} | {r.L} | {_pm(r.mean, r.std)} |" for r in mse.itertuples(index=False)]
+        )
     made = {}
     for name, ok in (
+        ("mse", mse_figure(all_sets, meta, caption, figures / f"{task}_mse.{fmt}")),
         ("budget", budget_figure(frame, meta, caption, figures / f"{task}_budget.{fmt}")),
         ("sweeps", sweeps_figure(frame, meta, caption, figures / f"{task}_sweeps.{fmt}")),
         ("training", training_figure(results["training"], caption, figures / f"{task}_training.{fmt}")),
@@ -375,16 +468,22 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
         }
         for row in table.itertuples(index=False)
     }
+    for r in mse.itertuples(index=False):
+        if np.isfinite(r.mean):
+            headline.setdefault(f"{r.method}/K{r.K}/L{r.L}", {})[f"mse_{r.test_set}"] = float(r.mean)
+    sets = meta.get("test_sets") or []
     return {"task": task, "caption": caption, "table_md": md, "methods_md": methods_md, "figures": made,
-            "metrics": headline, "paper": paper}
+            "metrics": headline, "paper": paper, "mse_md": mse_md,
+            "primary": sets[0]["name"] if len(sets) > 1 else None}
 
 
 FIGURE_TEXT = {
+    "mse": "Figure 4: reconstruction MSE per pixel between held-out frames and the reconstructions of the weighted particles, versus sweep, one line per held-out set (e.g. per (T, D)); error bars: std over seeds x videos.",
     "budget": "Figure 2: log joint and ESS/L of the final sweep versus K at a fixed budget K*L (test time, each trained cell); shaded: std over seeds x datasets.",
     "sweeps": "Log joint and ESS/L versus sweep at the largest evaluation budget; RWS (one step with K*L particles) as a dashed level.",
     "training": "Training curves recorded by the sweep (last sweep of each training batch) and per-trial iterations/s.",
-    "samples": "Figure 1 style: each method's highest-weight sample after k sweeps, on held-out datasets of different sizes.",
-    "animation": "Animated sample (the task's animate hook).",
+    "samples": "Figure 1/3 style: each method's highest-weight sample after k sweeps, on held-out datasets of different sizes (the task's draw hook: for videos, frames with the inferred digit boxes).",
+    "animation": "Animated sample (the task's animate hook): for videos, each frame | its reconstruction, with the inferred boxes.",
 }
 
 
@@ -404,6 +503,9 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
     for part in parts:
         task = part["task"]
         lines += [f"## {task}", "", part["caption"] + ".", ""]
+        if part.get("primary"):
+            lines += [f"Tables and the sweep/budget figures use the first held-out set, `{part['primary']}`; "
+                      "Figure 4 and the MSE table cover every set.", ""]
         if part["paper"]:
             lines += [f"Paper scale: {part['paper']['scale']}.", ""]
         lines += [
@@ -430,6 +532,10 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
             part["methods_md"],
             "",
         ]
+        if part.get("mse_md"):
+            lines += [f"### Reconstruction MSE per held-out set ([csv](tables/{task}_mse.csv))", "",
+                      "Final-sweep MSE per pixel, mean ± std over seeds x videos (Figure 4's last points).", "",
+                      part["mse_md"], ""]
         for name, rel in part["figures"].items():
             lines += [f"### {name}", "", f"![{task} {name}]({rel})", "", f"{FIGURE_TEXT[name]} {part['caption']}.", ""]
     return "\n".join(lines)

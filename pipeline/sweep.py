@@ -15,8 +15,21 @@ under ``<sweep.storage>/<task>/`` and persist between runs, which is how:
   ``resume.pt``.
 
 Scheduling is FIFO: a fixed-budget comparison needs every cell trained to its end.
-Ray is embedded and local by default; ``RAY_ADDRESS`` or ``sweep.ray_address`` attaches
-to a cluster (storage must then be a filesystem every node sees).
+Ray is embedded and local by default, listening on loopback only; ``RAY_ADDRESS`` or
+``sweep.ray_address`` attaches to a cluster. On a cluster, ``sweep.storage`` must be a
+filesystem every node sees (an absolute path, e.g. an NFS mount); the training data is
+shipped to the trials through Ray's object store (files up to ``SHIP_DATA_MAX_BYTES``,
+else read from its absolute path, which must then be shared too); each trial uses only
+the GPUs Ray assigned it, and records the node it ran on in ``cells/<id>/attempts.jsonl``.
+
+``python -m pipeline.sweep --task gmm --fetch`` trains nothing: it rebuilds the finished
+cells of the current grid from the MLflow server's records (each child run holds the
+cell's ``model.pt``, ``history.csv`` and ``done.json``), so evaluate and report can run
+on a machine that never saw the cluster's storage.
+
+Fault injection, for tests only: ``APG_FAULT_INJECT="<cell name or id>:<iteration>"``
+in the driver's environment makes that cell's trial raise once, right after that
+iteration.
 """
 
 from __future__ import annotations
@@ -45,6 +58,11 @@ DONE = "done.json"
 RESUME = "resume.pt"
 MODEL = "model.pt"
 HISTORY = "history.csv"
+ATTEMPTS = "attempts.jsonl"
+FAULT_ENV = "APG_FAULT_INJECT"
+# Training data up to this size travels with the trials (Ray's object store), so nodes
+# need no copy of the project; larger files are read from their absolute path.
+SHIP_DATA_MAX_BYTES = 256 * 2**20
 
 
 class SweepError(ValueError):
@@ -89,14 +107,50 @@ def short_hash(items: list[str]) -> str:
 # --------------------------------------------------------------------------- the trial
 
 
-def tune_trainable(config: dict[str, Any], cells: dict[str, dict[str, Any]]) -> None:
+class InjectedFault(RuntimeError):
+    """Raised by a trial on purpose (``APG_FAULT_INJECT``), to test recovery."""
+
+
+def tune_trainable(config: dict[str, Any], cells: dict[str, dict[str, Any]], data: dict[str, Any] | None = None) -> None:
     """What Tune runs: the grid searches over cell ids (short, readable in Tune's table);
-    the cells' full configs come through ``tune.with_parameters``."""
-    train_cell(cells[config["cell_id"]])
+    the cells' full configs (and the shipped data) come through ``tune.with_parameters``."""
+    train_cell(cells[config["cell_id"]], data)
 
 
-def train_cell(config: dict[str, Any]) -> None:
+def _fault_iteration(config: dict[str, Any]) -> int | None:
+    spec = config.get("fault") or ""
+    target, _, iteration = spec.rpartition(":")
+    if target in (config["cell_id"], config["name"]) and iteration.isdigit():
+        return int(iteration)
+    return None
+
+
+def _record_attempt(cell_dir: Path, start_iteration: int) -> list[dict[str, Any]]:
+    """Append where and from which iteration this attempt runs; return all attempts."""
+    import ray
+
+    entry = {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "start_iteration": start_iteration,
+        "time": time.time(),
+    }
+    with open(cell_dir / ATTEMPTS, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return read_attempts(cell_dir)
+
+
+def read_attempts(cell_dir: Path) -> list[dict[str, Any]]:
+    path = cell_dir / ATTEMPTS
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> None:
     """Ray Tune trainable: train one cell, report metrics, checkpoint, record its outputs."""
+    import numpy as np
     import ray
     from ray import tune
 
@@ -108,28 +162,44 @@ def train_cell(config: dict[str, Any]) -> None:
     # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigned, but no longer hides GPUs
     # from trials that asked for none: only use a GPU that Ray gave this trial.
     device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-    x = torch.from_numpy(load_dataset(config["data"])["x"])
+    if data is not None:
+        x = torch.from_numpy(np.array(data["x"]))  # a writable copy of the shipped array
+    elif Path(config["data"]).is_file():
+        x = torch.from_numpy(load_dataset(config["data"])["x"])
+    else:
+        raise SweepError(f"training data {config['data']} is not on node {socket.gethostname()}; "
+                         "put the project on storage every node sees")
     trainer = Trainer(cfg, x, device)
     history: list[dict[str, float]] = []
     resumed = _resume_state(tune.get_checkpoint(), cell_dir / RESUME)
     if resumed is not None:
         trainer.load_state_dict(resumed["trainer"])
         history = list(resumed["history"])
+    attempts = _record_attempt(cell_dir, trainer.iteration)
 
     client = tracking.client(config["tracking_uri"])
-    run_id = config["run_id"]
+    logger = tracking.RunLogger(client, config["run_id"])
+    logger.set_tag("apg.nodes", ",".join(a["node_id"][:12] for a in attempts))
+    # Rows of the checkpoint's history the server may not have (it was down, then this
+    # trial died): re-sent; the ones it has are dropped by the logger.
+    for row in history:
+        logger.log(row["iteration"], {k: v for k, v in row.items() if k != "iteration"})
+    fault_at = _fault_iteration(config)
     log_every, ckpt_every = config["log_every"], config["checkpoint_every"]
     start, window_start, window_iters = time.perf_counter(), time.perf_counter(), 0
     while trainer.iteration < cfg.iterations:
         metrics = trainer.step()
         window_iters += 1
         last = trainer.iteration == cfg.iterations
+        if trainer.iteration == fault_at and not (cell_dir / f"fault-{fault_at}").exists():
+            (cell_dir / f"fault-{fault_at}").touch()
+            raise InjectedFault(f"injected fault after iteration {fault_at} of {config['name']}")
         if trainer.iteration % log_every and not last:
             continue
         row = {"iteration": trainer.iteration, **metrics, "it_per_s": window_iters / (time.perf_counter() - window_start)}
         window_start, window_iters = time.perf_counter(), 0
         history.append(row)
-        tracking.log_metrics(client, run_id, [(trainer.iteration, {k: v for k, v in row.items() if k != "iteration"})])
+        logger.log(trainer.iteration, {k: v for k, v in row.items() if k != "iteration"})
         if trainer.iteration % ckpt_every == 0 or last:
             state = {"trainer": trainer.state_dict(), "history": history}
             save_checkpoint(cell_dir / RESUME, cfg.to_dict(), state)
@@ -138,7 +208,7 @@ def train_cell(config: dict[str, Any]) -> None:
                 tune.report(row, checkpoint=tune.Checkpoint.from_directory(tmp))
         else:
             tune.report(row)
-    _finish_cell(config, cfg, trainer, history, time.perf_counter() - start, client)
+    _finish_cell(config, cfg, trainer, history, time.perf_counter() - start, client, logger)
 
 
 def _resume_state(checkpoint, fallback: Path) -> dict[str, Any] | None:
@@ -150,13 +220,14 @@ def _resume_state(checkpoint, fallback: Path) -> dict[str, Any] | None:
     return None
 
 
-def _finish_cell(config: dict[str, Any], cfg: TrainConfig, trainer: Trainer, history: list[dict], seconds: float, client) -> None:
-    """Write the cell's outputs; ``done.json`` last, since it marks the cell finished."""
+def _finish_cell(config: dict[str, Any], cfg: TrainConfig, trainer: Trainer, history: list[dict], seconds: float,
+                 client, logger: tracking.RunLogger) -> None:
+    """Write the cell's outputs and send them to MLflow; ``done.json`` last, since it marks
+    the cell finished (a cell whose records never reached the server is not finished)."""
     cell_dir = Path(config["cell_dir"])
+    run_id = config["run_id"]
     model_path = save_checkpoint(cell_dir / MODEL, cfg.to_dict(), trainer.state_dict())
     write_history(cell_dir / HISTORY, history)
-    for path in (model_path, cell_dir / HISTORY):
-        client.log_artifact(config["run_id"], str(path))
     final = {k: v for k, v in (history[-1] if history else {}).items() if k != "iteration"}
     rates = [row["it_per_s"] for row in history]
     done = {
@@ -167,12 +238,18 @@ def _finish_cell(config: dict[str, Any], cfg: TrainConfig, trainer: Trainer, his
         "mean_it_per_s": sum(rates) / len(rates) if rates else None,
         "final": final,
         "checkpoint_sha256": file_digest(model_path),
+        "attempts": read_attempts(cell_dir),
     }
-    tracking.log_metrics(client, config["run_id"], [(trainer.iteration, {f"final_{k}": v for k, v in final.items()})])
+    logger.log(trainer.iteration, {f"final_{k}": v for k, v in final.items()})
+    logger.close()
     text = json.dumps(done, indent=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / DONE).write_text(text)
+        for path in (model_path, cell_dir / HISTORY, Path(tmp) / DONE):
+            tracking.retry(lambda path=path: client.log_artifact(run_id, str(path)), f"uploading {path.name}")
+    tracking.finish(client, run_id)
     atomic_write(cell_dir / DONE, lambda tmp: tmp.write_text(text))
     (cell_dir / RESUME).unlink(missing_ok=True)
-    tracking.finish(client, config["run_id"])
 
 
 def write_history(path: Path, rows: list[dict[str, float]]) -> None:
@@ -213,11 +290,42 @@ def start_ray(params: dict[str, Any]) -> None:
     address = ray_address(params)
     if address:
         check_ray_address(address)
+        if _is_loopback(address):
+            # A cluster on this machine's loopback (tests, a workstation's `ray start`):
+            # without this Ray rewrites 127.0.0.1 to the routable address and misses it.
+            _loopback_only()
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
+        _loopback_only()
         # "local" always starts a fresh instance; plain ray.init() silently attaches to any
         # cluster already running on the machine.
         ray.init(address="local", num_cpus=params["sweep"].get("num_cpus"), include_dashboard=False)
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://", 1)[-1].rpartition(":")[0]
+    return host == "localhost" or host.startswith("127.") or host == "[::1]"
+
+
+def _loopback_only() -> None:
+    """Keep an embedded Ray on 127.0.0.1.
+
+    On Linux Ray replaces 127.0.0.1 by the machine's routable address and binds its gRPC
+    servers to every interface, so a laptop sweep would be reachable from the network.
+    Ray's switch for "no multi-node cluster" (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``)
+    makes it use loopback; it is read when ray is imported, hence the attribute too.
+    Only for the embedded instance: a driver attached to a real cluster must advertise a
+    routable address. A value the user set is respected.
+    """
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") is not None:
+        return
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # for the processes Ray spawns
+    try:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    except (ImportError, AttributeError):  # a Ray without the switch: nothing to do
+        pass
 
 
 def check_resources(params: dict[str, Any]) -> None:
@@ -249,12 +357,20 @@ def trial_configs(
             "log_every": sweep.get("log_every", 10),
             "checkpoint_every": sweep.get("checkpoint_every", 50),
             "torch_threads": sweep.get("torch_threads", 1),
+            "fault": os.environ.get(FAULT_ENV),
         }
         for cell_id, cell in todo.items()
     ]
 
 
-def run_tuner(configs: list[dict[str, Any]], params: dict[str, Any], sweep_dir: Path) -> None:
+def shipped_data(path: Path) -> dict[str, Any] | None:
+    """The training arrays, when small enough to travel with the trials."""
+    if path.stat().st_size > SHIP_DATA_MAX_BYTES:
+        return None
+    return {"x": load_dataset(path)["x"]}
+
+
+def run_tuner(configs: list[dict[str, Any]], params: dict[str, Any], sweep_dir: Path, data: dict[str, Any] | None = None) -> None:
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
 
@@ -268,7 +384,7 @@ def run_tuner(configs: list[dict[str, Any]], params: dict[str, Any], sweep_dir: 
     storage = sweep_dir / "ray"
     by_id = {c["cell_id"]: c for c in configs}
     trainable = tune.with_resources(
-        tune.with_parameters(tune_trainable, cells=by_id),
+        tune.with_parameters(tune_trainable, cells=by_id, data=data),
         {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)},
     )
     if tune.Tuner.can_restore(str(storage / name)):
@@ -321,16 +437,23 @@ def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) ->
     return {"task": task, "cells": rows}
 
 
-def run_sweep(params: dict[str, Any], task: str, root: Path) -> dict[str, Any]:
+def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False) -> dict[str, Any]:
     cells, data, sweep_dir = plan(params, task, root)
     todo = {cid: cell for cid, cell in cells.items() if not is_done(sweep_dir, cid)}
-    print(f"sweep {task}: {len(cells)} cells, {len(cells) - len(todo)} already done, {len(todo)} to train")
+    print(f"sweep {task}: {len(cells)} cells, {len(cells) - len(todo)} already done, "
+          f"{len(todo)} to {'fetch from MLflow' if fetch else 'train'}")
     uri = tracking.tracking_uri(root)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
-    exp_id = tracking.experiment_id(client, params.get("tracking", {}).get("experiment", "apg"), tracking.artifact_location(root))
+    exp_name = params.get("tracking", {}).get("experiment", "apg")
     sweep_key = f"{task}-{short_hash(list(cells))}"
-    parent = tracking.open_parent(client, exp_id, sweep_key, f"sweep/{sweep_key}", {"task": task, "sweep": params["sweep"], task: params[task]})
+    if fetch:
+        parent = fetch_cells(client, exp_name, sweep_key, todo, sweep_dir)
+        exp_id = client.get_experiment_by_name(exp_name).experiment_id
+        todo = {}
+    else:
+        exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
+        parent = tracking.open_parent(client, exp_id, sweep_key, f"sweep/{sweep_key}", {"task": task, "sweep": params["sweep"], task: params[task]})
     if todo:
         run_ids = {
             cid: tracking.open_child(client, exp_id, parent, cid, cell.name, {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict()})
@@ -341,7 +464,7 @@ def run_sweep(params: dict[str, Any], task: str, root: Path) -> dict[str, Any]:
         start_ray(params)
         try:
             check_resources(params)
-            run_tuner(trial_configs(todo, params, data, sweep_dir, uri, run_ids), params, sweep_dir)
+            run_tuner(trial_configs(todo, params, data, sweep_dir, uri, run_ids), params, sweep_dir, shipped_data(data))
         finally:
             ray.shutdown()
     failed = [cells[cid].name for cid in todo if not is_done(sweep_dir, cid)]
@@ -349,13 +472,48 @@ def run_sweep(params: dict[str, Any], task: str, root: Path) -> dict[str, Any]:
         tracking.finish(client, parent, "FAILED")
         raise SweepError(f"{len(failed)} cell(s) did not finish: {', '.join(failed)}; re-run to resume them")
     summary = summarize(task, cells, sweep_dir, root)
-    summary["mlflow"] = {"tracking_uri": uri, "experiment_id": exp_id, "parent_run_id": parent}
-    # What this invocation trained goes beside Ray's storage, not into the summary.
-    last_run = json.dumps({"trained": sorted(todo), "skipped": sorted(set(cells) - set(todo))}, indent=2)
-    atomic_write(sweep_dir / "last_run.json", lambda tmp: tmp.write_text(last_run + "\n"))
-    tracking.log_metrics(client, parent, [(0, {"cells": len(cells), "trained_this_run": len(todo)})])
-    tracking.finish(client, parent)
+    summary["mlflow"] = {"tracking_uri": tracking.redact(uri), "experiment_id": exp_id, "parent_run_id": parent}
+    if not fetch:
+        # What this invocation trained goes beside Ray's storage, not into the summary.
+        last_run = json.dumps({"trained": sorted(todo), "skipped": sorted(set(cells) - set(todo))}, indent=2)
+        atomic_write(sweep_dir / "last_run.json", lambda tmp: tmp.write_text(last_run + "\n"))
+        tracking.retry(lambda: tracking.log_metrics(client, parent, [(0, {"cells": len(cells), "trained_this_run": len(todo)})]),
+                       "logging the sweep's summary")
+        tracking.finish(client, parent)
     return summary
+
+
+def fetch_cells(client, exp_name: str, sweep_key: str, todo: dict[str, Cell], sweep_dir: Path) -> str:
+    """Rebuild ``todo``'s cell directories from their MLflow child runs; return the parent id.
+
+    Every file is checked: a run that is not FINISHED, or whose ``model.pt`` does not
+    match the digest its ``done.json`` records, raises ``SweepError`` naming the cell.
+    """
+    experiment = client.get_experiment_by_name(exp_name)
+    if experiment is None:
+        raise SweepError(f"MLflow has no experiment {exp_name!r}; run the sweep first")
+    found = tracking.find_run(client, experiment.experiment_id, {tracking.TAG_SWEEP: sweep_key})
+    if found is None:
+        raise SweepError(f"MLflow has no sweep {sweep_key} (the current grid) in experiment {exp_name!r}")
+    parent = found.info.run_id
+    for cell_id, cell in todo.items():
+        run = tracking.find_run(client, experiment.experiment_id, {tracking.TAG_PARENT: parent, tracking.TAG_CELL: cell_id})
+        if run is None or run.info.status != "FINISHED":
+            state = "missing" if run is None else run.info.status
+            raise SweepError(f"cell {cell.name} is {state} in MLflow; train it first")
+        cell_dir = sweep_dir / "cells" / cell_id
+        cell_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in (MODEL, HISTORY, DONE):
+                client.download_artifacts(run.info.run_id, name, tmp)
+            done = json.loads((Path(tmp) / DONE).read_text())
+            if file_digest(Path(tmp) / MODEL) != done["checkpoint_sha256"]:
+                raise SweepError(f"cell {cell.name}: the model.pt in MLflow does not match its recorded digest")
+            for name in (MODEL, HISTORY, DONE):  # done.json last: it marks the cell finished
+                data = (Path(tmp) / name).read_bytes()
+                atomic_write(cell_dir / name, lambda out, data=data: out.write_bytes(data))
+        print(f"fetched {cell.name} from run {run.info.run_id}")
+    return parent
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -363,6 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", required=True)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="summary JSON (default results/<task>/sweep.json)")
+    parser.add_argument("--fetch", action="store_true",
+                        help="train nothing: rebuild the finished cells from the MLflow server's records")
     args = parser.parse_args(argv)
     from pipeline.cli import run_guarded
 
@@ -371,7 +531,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.task not in params["tasks"]:
             raise ValueError(f"task {args.task!r} is not listed in tasks: {params['tasks']}")
         root = project_root()
-        summary = run_sweep(params, args.task, root)
+        summary = run_sweep(params, args.task, root, fetch=args.fetch)
         out = Path(args.out or root / "results" / args.task / "sweep.json")
         text = json.dumps(summary, indent=2)
         atomic_write(out, lambda tmp: tmp.write_text(text + "\n"))

@@ -7,14 +7,23 @@ through ``MlflowClient`` (``log_batch``), with the run id they were given.
 
 Tracking URI: ``MLFLOW_TRACKING_URI`` if set (a tracking server on a cluster), else a
 SQLite file ``mlflow.db`` in the project with artifacts under ``mlartifacts/``.
+
+A tracking server can go away for a while (restart, network hiccup). Trials must keep
+training and lose nothing, so a trial logs through ``RunLogger``: metrics are buffered
+with the time they were computed, sent in batches, and kept (with a warning) while the
+server is unreachable; they go out when it is back. Steps the server already holds are
+never sent twice, which also covers a trial restarted from an older checkpoint: it
+recomputes steps after the checkpoint, and the ones already logged are skipped.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
+import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -25,8 +34,43 @@ TAG_CELL = "apg.cell_id"
 TAG_PARENT = "mlflow.parentRunId"
 
 
+# How long a trial waits, at its end, for an unreachable server before it fails (its
+# buffered metrics are then in its checkpoint's history and are re-sent by the retry).
+FLUSH_TIMEOUT_S = float(os.environ.get("APG_TRACKING_FLUSH_TIMEOUT_S", "900"))
+
+
 class TrackingError(ValueError):
     """The tracking store cannot be reached or used."""
+
+
+def is_transient(err: BaseException) -> bool:
+    """Connection failures and server-side errors: worth retrying. A 4xx is our bug."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(err, MlflowException):
+        status = err.get_http_status_code()
+        return status >= 500 or status in (408, 429)
+    return isinstance(err, (OSError, ConnectionError))
+
+
+def warn(message: str) -> None:
+    print(f"apg-pipeline: warning: {message}", file=sys.stderr, flush=True)
+
+
+def retry(call: Callable[[], Any], what: str, timeout: float = FLUSH_TIMEOUT_S) -> Any:
+    """``call()``, retried with backoff while the server is unreachable (warns once)."""
+    deadline, delay, warned = time.monotonic() + timeout, 1.0, False
+    while True:
+        try:
+            return call()
+        except Exception as err:
+            if not is_transient(err) or time.monotonic() + delay > deadline:
+                raise
+            if not warned:
+                warn(f"MLflow unreachable while {what} ({_first_line(err)}); retrying for up to {timeout:.0f} s")
+                warned = True
+            time.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
 
 def tracking_uri(root: Path) -> str:
@@ -49,7 +93,7 @@ def check_reachable(uri: str, timeout: float = 5.0) -> None:
     try:
         socket.create_connection((parsed.hostname, port), timeout=timeout).close()
     except OSError as err:
-        raise TrackingError(f"MLflow tracking server {uri} is unreachable ({err})") from None
+        raise TrackingError(f"MLflow tracking server {redact(uri)} is unreachable ({err})") from None
 
 
 def client(uri: str):
@@ -116,7 +160,104 @@ def log_metrics(mlflow_client, run_id: str, rows: Iterable[tuple[int, Mapping[st
 
 
 def finish(mlflow_client, run_id: str, status: str = "FINISHED") -> None:
-    mlflow_client.set_terminated(run_id, status=status)
+    retry(lambda: mlflow_client.set_terminated(run_id, status=status), f"ending run {run_id}")
+
+
+class RunLogger:
+    """A trial's metrics for one run: buffered, batched, retried, never sent twice.
+
+    ``log`` never raises on an unreachable server: it keeps the metrics (with the time
+    they were computed) and warns once per outage; later calls retry with backoff (1 s
+    doubling to 30 s, so a dead server costs training almost nothing). ``close`` waits
+    up to ``timeout`` seconds for everything to go out, then raises ``TrackingError``.
+
+    Before the first send it asks the server which step each metric already reached and
+    drops buffered points at or below it: a trial restarted from a checkpoint recomputes
+    (identically, on CPU) steps it had already logged, and the run keeps one point per
+    step.
+    """
+
+    def __init__(self, mlflow_client, run_id: str):
+        self.client, self.run_id = mlflow_client, run_id
+        self.pending: list[Any] = []
+        self.tags: dict[str, str] = {}
+        self.sent_steps: dict[str, int] | None = None
+        self.sent = self.dropped = 0
+        self._next_try, self._delay, self._down_since = 0.0, 1.0, None
+
+    def log(self, step: int, values: Mapping[str, float], timestamp_ms: int | None = None) -> bool:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000) if timestamp_ms is None else timestamp_ms
+        self.pending += [Metric(k, float(v), now, int(step)) for k, v in values.items()]
+        return self.flush()
+
+    def set_tag(self, key: str, value: str) -> bool:
+        self.tags[key] = str(value)[:5000]
+        return self.flush()
+
+    def flush(self, force: bool = False) -> bool:
+        """Try to send what is buffered; True when nothing is left."""
+        if not self.pending and not self.tags:
+            return True
+        if not force and time.monotonic() < self._next_try:
+            return False
+        try:
+            self._send()
+        except Exception as err:
+            if not is_transient(err):
+                raise
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                warn(f"MLflow unreachable for run {self.run_id} ({_first_line(err)}); "
+                     f"buffering metrics and retrying")
+            self._next_try = time.monotonic() + self._delay
+            self._delay = min(self._delay * 2, 30.0)
+            return False
+        if self._down_since is not None:
+            warn(f"MLflow reachable again for run {self.run_id} after "
+                 f"{time.monotonic() - self._down_since:.0f} s; buffered metrics sent")
+        self._down_since, self._delay, self._next_try = None, 1.0, 0.0
+        return True
+
+    def _send(self) -> None:
+        from mlflow.entities import RunTag
+
+        if self.sent_steps is None:
+            run = self.client.get_run(self.run_id)
+            self.sent_steps = {key: max(m.step for m in self.client.get_metric_history(self.run_id, key))
+                               for key in run.data.metrics}
+        fresh = [m for m in self.pending if m.step > self.sent_steps.get(m.key, -1)]
+        self.dropped += len(self.pending) - len(fresh)
+        if self.tags:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in self.tags.items()])
+            self.tags = {}
+        for start in range(0, len(fresh), 1000):  # log_batch takes at most 1000 metrics
+            batch = fresh[start : start + 1000]
+            self.client.log_batch(self.run_id, metrics=batch)
+            for m in batch:
+                self.sent_steps[m.key] = max(m.step, self.sent_steps.get(m.key, -1))
+            self.sent += len(batch)
+        self.pending = []
+
+    def close(self, timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """Send everything, waiting up to ``timeout`` s for the server; else raise."""
+        deadline = time.monotonic() + timeout
+        while not self.flush(force=True):
+            if time.monotonic() > deadline:
+                raise TrackingError(f"MLflow server unreachable for {timeout:.0f} s; "
+                                    f"{len(self.pending)} metric points of run {self.run_id} not sent")
+            time.sleep(min(self._delay, max(0.0, deadline - time.monotonic()), 30.0))
+
+
+def redact(text: str) -> str:
+    """Hide ``user:password@`` in URIs, so credentials never reach logs or summaries."""
+    return re.sub(r"//[^/@\s]+@", "//***@", text)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return redact(text.splitlines()[0][:200]) if text else type(err).__name__
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,0 +1,165 @@
+"""Pipeline features that tasks beyond the GMM need: several held-out sets per task with
+their own sizes and proposal-network overrides, compact frame storage, reproducible data
+files, reconstructions in the samples, and Figure 4 (MSE versus sweeps per (T, D) set).
+
+The slow test runs ``dvc repro`` on a tiny Bouncing MNIST configuration; it needs the MNIST
+IDX files (``APG_MNIST_DIR``, else ``../shared/data/mnist``) and is skipped without them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_pipeline import REPO, TINY, make_repo, run
+
+from pipeline.common import with_network
+from pipeline.config import ParamsError, evaluation_sets, validate_params
+from pipeline.generate import generate
+
+MNIST_DIR = Path(os.environ.get("APG_MNIST_DIR") or REPO.parent / "shared" / "data" / "mnist")
+HAVE_MNIST = (MNIST_DIR / "train-images-idx3-ubyte.gz").is_file() or (MNIST_DIR / "train-images-idx3-ubyte").is_file()
+
+
+def bmnist_section(sets: list[tuple[int, int]]) -> dict:
+    """A tiny Bouncing MNIST section: 2-frame training videos of 1 digit, a few seconds of training."""
+    return {
+        "model": {},
+        "network": {"num_digits": 1},
+        "data": {
+            "x_dtype": "float16",
+            "train": {"num_datasets": 6, "seed": 21, "sizes": {"num_frames": 2, "num_digits": 1, "split": "train"}},
+            "tests": [
+                {"name": f"T{t}_D{d}", "num_datasets": 2, "seed": 30 + i,
+                 "sizes": {"num_frames": t, "num_digits": d, "split": "test"}, "network": {"num_digits": d}}
+                for i, (t, d) in enumerate(sets)
+            ],
+            "figures": [{"num_datasets": 1, "seed": 40, "sizes": {"num_frames": 3, "num_digits": 2, "split": "test"},
+                         "network": {"num_digits": 2}}],
+        },
+        "train": {"batch_size": 2, "iterations": 4, "lr": 0.001, "resample_mode": "block", "resampler": "systematic"},
+        "grid": [{"methods": ["apg", "rws-mlp"], "pairs": [[2, 2]], "seeds": [0]}],
+        "evaluate": {"batch_size": 2, "resample_mode": "block", "seed": 0, "pairs": [[3, 2]],
+                     "baseline": "rws-mlp", "figure_sweeps": [1, 2], "figure_particles": 2},
+    }
+
+
+# --------------------------------------------------------------------------- fast
+
+
+def test_single_test_set_keeps_its_file_and_name():
+    sets = evaluation_sets(TINY["gmm"])
+    assert [(s["name"], s["stem"], s["kind"]) for s in sets] == [("test", "test", "test"), ("figure_0", "figure_0", "figure")]
+
+
+def test_named_test_sets_and_overrides_are_checked():
+    params = copy.deepcopy(TINY)
+    params["gmm"]["data"]["tests"] = [{"name": "N30", "num_datasets": 2, "seed": 5, "sizes": {"num_points": 30}}]
+    validate_params(params)
+    assert [s["stem"] for s in evaluation_sets(params["gmm"])] == ["test", "test_N30", "figure_0"]
+    for change, expected in (
+        ({"name": "test"}, "duplicate test set name"),
+        ({"name": "a/b"}, "gmm.data.tests[0].name"),
+        ({"network": {"nope": 1}}, "gmm.data.tests[0].network"),
+    ):
+        bad = copy.deepcopy(params)
+        bad["gmm"]["data"]["tests"][0].update(change)
+        with pytest.raises(ParamsError, match=expected.replace("[", r"\[").replace("]", r"\]")):
+            validate_params(bad)
+    bad = copy.deepcopy(params)
+    bad["gmm"]["data"]["x_dtype"] = "int8"
+    with pytest.raises(ParamsError, match="gmm.data.x_dtype"):
+        validate_params(bad)
+
+
+def test_generate_is_byte_reproducible_and_stores_compact_x(tmp_path):
+    params = copy.deepcopy(TINY)
+    params["gmm"]["data"]["x_dtype"] = "float16"
+    first = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in generate("gmm", params, tmp_path / "a")}
+    second = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in generate("gmm", params, tmp_path / "b")}
+    assert first == second and set(first) == {"train.npz", "test.npz", "figure_0.npz"}
+    with np.load(tmp_path / "a" / "train.npz") as archive:
+        assert archive["x"].dtype == np.float16
+
+
+def test_network_overrides_load_the_trained_weights():
+    from apg.training import TrainConfig, build
+
+    cfg = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3, network={"hidden": 8}).validate()
+    model, proposals = build(cfg)
+    same_cfg, same = with_network(cfg, model, proposals, {"hidden": 8})
+    assert same is proposals and same_cfg is cfg
+    with pytest.raises(ValueError, match="change the trained weights' shapes"):
+        with_network(cfg, model, proposals, {"hidden": 16})
+
+
+# --------------------------------------------------------------------------- slow
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_MNIST, reason=f"MNIST IDX files not found in {MNIST_DIR} (set APG_MNIST_DIR)")
+def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
+    monkeypatch.setenv("APG_MNIST_DIR", str(MNIST_DIR.resolve()))
+    sets = [(2, 1), (3, 2)]
+    params = copy.deepcopy(TINY)
+    params["tasks"] = ["bmnist"]
+    del params["gmm"]
+    params["bmnist"] = bmnist_section(sets)
+    root = make_repo(tmp_path, params)
+    out = run(["dvc", "repro"], root)
+    for stage in ("generate@bmnist", "sweep@bmnist", "evaluate@bmnist", "report"):
+        assert f"Running stage '{stage}'" in out.stdout
+
+    with np.load(root / "data" / "bmnist" / "test_T3_D2.npz") as archive:
+        assert archive["x"].shape == (2, 3, 96, 96) and archive["x"].dtype == np.float16
+    metrics = pd.read_parquet(root / "results" / "eval" / "bmnist" / "metrics.parquet")
+    mse = metrics[metrics["metric"] == "mse"]
+    assert sorted(set(mse["test_set"])) == ["T2_D1", "T3_D2"]
+    for (name, method), group in mse.groupby(["test_set", "method"]):
+        assert group["value"].map(math.isfinite).all(), (name, method)
+        assert sorted(set(group["sweep"])) == ([1, 2, 3] if method == "apg" else [1]), (name, method)
+        assert json.loads(group["test_sizes"].iloc[0])["num_frames"] == int(name[1])
+    meta = json.loads((root / "results" / "eval" / "bmnist" / "meta.json").read_text())
+    assert [s["name"] for s in meta["test_sets"]] == ["T2_D1", "T3_D2"]
+    assert meta["test_sets"][1]["network"] == {"num_digits": 2}
+
+    reports = root / "reports"
+    for name in ("figures/bmnist_mse.png", "figures/bmnist_samples.png", "figures/bmnist_samples.gif",
+                 "tables/bmnist_mse.csv", "tables/bmnist_table1.md"):
+        assert (reports / name).is_file(), name
+    table = pd.read_csv(reports / "tables" / "bmnist_mse.csv")
+    assert sorted(set(table["test_set"])) == ["T2_D1", "T3_D2"]
+    assert table["mean"].map(math.isfinite).all()
+    readme = (reports / "README.md").read_text()
+    assert "Figure 4" in readme and "tiny test" in readme
+    headline = json.loads((reports / "metrics.json").read_text())["bmnist"]
+    assert math.isfinite(headline["apg/K3/L2"]["mse_T3_D2"])
+
+
+def test_figure_samples_carry_reconstructions_only_for_small_data():
+    from apg.tasks import get_task
+    from apg.training import TrainConfig, build
+    from pipeline.evaluate import best_particles
+
+    cfg = TrainConfig(task="dgmm", method="apg", sweeps=2, particles=3).validate()
+    model, proposals = build(cfg)
+    x = get_task("dgmm").simulate(model, 2, torch.Generator().manual_seed(0), num_points=20)["x"].float()
+    best = best_particles(cfg, model, proposals, x, [1, 2], 3)
+    assert sorted(best) == [1, 2]
+    assert best[2]["recon"].shape == tuple(x.shape)  # the rings pictures draw the learned ring
+    assert best[2]["mu"].shape[0] == 2
+
+    cfg = TrainConfig(task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}).validate()
+    model, proposals = build(cfg)
+    video = torch.zeros(1, 3, 96, 96)  # 27,648 numbers: above RECON_MAX_ELEMENTS
+    video[0, :, 10:30, 10:30] = 1.0
+    best = best_particles(cfg, model, proposals, video, [2], 2)
+    assert "recon" not in best[2] and best[2]["z_where_2"].shape == (1, 1, 2)
