@@ -112,7 +112,9 @@ class Trainer:
         # learn (exact Gibbs on a model without parameters) gets no optimizer: its steps
         # still run the sampler and report metrics, but take no gradient.
         self.optimizer = torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.99)) if params else None
-        self.train_x = train_x.to(self.device, torch.get_default_dtype())
+        # Kept in its stored dtype and cast per batch: a float16 video set at paper scale
+        # would double in size if cast whole.
+        self.train_x = train_x.to(self.device)
         self.iteration = 0
         self._order = torch.randperm(len(self.train_x))
         self._cursor = 0
@@ -123,7 +125,7 @@ class Trainer:
             self._order, self._cursor = torch.randperm(len(self.train_x)), 0
         idx = self._order[self._cursor : self._cursor + size]
         self._cursor += size
-        return self.train_x[idx.to(self.device)]
+        return self.train_x[idx.to(self.device)].to(torch.get_default_dtype())
 
     def step(self) -> dict[str, float]:
         """One gradient step; returns scalar metrics of the final sweep."""
@@ -202,9 +204,10 @@ def evaluate(
     task = get_task(cfg.task)
     method = make_method(cfg)
     exact = task.exact_gibbs(model) if task.exact_gibbs is not None and method.kernels else None
+    device = next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
     chunks: dict[str, list[np.ndarray]] = {}
     for start in range(0, len(x), batch_size):
-        xb = x[start : start + batch_size]
+        xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
         mse: list[Tensor] = []
         collectors = []
         if task.reconstruct is not None:
