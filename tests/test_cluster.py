@@ -28,62 +28,32 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_pipeline import tiny
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 TIMING = ("it_per_s", "step_seconds")  # wall-clock metrics: differ between runs
 
-PARAMS = {
-    "tasks": ["gmm"],
-    "sweep": {
-        "ray_address": None,
-        "num_cpus": 2,  # local mode only (the determinism comparison)
-        "cpus_per_trial": 1,
-        "gpus_per_trial": 0,
-        "max_concurrent": 0,
-        "max_failures": 2,
-        "checkpoint_every": 4,
-        "log_every": 2,
-        "torch_threads": 1,
-        "storage": "results/sweeps",
-    },
-    "tracking": {"experiment": "apg-cluster-test"},
-    "report": {"out": "reports", "figure_format": "png", "scale": "cluster test"},
-    "gmm": {
-        "model": {},
-        "network": {"hidden": 8},
-        "data": {
-            "train": {"num_datasets": 16, "seed": 1, "sizes": {"num_points": 15}},
-            "test": {"num_datasets": 3, "seed": 2, "sizes": {"num_points": 15}},
-            "figures": [{"num_datasets": 1, "seed": 3, "sizes": {"num_points": 30}}],
-        },
-        "train": {"batch_size": 4, "iterations": 24, "lr": 0.01, "resample_mode": "block", "resampler": "systematic"},
-        "grid": [{"methods": ["apg", "rws-mlp", "rws-lstm"], "pairs": [[2, 3]], "seeds": [0]}],
-        "evaluate": {
-            "batch_size": 4,
-            "resample_mode": "block",
-            "seed": 0,
-            "pairs": [[2, 3]],
-            "budget": {"total": 6, "sweeps": [1, 3]},
-            "baseline": "rws-mlp",
-            "figure_sweeps": [1, 2],
-            "figure_particles": 3,
-        },
-    },
+# The pipeline tests' tiny params, with longer training, three methods and one budget.
+CLUSTER_CHANGES = {
+    "sweep.max_failures": 2,
+    "tracking.experiment": "apg-cluster-test",
+    "report.scale": "cluster test",
+    "gmm.train.iterations": 24,
+    "gmm.grid": [{"methods": ["apg", "rws-mlp", "rws-lstm"], "pairs": [[2, 3]], "seeds": [0]}],
+    "gmm.evaluate.pairs": [[2, 3]],
 }
 FAULT_CELL, FAULT_ITERATION = "gmm/apg/K2/L3/seed0", 7  # after the checkpoint at 4 and the log at 6
 
 
 def params(**changes) -> dict:
-    out = copy.deepcopy(PARAMS)
-    for dotted, value in changes.items():
-        *parents, leaf = dotted.split(".")
-        node = out
-        for key in parents:
-            node = node[int(key)] if isinstance(node, list) else node[key]
-        node[leaf] = value
-    return out
+    """The cluster tests' params with ``changes`` given as dotted keys."""
+    # Deep-copied: a test that changes e.g. gmm.grid.0.methods must not edit CLUSTER_CHANGES.
+    return tiny(**copy.deepcopy({**CLUSTER_CHANGES, **changes}))
+
+
+PARAMS = params()
 
 
 def free_port() -> int:
