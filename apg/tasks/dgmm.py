@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
-from apg.distributions import sample_categorical
+from apg.distributions import log_softmax_short, sample_categorical, softmax_short
 from apg.nn import PointFeatures, pairwise_tanh_linear
 
 TWO_PI = 2.0 * math.pi
@@ -242,7 +242,7 @@ class LocalProposal:
     """
 
     def __init__(self, logits: Tensor, direction: Tensor, raw_concentration: Tensor):
-        self.log_pi = torch.log_softmax(logits, -1)
+        self.log_pi = log_softmax_short(logits)
         self.direction, self.raw = direction, raw_concentration
 
     def sample(self) -> Latents:
@@ -300,7 +300,7 @@ class CentreEncoder(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         h = self.features(x / self.cfg.sigma0)  # O(1) inputs for the tanh units
         offset, raw = self.stat(h).chunk(2, -1)
-        gamma = torch.softmax(self.resp(h), -1)
+        gamma = softmax_short(self.resp(h))
         return pool_per_cluster(gamma, x + offset, torch.exp(raw), self.cfg.sigma0**-2)
 
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributions import Gamma, Normal
 
 from apg.blocks import Latents, Model, Proposals, TaskSpec
-from apg.distributions import CategoricalBlock
+from apg.distributions import CategoricalBlock, softmax_short
 from apg.nn import PointFeatures, pairwise_tanh_linear
 
 
@@ -219,7 +219,7 @@ class GlobalsProposal(nn.Module):
 
     def forward(self, u: Tensor) -> NormalGamma:
         h = self.features(u)
-        return normal_gamma_posterior(self.cfg, torch.softmax(self.resp(h), -1), self.stat(h))
+        return normal_gamma_posterior(self.cfg, softmax_short(self.resp(h)), self.stat(h))
 
 
 class AssignmentProposal(nn.Module):
