@@ -102,6 +102,18 @@ class Model(nn.Module):
         """
         return self.log_joint(x, z)
 
+    def log_joint_change(
+        self, block: str, x: Tensor, z_old: Mapping[str, Tensor], z_new: Mapping[str, Tensor]
+    ) -> Tensor:
+        """``log p(x, z_new) - log p(x, z_old)`` for values that differ only in ``block``, ``(L, B)``.
+
+        The sampler needs only this difference (eq. 9 and the running log joint). The
+        default is the difference of the two blankets; a model whose two blankets share
+        an expensive term (a network of latents the block does not contain) overrides it
+        to compute that term once.
+        """
+        return self.log_blanket(block, x, z_new) - self.log_blanket(block, x, z_old)
+
 
 class Proposals(nn.Module):
     """Base class of a task's inference networks for one architecture.
@@ -130,9 +142,7 @@ class Proposals(nn.Module):
 def check_particles(name: str, t: Tensor, num_particles: int, batch: int) -> None:
     """Raise ``ValueError`` naming the tensor unless it is shaped ``(L, B, ...)``."""
     if t.dim() < 2 or t.shape[0] != num_particles or t.shape[1] != batch:
-        raise ValueError(
-            f"{name} must be shaped (L={num_particles}, B={batch}, ...), got {tuple(t.shape)}"
-        )
+        raise ValueError(f"{name} must be shaped (L={num_particles}, B={batch}, ...), got {tuple(t.shape)}")
 
 
 class TaskSpec(NamedTuple):

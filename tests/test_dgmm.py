@@ -103,9 +103,7 @@ def test_likelihood_and_joint_by_hand(f64):
     g0 = torch.tensor([1.0 + 0.3, -0.2])  # at alpha = 0
     g1 = torch.tensor([math.cos(math.pi / 2) + 0.3, -0.2])
     m0, m1 = torch.tensor([0.5, 1.0]) + g0, torch.tensor([-2.0, 0.0]) + g1
-    by_hand_ll = sum(
-        Normal(m, 0.5).log_prob(xi).sum() for m, xi in ((m0, x[0, 0]), (m1, x[0, 1]))
-    )
+    by_hand_ll = sum(Normal(m, 0.5).log_prob(xi).sum() for m, xi in ((m0, x[0, 0]), (m1, x[0, 1])))
     ll = model.log_likelihood(x, z)
     assert ll.shape == (1, 1)
     assert torch.allclose(ll, by_hand_ll.reshape(1, 1), atol=1e-6)
@@ -128,6 +126,7 @@ def test_blanket_differences_equal_joint_differences(f64, block):
     d_joint = model.log_joint(x, mixed) - model.log_joint(x, z_old)
     assert d_blanket.shape == (4, 3)
     assert torch.allclose(d_blanket, d_joint, rtol=1e-12, atol=1e-8)
+    assert torch.allclose(model.log_joint_change(block, x, z_old, mixed), d_joint, rtol=1e-12, atol=1e-8)
     assert d_joint.abs().min() > 0  # the test moved something
 
 
@@ -171,7 +170,9 @@ def test_von_mises_sampler_matches_its_density():
     # The density integrates to one over a period, also for a large concentration.
     grid = torch.linspace(0, TWO_PI, 200001, dtype=torch.float64)
     for k in (0.05, 2.0, 500.0):
-        dens = von_mises_log_prob(grid, torch.tensor(1.0, dtype=torch.float64), torch.tensor(k, dtype=torch.float64)).exp()
+        dens = von_mises_log_prob(
+            grid, torch.tensor(1.0, dtype=torch.float64), torch.tensor(k, dtype=torch.float64)
+        ).exp()
         assert abs(float(torch.trapezoid(dens, grid)) - 1.0) < 1e-6
     ref = torch.distributions.VonMises(loc, conc).log_prob(s[:5])
     assert torch.allclose(von_mises_log_prob(s[:5], loc, conc), ref, atol=1e-4)
@@ -182,7 +183,11 @@ def test_von_mises_draws_stay_inside_the_prior_support_in_float32():
     s = sample_von_mises(torch.zeros(200000), torch.full((200000,), 1e4))
     assert s.dtype == torch.float32 and bool((s < TWO_PI).all()) and bool((s >= 0).all())
     model = build_model()
-    z = {"mu": torch.zeros(1, 1, 4, 2), "c": torch.zeros(1, 1, 200000, dtype=torch.long), "alpha": s.view(1, 1, -1)}
+    z = {
+        "mu": torch.zeros(1, 1, 4, 2),
+        "c": torch.zeros(1, 1, 200000, dtype=torch.long),
+        "alpha": s.view(1, 1, -1),
+    }
     assert torch.isfinite(model.log_prior_local(torch.zeros(1, 200000, 2), z)).all()
     with pytest.raises(ValueError, match="finite"):
         sample_von_mises(torch.zeros(3), torch.tensor([1.0, float("nan"), 2.0]))
@@ -205,7 +210,9 @@ def test_local_proposal_scores_each_angle_under_its_own_assignment():
                 u = direction[p, b, n, i]
                 conc = torch.nn.functional.softplus(raw[p, b, n, i]) + 1e-3
                 vm = torch.distributions.VonMises(torch.atan2(u[1], u[0]), conc)
-                by_hand[p, b] += torch.log_softmax(logits[p, b, n], -1)[i] + vm.log_prob(old["alpha"][p, b, n])
+                by_hand[p, b] += torch.log_softmax(logits[p, b, n], -1)[i] + vm.log_prob(
+                    old["alpha"][p, b, n]
+                )
     assert torch.allclose(q.log_prob(old), by_hand, atol=1e-4)
 
 
@@ -270,10 +277,12 @@ def _prior_local(model):
     def kernel(x, z):
         shape = z["c"].shape
         i = model.cfg.num_clusters
-        return Factorized({
-            "c": (Categorical(logits=torch.zeros(*shape, i)), 1),
-            "alpha": (Uniform(torch.zeros(shape), torch.full(shape, TWO_PI)), 1),
-        })
+        return Factorized(
+            {
+                "c": (Categorical(logits=torch.zeros(*shape, i)), 1),
+                "alpha": (Uniform(torch.zeros(shape), torch.full(shape, TWO_PI)), 1),
+            }
+        )
 
     return kernel
 
@@ -357,8 +366,12 @@ def test_apg_loss_reaches_model_and_every_proposal_network():
     model, data = _data(num_datasets=2, num_points=30)
     proposals = build_proposals(model, "apg")
     apg_loss(run_apg(model, proposals, data["x"].float(), 3, 4)).backward()
-    for name, module in (("model", model), ("encoder", proposals.encoder),
-                         ("kernel", proposals.centre_kernel), ("local", proposals.local)):
+    for name, module in (
+        ("model", model),
+        ("encoder", proposals.encoder),
+        ("kernel", proposals.centre_kernel),
+        ("local", proposals.local),
+    ):
         grads = [p.grad for p in module.parameters() if p.grad is not None]
         assert grads and any(g.abs().sum() > 0 for g in grads), name
 
@@ -407,7 +420,9 @@ def test_short_training_improves_inference_and_learns_a_ring():
     model = build_model()
     train = simulate(model, 200, torch.Generator().manual_seed(1), num_points=60)["x"].float()
     test = simulate(model, 10, torch.Generator().manual_seed(2), num_points=60)["x"].float()
-    cfg = TrainConfig(task="dgmm", method="apg", sweeps=5, particles=10, batch_size=10, iterations=200, lr=3e-3)
+    cfg = TrainConfig(
+        task="dgmm", method="apg", sweeps=5, particles=10, batch_size=10, iterations=200, lr=3e-3
+    )
     trainer = Trainer(cfg, train)
 
     def held_out():

@@ -113,17 +113,18 @@ class DGMM(Model):
         """The learned ring shape ``g_theta(alpha)``, ``(...,) -> (..., 2)``."""
         return self.shape_net(angle_features(alpha))
 
-    def mean(self, z: Mapping[str, Tensor]) -> Tensor:
-        """Mean of ``p(x_n | ...)``: ``mu_{c_n} + g_theta(alpha_n)``, ``(L, B, N, 2)``."""
+    def mean(self, z: Mapping[str, Tensor], shape: Tensor | None = None) -> Tensor:
+        """Mean of ``p(x_n | ...)``: ``mu_{c_n} + g_theta(alpha_n)``, ``(L, B, N, 2)``;
+        ``shape`` is ``g_theta(alpha)`` when the caller already has it."""
         mu, c = z["mu"], z["c"]
         index = c.unsqueeze(-1).expand(*c.shape, DATA_DIM)
-        return mu.gather(-2, index) + self.g(z["alpha"])
+        return mu.gather(-2, index) + (self.g(z["alpha"]) if shape is None else shape)
 
-    def log_likelihood(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+    def log_likelihood(self, x: Tensor, z: Mapping[str, Tensor], shape: Tensor | None = None) -> Tensor:
         """``sum_n log N(x_n; mu_{c_n} + g(alpha_n), sigma_eps^2 I)``, ``(L, B)``."""
         if x.dim() != 3 or x.shape[-1] != DATA_DIM:
             raise ValueError(f"x must be shaped (B, N, 2), got {tuple(x.shape)}")
-        sq = ((x - self.mean(z)) ** 2).sum((-2, -1))
+        sq = ((x - self.mean(z, shape)) ** 2).sum((-2, -1))
         size = x.shape[-2] * DATA_DIM
         s = self.cfg.noise
         return -0.5 * sq / s**2 - size * (math.log(s) + 0.5 * math.log(TWO_PI))
@@ -153,6 +154,16 @@ class DGMM(Model):
         if block == "local":
             return self.log_prior_local(x, z) + self.log_likelihood(x, z)
         raise ValueError(f"unknown block {block!r}; the model has {list(self.blocks)}")
+
+    def log_joint_change(
+        self, block: str, x: Tensor, z_old: Mapping[str, Tensor], z_new: Mapping[str, Tensor]
+    ) -> Tensor:
+        if block != "mu":
+            return super().log_joint_change(block, x, z_old, z_new)
+        # Moving the centres leaves the angles alone: one g_theta(alpha) serves both sides.
+        shape = self.g(z_old["alpha"])
+        new = self.log_prior_mu(z_new["mu"]) + self.log_likelihood(x, z_new, shape)
+        return new - (self.log_prior_mu(z_old["mu"]) + self.log_likelihood(x, z_old, shape))
 
 
 def simulate_rings(
@@ -314,7 +325,11 @@ class CentreKernel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.net = nn.Sequential(
-            nn.Linear(2, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * DATA_DIM)
+            nn.Linear(2, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, 2 * DATA_DIM),
         )
         with torch.no_grad():
             self.net[-1].bias[DATA_DIM:] = -2.0 * math.log(cfg.noise)
@@ -429,7 +444,12 @@ def simulate(
     ``p_theta``, whose shape is learned."""
     cfg = model.cfg
     return simulate_rings(
-        num_datasets, num_points, generator, cfg.num_clusters, cfg.sigma0, radius,
+        num_datasets,
+        num_points,
+        generator,
+        cfg.num_clusters,
+        cfg.sigma0,
+        radius,
         cfg.noise if noise is None else noise,
     )
 
