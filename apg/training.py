@@ -151,6 +151,8 @@ class Trainer:
             "log_joint": last.log_joint.mean().item(),
             "ess": last.ess.mean().item(),
             "log_evidence": last.log_evidence.mean().item(),
+            # the method's own diagnostics, e.g. HMC-RWS's acceptance rate ``accept``
+            **{k: v.float().mean().item() for k, v in self.method.diagnostics(result).items()},
             "step_seconds": time.perf_counter() - start,
         }
 
@@ -196,10 +198,12 @@ def evaluate(
 
     Returns per-dataset metrics: curves over sweeps shaped ``(K, M)`` (``log_joint``,
     ``ess``, ``log_evidence``, ``ess_<block>``, and ``mse`` when the task can
-    reconstruct) and final-particle metrics shaped ``(M,)``: ``kl_<block>`` when the task
-    has exact conditionals and the method has kernels, and ``log_evidence_is``, the
-    importance-sampled ``log p(x)`` from the method's initial proposal (encoder) with the
-    same budget of ``sweeps * particles`` samples (Rezende et al. 2014, appendix E).
+    reconstruct, ``model_evals`` when the method counts its compute: cumulative likelihood
+    evaluations per dataset, ``Method.model_evaluations``) and final-particle metrics shaped
+    ``(M,)``: ``kl_<block>`` when the task has exact conditionals and the method has
+    kernels, ``log_evidence_is``, the importance-sampled ``log p(x)`` from the method's
+    initial proposal (encoder) with the same budget of ``sweeps * particles`` samples
+    (Rezende et al. 2014, appendix E), and the method's own diagnostics (HMC-RWS: ``accept``).
     """
     task = get_task(cfg.task)
     method = make_method(cfg)
@@ -216,6 +220,10 @@ def evaluate(
         out = {k: torch.stack(v) for k, v in sweep_curves(result).items()}
         if mse:
             out["mse"] = torch.stack(mse)
+        evals = method.model_evaluations(sweeps, particles)
+        if evals is not None:
+            out["model_evals"] = torch.tensor(evals, dtype=torch.float64)[:, None].expand(-1, xb.shape[0])
+        out.update(method.diagnostics(result))
         if exact is not None and len(result.sweeps) > 1:
             for block, names in model.blocks.items():
                 out[f"kl_{block}"] = inclusive_kl(exact, proposals, block, names, xb, result.z, result.log_weights)

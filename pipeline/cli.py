@@ -16,11 +16,13 @@ Subcommands::
   (the checkpoint's training config);
 - per-sweep lists of length K: ``log_joint``, ``ess`` (ESS/L, eq. 11), ``log_evidence``,
   ``ess_<block>`` for every block (methods with block kernels), ``mse`` (tasks that
-  reconstruct);
+  reconstruct), ``model_evals`` (cumulative likelihood evaluations per dataset, methods
+  that count them);
 - final numbers: ``kl_<block>`` (inclusive KL to the exact conditional, eq. 4; tasks with
   exact Gibbs conditionals, methods with kernels and K > 1).
 - ``log_evidence_is``: importance-sampled ``log p(x)`` from the method's encoder with
-  K*L samples (Rezende et al. 2014, appendix E), for every method.
+  K*L samples (Rezende et al. 2014, appendix E), for every method; ``accept``: HMC-RWS's
+  Metropolis acceptance rate.
 
 Bad input (shapes, non-finite data, K < 1, L < 2, unknown task or method, missing or
 corrupt files, an invalid params file) ends with one line ``apg-pipeline: error: ...`` and

@@ -6,16 +6,23 @@
 - ``README.md``: the index, with every table and figure and the scale it was made at;
 - ``tables/<task>_table1.{md,csv}``: Table 1 (our numbers, the paper's beside them);
 - ``tables/<task>_methods.{md,csv}``: every method at the same sample budgets K*L: held-out
-  log joint, ESS/L and both log-evidence estimates, mean and std over seeds, with the
-  cell ids and MLflow run ids each number comes from;
+  log joint, ESS/L, both log-evidence estimates and HMC's acceptance rate, mean and std
+  over seeds, with the cell ids and MLflow run ids each number comes from;
 - ``figures/<task>_budget.png``: Figure 2, log joint and ESS/L versus K at K*L fixed;
 - ``figures/<task>_sweeps.png``: convergence versus sweeps; ``<task>_training.png``;
+- ``figures/<task>_methods_sweeps.png``: every method's held-out log joint versus sweeps
+  (when several methods run sweeps: APG and the companion-paper samplers on the GMM);
+- ``figures/<task>_kl.png``: inclusive KL of the block kernels to the exact Gibbs
+  conditionals, per block (tasks with exact conditionals);
+- ``figures/<task>_compute.png``: reconstruction MSE versus compute (likelihood
+  evaluations per dataset, ``Method.model_evaluations``), per held-out set;
 - ``figures/<task>_samples.png``: Figure-1-style pictures (the task's ``draw`` hook),
   and ``<task>_samples.gif`` when the task has an ``animate`` hook;
 - ``metrics.json``: headline numbers for ``dvc metrics show`` / ``dvc exp show``.
 
 Every number is a mean over seeds and held-out datasets; ``std`` columns and shaded
-bands are the standard deviation over the same (seed, dataset) pairs.
+bands are the standard deviation over the same (seed, dataset) pairs (the methods-sweeps
+figure shades the standard error instead, and says so).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only; no display on servers and CI
 
@@ -101,6 +109,7 @@ def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | No
     pairs = {tuple(p) for p in meta["pairs"]}
     fin = finals(frame)
     fin = fin[[(k, l) in pairs for k, l in zip(fin["K"], fin["L"], strict=False)]]
+    fin = average_indexed_blocks(fin[~fin["metric"].isin(NOT_IN_TABLE1)])
     baseline = meta.get("baseline")
     lj = fin[fin["metric"] == "log_joint"]
     base = lj[lj["method"] == baseline].groupby(["K", "L", "dataset"])["value"].mean().rename("base")
@@ -120,6 +129,25 @@ def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | No
     table = table.reset_index()
     rank = {m: i for i, m in enumerate([baseline, *sorted(set(table["method"]) - {baseline})])}
     return table.sort_values(["method", "K", "L"], key=lambda s: s.map(rank) if s.name == "method" else s).reset_index(drop=True)
+
+
+# In the methods table (accept) and the compute figure (model_evals) instead.
+NOT_IN_TABLE1 = ("model_evals", "accept")
+INDEXED_BLOCK = r"^(ess|kl)_(.+)_(\d+)$"
+
+
+def average_indexed_blocks(fin: pd.DataFrame) -> pd.DataFrame:
+    """Per-block metrics of numbered blocks (``ess_where_1 .. ess_where_T``: one block per
+    video frame) averaged over the index into one metric ``ess_where_t`` per (cell, K, L,
+    dataset), so Table 1 keeps one column per kind of block whatever T is."""
+    parts = fin["metric"].str.extract(INDEXED_BLOCK)
+    indexed = parts[0].notna()
+    if not indexed.any():
+        return fin
+    sub = fin[indexed].assign(metric=parts[0][indexed] + "_" + parts[1][indexed] + "_t")
+    keys = [c for c in fin.columns if c not in ("value", "sweep")]
+    averaged = sub.groupby(keys, dropna=False)[["value", "sweep"]].agg({"value": "mean", "sweep": "max"}).reset_index()
+    return pd.concat([fin[~indexed], averaged[fin.columns]], ignore_index=True)
 
 
 def metric_order(metrics: list[str]) -> list[str]:
@@ -163,6 +191,9 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
 
 
 def _label(metric: str, labels: dict[str, str] | None) -> str:
+    if metric.startswith(("ess_", "kl_")) and metric.endswith("_t"):
+        kind, block = metric[: metric.index("_")], metric[metric.index("_") + 1 :]
+        return f"{kind} {block} (mean over t)"
     for prefix in ("ess_", "kl_"):
         if metric.startswith(prefix) and labels and metric[len(prefix):] in labels:
             return f"{prefix.rstrip('_')} {labels[metric[len(prefix):]]}"
@@ -182,7 +213,7 @@ def _pm(mean: Any, std: Any) -> str:
 
 # --------------------------------------------------------------------------- method comparison
 
-COMPARISON_METRICS = ("log_joint", "ess", "log_evidence", "log_evidence_is")
+COMPARISON_METRICS = ("log_joint", "ess", "log_evidence", "log_evidence_is", "accept")
 
 
 def comparison_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
@@ -216,7 +247,8 @@ def comparison_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
 
 
 def comparison_markdown(table: pd.DataFrame) -> str:
-    labels = {"log_joint": "log p(x,z)", "ess": "ESS/L", "log_evidence": "log p(x) SMC", "log_evidence_is": "log p(x) IS"}
+    labels = {"log_joint": "log p(x,z)", "ess": "ESS/L", "log_evidence": "log p(x) SMC", "log_evidence_is": "log p(x) IS",
+              "accept": "HMC accept"}
     metrics = [m for m in COMPARISON_METRICS if m in table]
     header = ["K×L", "method", "K", "L", *(labels[m] for m in metrics), "seeds", "cells (MLflow runs)"]
     rows = [header, ["---"] * len(header)]
@@ -310,6 +342,111 @@ def mse_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Pa
     axes[0, 0].set_ylabel("reconstruction MSE per pixel")
     axes[0, 0].legend(fontsize=7, title="test set", title_fontsize=7)
     fig.suptitle(f"Reconstruction MSE versus sweeps, per held-out set (Figure 4; K={k_max}, L={l_at})")
+    _save(fig, path, caption)
+    return True
+
+
+def methods_sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path) -> bool:
+    """Held-out log joint versus sweep for every method, one panel per evaluation pair
+    (K, L); one-step methods (RWS, reparam: K*L particles at once) as dashed levels.
+    Made when at least two methods run several sweeps (APG and the companion-paper
+    samplers); otherwise the sweeps figure shows the same."""
+    pairs = sorted(tuple(p) for p in meta["pairs"])
+    sub = frame[frame["metric"] == "log_joint"]
+    methods = sorted(set(sub["method"]))
+    multi = sub.groupby("method")["sweep"].nunique()
+    if not pairs or (multi > 1).sum() < 2:
+        return False
+    colors = dict(zip(methods, sns.color_palette("tab10", len(methods)), strict=False))
+    fig, axes = plt.subplots(1, len(pairs), figsize=(4.6 * len(pairs), 4), squeeze=False, sharey=True)
+    for ax, (k, l) in zip(axes[0], pairs, strict=False):
+        part = sub[(sub["K"] == k) & (sub["L"] == l)]
+        stats = part.groupby(["method", "sweep"])["value"].agg(["mean", "sem"]).fillna(0.0).reset_index()
+        for method, group in stats.groupby("method"):
+            if len(group) == 1:
+                ax.axhline(group["mean"].iloc[0], ls="--", color=colors[method], label=f"{method} ({k * l} at once)")
+                continue
+            ax.plot(group["sweep"], group["mean"], marker=".", color=colors[method], label=method)
+            ax.fill_between(group["sweep"], group["mean"] - group["sem"], group["mean"] + group["sem"], alpha=0.2,
+                            color=colors[method])
+        ax.set_title(f"K={k}, L={l}", fontsize=9)
+        ax.set_xlabel("sweep k")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes[0, 0].set_ylabel("log p(x, z), held-out")
+    axes[0, -1].legend(fontsize=7, loc="lower right")
+    fig.suptitle("Log joint versus sweeps, every method at the same test-time budget")
+    _save(fig, path, caption)
+    return True
+
+
+def kl_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path, labels: dict[str, str] | None) -> bool:
+    """Inclusive KL (eq. 4) of each method's block kernels to the exact Gibbs conditionals,
+    one panel per block, versus the evaluation pair whose final particles stand in for
+    p(z_-b | x); mean and std over seeds x datasets."""
+    fin = finals(frame)
+    fin = fin[fin["metric"].str.startswith("kl_")]
+    pairs = sorted(tuple(p) for p in meta["pairs"])
+    fin = fin[[(k, l) in set(pairs) for k, l in zip(fin["K"], fin["L"], strict=False)]]
+    if fin.empty:
+        return False
+    blocks = sorted(set(fin["metric"]))
+    methods = sorted(set(fin["method"]))
+    colors = dict(zip(methods, sns.color_palette("tab10", len(methods)), strict=False))
+    fig, axes = plt.subplots(1, len(blocks), figsize=(4.6 * len(blocks), 3.8), squeeze=False)
+    position = {p: i for i, p in enumerate(pairs)}
+    for ax, block in zip(axes[0], blocks, strict=False):
+        stats = mean_std(fin[fin["metric"] == block], ["method", "K", "L"])
+        for j, (method, group) in enumerate(stats.groupby("method")):
+            x = np.array([position[(k, l)] for k, l in zip(group["K"], group["L"], strict=False)]) + 0.08 * (j - (len(methods) - 1) / 2)
+            ax.errorbar(x, group["mean"], yerr=group["std"], marker="o", capsize=2, color=colors[method], label=method)
+        ax.axhline(0.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(pairs)), [f"K={k}, L={l}" for k, l in pairs], fontsize=8)
+        ax.set_title(f"block {_label(block, labels).removeprefix('kl ')}", fontsize=9)
+        ax.set_ylabel("KL(p(z_b | x, z_-b) || q(z_b | x, z_-b))")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("Inclusive KL of the learned kernels to the exact Gibbs conditionals (eq. 4)")
+    _save(fig, path, caption)
+    return True
+
+
+def compute_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path) -> bool:
+    """Reconstruction MSE versus compute (``model_evals``: likelihood evaluations per
+    dataset, ``Method.model_evaluations``), one panel per held-out set: multi-sweep
+    methods as a line over their sweeps at each evaluation pair, one-step methods as points."""
+    sub = frame[frame["metric"].isin(["mse", "model_evals"])]
+    if sub.empty or set(sub["metric"]) != {"mse", "model_evals"}:
+        return False
+    if "test_set" not in sub:
+        sub = sub.assign(test_set="test")
+    keys = ["test_set", "method", "K", "L", "seed", "dataset", "sweep"]
+    wide = sub.pivot_table(index=keys, columns="metric", values="value").dropna().reset_index()
+    if wide.empty:
+        return False
+    order = [s["name"] for s in meta.get("test_sets") or []] or sorted(set(wide["test_set"]))
+    order = [name for name in order if name in set(wide["test_set"])]
+    methods = sorted(set(wide["method"]))
+    colors = dict(zip(methods, sns.color_palette("tab10", len(methods)), strict=False))
+    cols = min(3, len(order))
+    rows = -(-len(order) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, sharex=True)
+    for ax, name in zip(axes.flat, order, strict=False):
+        part = wide[wide["test_set"] == name]
+        stats = part.groupby(["method", "K", "L", "sweep"]).agg(
+            evals=("model_evals", "mean"), mse=("mse", "mean"), std=("mse", "std")).fillna(0.0).reset_index()
+        seen = set()
+        for (method, _, _), group in stats.groupby(["method", "K", "L"]):
+            label = None if method in seen else method
+            seen.add(method)
+            style = {"marker": "o", "ls": "none"} if len(group) == 1 else {"marker": ".", "ls": "-"}
+            ax.errorbar(group["evals"], group["mse"], yerr=group["std"], color=colors[method], capsize=2, label=label, **style)
+        ax.set_xscale("log")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("likelihood evaluations per dataset (all of it, one particle; gradient = 2)", fontsize=8)
+        ax.set_ylabel("reconstruction MSE per pixel")
+    for ax in list(axes.flat)[len(order):]:
+        ax.axis("off")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("Reconstruction MSE versus compute")
     _save(fig, path, caption)
     return True
 
@@ -454,6 +591,9 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
     made = {}
     for name, ok in (
         ("mse", mse_figure(all_sets, meta, caption, figures / f"{task}_mse.{fmt}")),
+        ("compute", compute_figure(all_sets, meta, caption, figures / f"{task}_compute.{fmt}")),
+        ("methods_sweeps", methods_sweeps_figure(frame, meta, caption, figures / f"{task}_methods_sweeps.{fmt}")),
+        ("kl", kl_figure(frame, meta, caption, figures / f"{task}_kl.{fmt}", (paper or {}).get("block_labels"))),
         ("budget", budget_figure(frame, meta, caption, figures / f"{task}_budget.{fmt}")),
         ("sweeps", sweeps_figure(frame, meta, caption, figures / f"{task}_sweeps.{fmt}")),
         ("training", training_figure(results["training"], caption, figures / f"{task}_training.{fmt}")),
@@ -479,6 +619,9 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
 
 FIGURE_TEXT = {
     "mse": "Figure 4: reconstruction MSE per pixel between held-out frames and the reconstructions of the weighted particles, versus sweep, one line per held-out set (e.g. per (T, D)); error bars: std over seeds x videos.",
+    "compute": "Reconstruction MSE per pixel versus compute, per held-out set. Compute: likelihood evaluations per video, in units of one evaluation of log p(x | z) over all T frames for one particle (a gradient counts 2, a block's Markov blanket its share of the frames; the proposal networks' own cost is not counted). APG: L (1 + 4 (k - 1)) after sweep k (every block's blanket before and after its update), drawn as a line over its sweeps; RWS: K*L (one encoder pass); AVF: K*L (1 + 4 n) for n inference iterations per frame and for the codes. Error bars: std over seeds x videos.",
+    "methods_sweeps": "Held-out log joint versus sweep for every method at each test-time budget (K, L): APG, exact population Gibbs (gibbs), bootstrapped Gibbs, HMC-RWS (K-1 HMC transitions), and the one-step methods (RWS, reparam: K*L particles at once) as dashed levels; shaded: standard error of the mean over seeds x datasets (the same held-out datasets for every method; their spread is in Table 1).",
+    "kl": "Inclusive KL (eq. 4) of each method's block kernels to the exact Gibbs conditionals, per block, using the final particles of each test-time budget as samples of the other blocks (4 exact draws each); gibbs uses the exact kernels (0 by construction) and gibbs-bootstrap the prior for the global block. Error bars: std over seeds x datasets.",
     "budget": "Figure 2: log joint and ESS/L of the final sweep versus K at a fixed budget K*L (test time, each trained cell); shaded: std over seeds x datasets.",
     "sweeps": "Log joint and ESS/L versus sweep at the largest evaluation budget; RWS (one step with K*L particles) as a dashed level.",
     "training": "Training curves recorded by the sweep (last sweep of each training batch) and per-trial iterations/s.",
@@ -514,7 +657,8 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
             "Mean ± std over seeds and held-out datasets at each test-time budget (K, L); `paper`: the "
             "paper's value for the column to its left (Table 1), where it reports one. Δ log p(x,z): "
             "paired difference (same dataset) to the baseline method at the same budget; ESS/L: eq. 11; "
-            "`ess`/`kl` per block: ESS/L after the block update and inclusive KL (eq. 4). RWS rows "
+            "`ess`/`kl` per block: ESS/L after the block update and inclusive KL (eq. 4); numbered "
+            "blocks (one per video frame) are averaged over t. RWS rows "
             "spend K*L particles in one step. The CSV has every column unrounded.",
             "",
             part["table_md"],
@@ -524,10 +668,12 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
             "Every method at each test-time budget K×L: held-out log joint, ESS/L, the SMC estimate "
             "of log p(x) and the importance-sampled one from the method's encoder with K×L samples "
             "(Rezende et al. 2014, appendix E). Mean ± std over seeds (each seed first averaged over "
-            "the held-out datasets). RWS and reparam draw K×L samples in one step; HMC-RWS runs L "
-            "chains through K-1 HMC transitions (extra gradient evaluations per transition); gibbs "
-            "uses the exact conditionals. Each row names the sweep cells (and MLflow child runs, "
-            "tag `apg.cell_id`) it averages.",
+            "the held-out datasets). RWS, reparam and AVF draw K×L samples in one step (AVF: K×L "
+            "independent variational filters); HMC-RWS runs L chains through K-1 HMC transitions "
+            "(extra gradient evaluations per transition; `HMC accept`: its mean Metropolis acceptance "
+            "probability, also logged per training step as `accept` in MLflow); gibbs uses the exact "
+            "conditionals. Each row names the sweep cells (and MLflow child runs, tag `apg.cell_id`) "
+            "it averages.",
             "",
             part["methods_md"],
             "",

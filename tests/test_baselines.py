@@ -334,3 +334,10 @@ def test_every_method_runs_through_the_pipeline(tmp_path):
     assert table["cells"].str.len().gt(0).all() and table["runs"].str.len().gt(0).all()
     text = (root / "reports" / "README.md").read_text()
     assert "Methods at equal sample budgets" in text and "hmc-rws" in text
+    # HMC's acceptance rate: a column of the methods table, and logged in training (MLflow)
+    hmc = table[table["method"] == "hmc-rws"]
+    assert hmc["accept"].between(0.0, 1.0).all() and table[table["method"] != "hmc-rws"]["accept"].isna().all()
+    history = pd.read_parquet(root / "results" / "eval" / "gmm" / "training.parquet")
+    assert not history[(history["method"] == "hmc-rws") & (history["metric"] == "accept")].empty
+    for name in ("gmm_methods_sweeps.png", "gmm_kl.png"):
+        assert (root / "reports" / "figures" / name).is_file(), name

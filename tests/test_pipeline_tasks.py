@@ -45,8 +45,9 @@ def bmnist_section(sets: list[tuple[int, int]]) -> dict:
             "figures": [{"num_datasets": 1, "seed": 40, "sizes": {"num_frames": 3, "num_digits": 2, "split": "test"},
                          "network": {"num_digits": 2}}],
         },
-        "train": {"batch_size": 2, "iterations": 4, "lr": 0.001, "resample_mode": "block", "resampler": "systematic"},
-        "grid": [{"methods": ["apg", "rws-mlp"], "pairs": [[2, 2]], "seeds": [0]}],
+        "train": {"batch_size": 2, "iterations": 4, "lr": 0.001, "resample_mode": "block", "resampler": "systematic",
+                  "method_options": {"avf": {"iterations": 1}}},
+        "grid": [{"methods": ["apg", "rws-mlp", "avf"], "pairs": [[2, 2]], "seeds": [0]}],
         "evaluate": {"batch_size": 2, "resample_mode": "block", "seed": 0, "pairs": [[3, 2]],
                      "baseline": "rws-mlp", "figure_sweeps": [1, 2], "figure_particles": 2},
     }
@@ -131,15 +132,28 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
     assert [s["name"] for s in meta["test_sets"]] == ["T2_D1", "T3_D2"]
     assert meta["test_sets"][1]["network"] == {"num_digits": 2}
 
+    assert sorted(set(mse["method"])) == ["apg", "avf", "rws-mlp"]
+    evals = metrics[(metrics["metric"] == "model_evals") & (metrics["test_set"] == "T2_D1")]
+    # compute per video at (K, L) = (3, 2): APG L (1 + 4 (k - 1)), RWS K L, AVF K L (1 + 4 n) with n = 1
+    assert sorted(evals[evals["method"] == "apg"]["value"].unique()) == [2.0, 10.0, 18.0]
+    assert evals[evals["method"] == "rws-mlp"]["value"].unique().tolist() == [6.0]
+    assert evals[evals["method"] == "avf"]["value"].unique().tolist() == [30.0]
+    for metric in ("log_joint", "ess", "log_evidence_is"):
+        values = metrics[(metrics["metric"] == metric) & (metrics["method"] == "avf")]["value"]
+        assert len(values) and values.map(math.isfinite).all(), metric
+
     reports = root / "reports"
     for name in ("figures/bmnist_mse.png", "figures/bmnist_samples.png", "figures/bmnist_samples.gif",
-                 "tables/bmnist_mse.csv", "tables/bmnist_table1.md"):
+                 "figures/bmnist_compute.png", "tables/bmnist_mse.csv", "tables/bmnist_table1.md"):
         assert (reports / name).is_file(), name
     table = pd.read_csv(reports / "tables" / "bmnist_mse.csv")
     assert sorted(set(table["test_set"])) == ["T2_D1", "T3_D2"]
     assert table["mean"].map(math.isfinite).all()
     readme = (reports / "README.md").read_text()
-    assert "Figure 4" in readme and "tiny test" in readme
+    assert "Figure 4" in readme and "tiny test" in readme and "versus compute" in readme
+    table1 = pd.read_csv(reports / "tables" / "bmnist_table1.csv")
+    # one averaged column for the per-frame blocks, whatever T is
+    assert "ess_where_t" in table1 and not any(c.startswith("ess_where_1") for c in table1)
     headline = json.loads((reports / "metrics.json").read_text())["bmnist"]
     assert math.isfinite(headline["apg/K3/L2"]["mse_T3_D2"])
 

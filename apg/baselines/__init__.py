@@ -7,6 +7,7 @@ in ``METHODS``.
 
 from __future__ import annotations
 
+from apg.baselines.avf import AVF
 from apg.baselines.gibbs import BootstrapGibbs, ExactGibbs
 from apg.baselines.hmc import HMCRWS
 from apg.baselines.method import APG, Method
@@ -21,6 +22,7 @@ METHODS: dict[str, Method] = {
     "gibbs-bootstrap": BootstrapGibbs(),
     "hmc-rws": HMCRWS(),
     "reparam": Reparam(),
+    "avf": AVF(),
 }
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from apg.baselines.method import Method
+from apg.baselines.method import Method, apg_evaluations
 from apg.blocks import BlockDistribution, Latents, Model, Proposals, TaskSpec
 from apg.objectives import theta_loss
 from apg.smc.sampler import APGResult, run_apg
@@ -49,6 +49,9 @@ class ExactGibbs(Method):
             model, proposals, x, sweeps, particles,
             resample_mode=resample_mode, resampler=resampler, collectors=collectors,
         )
+
+    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
+        return apg_evaluations(sweeps, particles)
 
     def loss(self, result: APGResult) -> Tensor:
         # The kernels have no parameters, so eq. 5 is void; eq. 6 still trains a model
@@ -121,3 +124,6 @@ class BootstrapGibbs(Method):
             model, proposals, x, sweeps, particles,
             resample_mode=resample_mode, resampler=resampler, collectors=collectors,
         )
+
+    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
+        return apg_evaluations(sweeps, particles)

@@ -15,7 +15,9 @@ each of ``leapfrog_steps`` gradient evaluations, so it spends
 ``L * (1 + (K - 1) * leapfrog_steps)`` model-gradient evaluations.
 
 Unlike the authors' code (whose leapfrog never moved the positions), ``leapfrog``
-updates both position and momentum, and ``hmc_step`` applies the Metropolis correction.
+updates both position and momentum, and ``hmc_step`` applies the Metropolis correction;
+the run reports its acceptance rate (``Method.diagnostics``: ``accept``), which training
+logs (MLflow) and evaluation keeps (the report's methods table).
 
 Legend: L particles (independent chains), B datasets; positions ``(L, B, ...)``.
 """
@@ -135,13 +137,15 @@ class HMCRWS(Method):
         collectors = list(collectors)
         for collect in collectors:
             collect(1, z, log_w)
+        accepts: list[Tensor] = []  # per transition: mean Metropolis acceptance probability (B,)
         for k in range(2, sweeps + 1):
             if resample_mode != "none":
                 log_w, z = resample(log_w, dict(z), resample_fn)
             u = {name: v.detach() for name, v in target.to_unconstrained(z).items()}
-            u, _ = hmc_step(
+            u, accept = hmc_step(
                 lambda v: target.log_density(x, v), u, float(self.options["step_size"]), self.options["leapfrog_steps"]
             )
+            accepts.append(accept.mean(0))
             with torch.no_grad():
                 z, _ = target.complete(x, u)
             log_p = model.log_joint(x, z)
@@ -151,12 +155,31 @@ class HMCRWS(Method):
         if sweeps > 1:
             # eq. 6 on the improved particles; they carry no proposal density (log q = 0).
             steps.append(Step(normalized_weights(log_w), torch.zeros_like(log_w), log_p))
-        return APGResult(z, log_w, log_p, stats, steps)
+        result = HMCResult(z, log_w, log_p, stats, steps)
+        # Acceptance rate: the mean acceptance probability over chains and transitions.
+        result.diagnostics = {"accept": torch.stack(accepts).mean(0)} if accepts else {}
+        return result
+
+    def diagnostics(self, result: APGResult) -> Mapping[str, Tensor]:
+        return getattr(result, "diagnostics", {})
+
+    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
+        # The encoder's log joint; per transition the energy at the start, leapfrog_steps + 1
+        # gradients (2 each), the exact redraw of the discrete latents and the new log joint.
+        per_move = 2 * (self.options["leapfrog_steps"] + 1) + 3
+        return [float(particles * (1 + per_move * (k - 1))) for k in range(1, sweeps + 1)]
 
     def loss(self, result: APGResult) -> Tensor:
         first, last = result.steps[0], result.steps[-1]
         # eq. 5 for the encoder at its own samples (RWS); eq. 6 at the HMC-improved ones.
         return weighted_nll(first.weights, first.log_q) + weighted_nll(last.weights, last.log_joint)
+
+
+class HMCResult(APGResult):
+    """``APGResult`` with ``diagnostics = {"accept": (B,)}``, the Metropolis acceptance rate
+    (mean acceptance probability over the chains and the K - 1 transitions)."""
+
+    diagnostics: Mapping[str, Tensor]
 
 
 def _stats(log_w: Tensor, log_joint: Tensor) -> SweepStats:

@@ -72,8 +72,32 @@ class Method:
     def loss(self, result: APGResult) -> Tensor:
         return apg_loss(result)
 
+    def diagnostics(self, result: APGResult) -> Mapping[str, Tensor]:
+        """The method's own per-dataset diagnostics of a run, ``{name: (B,)}`` (HMC-RWS: its
+        acceptance rate ``accept``); training logs their means, evaluation keeps them."""
+        return {}
+
+    def model_evaluations(self, sweeps: int, particles: int) -> list[float] | None:
+        """Compute spent per dataset by ``run``: cumulative likelihood evaluations after each
+        sweep it reports (one entry per ``SweepStats``), or ``None`` when not counted.
+
+        The unit is one evaluation of ``log p(x | z)`` over the whole dataset for one
+        particle (for a video: every frame once); a gradient counts as two (forward and
+        backward), and evaluating one block's Markov blanket counts as the share of the
+        data it scores. The proposal networks' own cost is not counted.
+        """
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
+
+
+def apg_evaluations(sweeps: int, particles: int) -> list[float]:
+    """``L (1 + 4 (k - 1))`` after sweep k: the initial log joint, then in every sweep each
+    block's Markov blanket at its old and new value. In every task here the blankets of a
+    sweep's blocks together score the data twice (GMM and rings: both blocks hold every
+    point; Bouncing MNIST: ``what`` holds every frame, ``where_t`` frame t), hence 4 per sweep."""
+    return [float(particles * (1 + 4 * (k - 1))) for k in range(1, sweeps + 1)]
 
 
 class APG(Method):
@@ -84,3 +108,6 @@ class APG(Method):
             model, proposals, x, sweeps, particles,
             resample_mode=resample_mode, resampler=resampler, collectors=collectors,
         )
+
+    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
+        return apg_evaluations(sweeps, particles)

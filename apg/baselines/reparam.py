@@ -109,6 +109,9 @@ class Reparam(Method):
         # differentiable through the reparameterized samples.
         return APGResult(z, log_w, log_p, [stats], [Step(normalized_weights(log_w), log_q, log_f)])
 
+    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
+        return [float(2 * sweeps * particles)]  # the marginal log p(x, u), then log p(x, z)
+
     def loss(self, result: APGResult) -> Tensor:
         step = result.steps[0]
         # Negative ELBO, E_q[log p(x, u) - log q(u | x)], averaged over samples and datasets;

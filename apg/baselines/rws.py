@@ -21,3 +21,6 @@ class RWS(Method):
 
     def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
         return run_apg(model, proposals, x, 1, sweeps * particles, resampler=resampler, collectors=collectors)
+
+    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
+        return [float(sweeps * particles)]  # one log joint per particle
