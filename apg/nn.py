@@ -7,7 +7,7 @@ import ctypes
 import torch
 from torch import Tensor, nn
 
-from apg.kernels import pairwise_library
+from apg.kernels import native_library
 
 
 class PointFeatures(nn.Module):
@@ -44,28 +44,36 @@ class PointFeatures(nn.Module):
 _NATIVE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
 
 
+def _native(name: str, *tensors: Tensor):
+    """The compiled function ``name`` for these tensors' dtype, or ``None`` where the
+    PyTorch path must run (GPU tensors, other dtypes, no compiler)."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in _NATIVE_SUFFIX:
+        return None
+    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return None
+    lib = native_library()
+    return None if lib is None else getattr(lib, f"{name}_{_NATIVE_SUFFIX[first.dtype]}")
+
+
 def _native_pairwise(point: Tensor, cluster: Tensor, weight: Tensor):
-    """The compiled kernel's library and dtype suffix when it applies to these tensors."""
-    if point.device.type != "cpu" or point.dtype not in _NATIVE_SUFFIX:
+    """The compiled pairwise functions ``(forward, backward)`` when they apply."""
+    if point.dim() != 4 or cluster.dim() != 4 or weight.dim() != 2:
         return None
-    if not (point.dtype == cluster.dtype == weight.dtype) or point.dim() != 4 or cluster.dim() != 4:
+    if point.shape[0] not in (1, cluster.shape[0]) or point.shape[1] != cluster.shape[1]:
         return None
-    if point.shape[0] not in (1, cluster.shape[0]) or point.shape[1] != cluster.shape[1] or weight.dim() != 2:
-        return None
-    lib = pairwise_library()
-    return None if lib is None else (lib, _NATIVE_SUFFIX[point.dtype])
+    forward = _native("pairwise_forward", point, cluster, weight)
+    return None if forward is None else (forward, _native("pairwise_backward", point))
 
 
-def _dims(point: Tensor, cluster: Tensor, weight: Tensor) -> list[ctypes.c_long]:
-    lp, _, num_points, _ = point.shape
-    num_particles, batch, num_clusters, width = cluster.shape
-    return [
-        ctypes.c_long(v) for v in (num_particles, lp, batch, num_points, num_clusters, width, weight.shape[1])
-    ]
+def _call(fn, *values: Tensor | int) -> None:
+    """Call a compiled function: tensors by data pointer, sizes as C longs.
 
-
-def _ptr(t: Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+    Outputs must already be contiguous (they are written in place); inputs are made so
+    here, and ``held`` keeps any such copies alive until the call returns.
+    """
+    held = [v.contiguous() if isinstance(v, Tensor) else v for v in values]
+    fn(*(ctypes.c_void_p(v.data_ptr()) if isinstance(v, Tensor) else ctypes.c_long(v) for v in held))
 
 
 class _PairwiseTanhLinear(torch.autograd.Function):
@@ -83,16 +91,15 @@ class _PairwiseTanhLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, point: Tensor, cluster: Tensor, weight: Tensor) -> Tensor:
         ctx.point_dims = point.dim()
-        native = _native_pairwise(point.unsqueeze(0) if point.dim() == 3 else point, cluster, weight)
+        p = point.unsqueeze(0) if point.dim() == 3 else point
+        native = _native_pairwise(p, cluster, weight)
         if native is not None:
-            lib, suffix = native
-            p = (point.unsqueeze(0) if point.dim() == 3 else point).contiguous()
-            c, w_t = cluster.contiguous(), weight.T.contiguous()
-            out = p.new_empty(c.shape[0], c.shape[1], p.shape[2], c.shape[2], w_t.shape[0])
-            getattr(lib, f"pairwise_forward_{suffix}")(
-                _ptr(p), _ptr(c), _ptr(w_t), _ptr(out), *_dims(p, c, weight)
-            )
-            ctx.native = native
+            p, c, w_t = p.contiguous(), cluster.contiguous(), weight.T.contiguous()
+            (num_particles, batch, num_clusters, width), lp = c.shape, p.shape[0]
+            out = p.new_empty(num_particles, batch, p.shape[2], num_clusters, w_t.shape[0])
+            sizes = (num_particles, lp, batch, p.shape[2], num_clusters, width, w_t.shape[0])
+            _call(native[0], p, c, w_t, out, *sizes)
+            ctx.native, ctx.sizes = native, sizes
             ctx.save_for_backward(p, c, w_t)
             return out
         hidden = torch.add(point.unsqueeze(-2), cluster.unsqueeze(-3)).tanh_()
@@ -103,20 +110,9 @@ class _PairwiseTanhLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         if ctx.native is not None:
-            lib, suffix = ctx.native
             p, c, w_t = ctx.saved_tensors
-            g = grad.contiguous()
             grad_p, grad_c, grad_w_t = torch.zeros_like(p), torch.zeros_like(c), torch.zeros_like(w_t)
-            getattr(lib, f"pairwise_backward_{suffix}")(
-                _ptr(p),
-                _ptr(c),
-                _ptr(w_t),
-                _ptr(g),
-                _ptr(grad_p),
-                _ptr(grad_c),
-                _ptr(grad_w_t),
-                *_dims(p, c, w_t.T),
-            )
+            _call(ctx.native[1], p, c, w_t, grad, grad_p, grad_c, grad_w_t, *ctx.sizes)
             return (grad_p.squeeze(0) if ctx.point_dims == 3 else grad_p), grad_c, grad_w_t.T
         hidden, weight = ctx.saved_tensors
         width = hidden.shape[-1]
@@ -141,3 +137,40 @@ def pairwise_tanh_linear(point: Tensor, cluster: Tensor, weight: Tensor) -> Tens
     tanh, the activation of Appendix E, costs less per element than sigmoid in this build.
     """
     return _PairwiseTanhLinear.apply(point, cluster, weight)
+
+
+class _TanhMLP(torch.autograd.Function):
+    """``tanh(u @ w1.T + b1) @ w2.T`` per row, fused on CPU (``tanh_layers.c``: no saved
+    hidden tensor, tanh recomputed in backward); plain autograd elsewhere."""
+
+    @staticmethod
+    def forward(ctx, u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
+        rows = u.reshape(-1, u.shape[-1]).contiguous()
+        w1_t, w2_t = w1.T.contiguous(), w2.contiguous()
+        sizes = (rows.shape[0], w1.shape[1], w1.shape[0], w2.shape[0])
+        out = rows.new_empty(rows.shape[0], w2.shape[0])
+        ctx.backward_fn = _native("pointwise_backward", rows, w1, b1, w2)
+        _call(_native("pointwise_forward", rows, w1, b1, w2), rows, w1_t, b1, w2_t, out, *sizes)
+        ctx.save_for_backward(rows, w1_t, b1.contiguous(), w2_t)
+        ctx.sizes, ctx.in_shape = sizes, u.shape
+        return out.reshape(*u.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        rows, w1_t, b1, w2_t = ctx.saved_tensors
+        grads = [torch.empty_like(rows), torch.zeros_like(w1_t), torch.zeros_like(b1), torch.zeros_like(w2_t)]
+        _call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad.reshape(rows.shape[0], -1), *grads, *ctx.sizes)
+        grad_u, grad_w1_t, grad_b1, grad_w2 = grads
+        return grad_u.reshape(ctx.in_shape), grad_w1_t.T, grad_b1, grad_w2
+
+
+def tanh_mlp(u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
+    """A one-hidden-layer tanh MLP on every row of ``u (..., D)``: ``(..., O)``.
+
+    ``w1 (H, D)``, ``b1 (H,)``, ``w2 (O, H)`` as in ``nn.Linear`` (add the output bias
+    outside). On CPU the compiled kernel never forms the ``(..., H)`` hidden tensor, which
+    for a network of a per-point latent (the rings' g_theta(alpha)) is the step's largest.
+    """
+    if _native("pointwise_forward", u, w1, b1, w2) is None:
+        return torch.tanh(torch.nn.functional.linear(u, w1, b1)) @ w2.T
+    return _TanhMLP.apply(u, w1, b1, w2)

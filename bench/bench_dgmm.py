@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -35,16 +36,25 @@ def step_time(threads: int, steps: int, warmup: int, batch: int, points: int, sw
     params = [*model.parameters(), *proposals.parameters()]
     opt = torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.99))
     x = task.simulate(model, batch, torch.Generator().manual_seed(0), num_points=points)["x"].float()
-    times = []
+    times, cpu = [], []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = apg_loss(run_apg(model, proposals, x, sweeps, particles))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return {"median_s": statistics.median(times), "min_s": min(times), "steps": steps}
+            cpu.append(time.process_time() - start_cpu)
+    # CPU time beside wall time: on a shared machine, with one thread, it is close to
+    # what an idle machine's wall time would be.
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "cpu_median_s": statistics.median(cpu),
+        "steps": steps,
+        "load_average": os.getloadavg()[0],
+    }
 
 
 _EVAL = """

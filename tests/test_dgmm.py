@@ -178,6 +178,22 @@ def test_von_mises_sampler_matches_its_density():
     assert torch.allclose(von_mises_log_prob(s[:5], loc, conc), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("k", [30.0, 1e3, 1e5])
+def test_von_mises_spread_is_right_in_float32_for_large_concentrations(k):
+    # The sampler runs in the parameters' dtype; its stable form must keep the spread
+    # E[1 - cos(theta - loc)] = 1 - I1(k) / I0(k) (~ 1 / 2k) where the textbook form
+    # would cancel to nothing in float32. Within 4 SE.
+    n = 100000
+    s = sample_von_mises(torch.zeros(n), torch.full((n,), k))
+    assert s.dtype == torch.float32
+    d = torch.remainder(s.double() + math.pi, TWO_PI) - math.pi
+    spread = 2.0 * torch.sin(d / 2) ** 2
+    kk = torch.tensor(k, dtype=torch.float64)
+    expect = 1.0 - float(torch.special.i1e(kk) / torch.special.i0e(kk))
+    assert abs(float(spread.mean()) - expect) < 4 * float(spread.std()) / math.sqrt(n)
+    assert abs(float(torch.sin(d).mean())) < 4 * float(torch.sin(d).std()) / math.sqrt(n)
+
+
 def test_von_mises_draws_stay_inside_the_prior_support_in_float32():
     # Draws just below loc = 0 wrap to just below 2 pi, which rounds to 2 pi in float32.
     s = sample_von_mises(torch.zeros(200000), torch.full((200000,), 1e4))

@@ -1,27 +1,27 @@
-"""The fused pairwise layer equals the plain autograd formula, values and gradients, on
-both of its paths (the compiled CPU kernel and the PyTorch fallback)."""
+"""The fused tanh layers equal the plain autograd formulas, values and gradients, on both
+of their paths (the compiled CPU kernels and the PyTorch fallback)."""
 
 import pytest
 import torch
 
 from apg import nn as apg_nn
-from apg.kernels import pairwise_library
-from apg.nn import PointFeatures, pairwise_tanh_linear
+from apg.kernels import native_library
+from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
 
 
 @pytest.fixture(params=["native", "torch"])
 def path(request, monkeypatch):
     if request.param == "native":
-        if pairwise_library() is None:
+        if native_library() is None:
             pytest.skip("no C compiler: the native kernel cannot be built here")
     else:
-        monkeypatch.setattr(apg_nn, "_native_pairwise", lambda *args: None)
+        monkeypatch.setattr(apg_nn, "_native", lambda *args: None)
     return request.param
 
 
 def test_the_native_kernel_builds_on_this_machine():
     # CI machines have a C compiler; a silent fallback would hide a broken build.
-    assert pairwise_library() is not None
+    assert native_library() is not None
 
 
 def test_pairwise_tanh_linear_matches_the_plain_formula_and_its_gradients(path):
@@ -53,6 +53,32 @@ def test_pairwise_tanh_linear_float32_agrees_with_float64(path):
         grads.append([out.double(), *(a.grad.double() for a in args)])
     for low, high in zip(*grads, strict=True):
         assert torch.allclose(low, high, rtol=1e-4, atol=1e-3)
+
+
+def test_fused_layers_take_non_contiguous_gradients(path):
+    # A transposed consumer (a short-axis softmax, say) hands backward a strided gradient;
+    # the native path must copy it and keep the copy alive through the C call.
+    torch.set_default_dtype(torch.float64)
+    point = torch.randn(2, 5, 4, requires_grad=True)
+    cluster = torch.randn(3, 2, 6, 4, requires_grad=True)
+    weight = torch.randn(4, 2, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *a: pairwise_tanh_linear(*a).transpose(-2, -3), (point, cluster, weight)
+    )
+    u = torch.randn(3, 5, 2, requires_grad=True)
+    w1, b1, w2 = (torch.randn(shape, requires_grad=True) for shape in ((7, 2), (7,), (4, 7)))
+    assert torch.autograd.gradcheck(lambda *a: tanh_mlp(*a).transpose(0, 1), (u, w1, b1, w2))
+
+
+def test_tanh_mlp_matches_the_plain_formula_and_its_gradients(path):
+    torch.set_default_dtype(torch.float64)
+    u = torch.randn(3, 4, 5, 2, requires_grad=True)
+    w1, b1, w2 = (torch.randn(shape, requires_grad=True) for shape in ((7, 2), (7,), (3, 7)))
+    reference = torch.tanh(u @ w1.T + b1) @ w2.T
+    out = tanh_mlp(u, w1, b1, w2)
+    assert out.shape == (3, 4, 5, 3)
+    assert torch.allclose(out, reference)
+    assert torch.autograd.gradcheck(tanh_mlp, (u, w1, b1, w2))
 
 
 def test_point_features_keep_the_point_axis():

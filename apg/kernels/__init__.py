@@ -1,6 +1,6 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
-Only hot loops that PyTorch's eager ops cannot fuse live here (``pairwise.c``). Each has
+Only hot loops that PyTorch's eager ops cannot fuse live here (``tanh_layers.c``). Each has
 a pure-PyTorch twin that runs on GPUs, on machines without a compiler, and when the
 environment sets ``APG_NATIVE_KERNELS=0``; tests check the two agree.
 
@@ -22,7 +22,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("pairwise.c")
+_SOURCE = Path(__file__).with_name("tanh_layers.c")
 # -ffast-math only when compiling: linking a shared object with it (GCC < 13) would add
 # crtfastmath.o, which flushes denormals to zero for the whole process on load.
 _COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC"]
@@ -54,9 +54,17 @@ def _build(compiler: str, target: Path) -> None:
         os.replace(lib, target)  # atomic: concurrent builders (Ray trials) never see half a file
 
 
+_FUNCTIONS = tuple(
+    f"{kind}_{direction}_{dtype}"
+    for kind in ("pairwise", "pointwise")
+    for direction in ("forward", "backward")
+    for dtype in ("f32", "f64")
+)
+
+
 @functools.cache
-def pairwise_library() -> ctypes.CDLL | None:
-    """The compiled ``pairwise.c``, or ``None`` (with one warning) where it cannot be built."""
+def native_library() -> ctypes.CDLL | None:
+    """The compiled ``tanh_layers.c``, or ``None`` (with one warning) where it cannot be built."""
     if os.environ.get("APG_NATIVE_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -67,7 +75,7 @@ def pairwise_library() -> ctypes.CDLL | None:
             [_SOURCE.read_bytes(), " ".join(_COMPILE_FLAGS).encode(), compiler.encode(), _cpu_id().encode()]
         )
     ).hexdigest()[:16]
-    target = _cache_dir() / f"pairwise-{key}.so"
+    target = _cache_dir() / f"tanh_layers-{key}.so"
     try:
         if not target.exists():
             _build(compiler, target)
@@ -81,11 +89,6 @@ def pairwise_library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    for name in (
-        "pairwise_forward_f32",
-        "pairwise_forward_f64",
-        "pairwise_backward_f32",
-        "pairwise_backward_f64",
-    ):
+    for name in _FUNCTIONS:
         getattr(lib, name).restype = None
     return lib

@@ -155,13 +155,13 @@ def run_apg(
             with torch.no_grad():  # the reverse kernel enters only the (detached) weight
                 log_q_old = kernel.log_prob(old)
             z_new = {**z, **proposed}
-            blanket_old = model.log_blanket(block, x, z)
-            blanket_new = model.log_blanket(block, x, z_new)
+            # The joint changes only in the block's blanket (Model.log_joint_change).
+            change = model.log_joint_change(block, x, z, z_new)
             # eq. 9: incremental weight p(x, z_b', z_-b) q(z_b | .) / (p(x, z_b, z_-b) q(z_b' | .))
-            log_v = (blanket_new - blanket_old + log_q_old - log_q_new).detach()
+            log_v = (change + log_q_old - log_q_new).detach()
             log_w = sanitize(log_w + log_v)
-            # The joint changes only in the block's blanket; keep it exact and differentiable.
-            log_joint = state[_LOG_JOINT] + (blanket_new - blanket_old)
+            # Keep the running joint exact and differentiable in theta.
+            log_joint = state[_LOG_JOINT] + change
             state = {**z_new, _LOG_JOINT: log_joint}
             steps.append(Step(normalized_weights(log_w), log_q_new, log_joint))
             ess_blocks[block] = ess_fraction(log_w)

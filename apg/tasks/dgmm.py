@@ -68,7 +68,7 @@ from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
 from apg.distributions import log_softmax_short, sample_categorical, softmax_short
-from apg.nn import PointFeatures, pairwise_tanh_linear
+from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
 
 TWO_PI = 2.0 * math.pi
 DATA_DIM = 2
@@ -111,7 +111,8 @@ class DGMM(Model):
 
     def g(self, alpha: Tensor) -> Tensor:
         """The learned ring shape ``g_theta(alpha)``, ``(...,) -> (..., 2)``."""
-        return self.shape_net(angle_features(alpha))
+        first, _, last = self.shape_net
+        return tanh_mlp(angle_features(alpha), first.weight, first.bias, last.weight) + last.bias
 
     def mean(self, z: Mapping[str, Tensor], shape: Tensor | None = None) -> Tensor:
         """Mean of ``p(x_n | ...)``: ``mu_{c_n} + g_theta(alpha_n)``, ``(L, B, N, 2)``;
@@ -195,38 +196,59 @@ def simulate_rings(
 # --------------------------------------------------------------------------- distributions
 
 
-def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 3) -> Tensor:
+def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) -> Tensor:
     """Draw from von Mises(loc, concentration) into ``[0, 2 pi)``, any shape.
 
     Best & Fisher (1979) rejection sampler, vectorized: ``candidates`` proposals per element
     are drawn at once and the first accepted one is kept (acceptance is >= 0.65 for every
     concentration, so the rare leftovers take another round). ``torch.distributions.VonMises``
-    draws one proposal per round and is ~20x slower here. The proposal's constants are
-    computed in float64: in float32 they lose all precision for large concentrations.
+    draws one proposal per round and is ~20x slower here.
+
+    The textbook form loses all precision in float32 for large concentrations: with
+    ``r = (1 + rho^2) / (2 rho)`` near 1 it forms ``c = k (r - f)`` by cancellation. Here
+    every quantity is rewritten as a ratio of positive terms (``rho = 2k / (tau +
+    sqrt(2 tau))``, ``r - 1 = (1 - rho)^2 / (2 rho)``, ``c = k (r^2 - 1) / (r + z)`` with
+    ``r + z = (r - 1) + 2 cos^2(pi u / 2)``, ``1 - f = (r - 1)(1 - z) / (r + z)``), so it runs
+    in the parameters' own dtype: float32 here is several times cheaper than float64.
     """
-    shape, dtype = loc.shape, loc.dtype
-    k = concentration.detach().reshape(-1).double().clamp_min(1e-6)
+    shape = loc.shape
+    k = concentration.detach().reshape(-1).clamp_min(1e-6)
     if not (torch.isfinite(k).all() and torch.isfinite(loc).all()):
         raise ValueError("von Mises parameters must be finite (the rejection loop would not end)")
-    tau = 1.0 + torch.sqrt(1.0 + 4.0 * k**2)
-    rho = (tau - torch.sqrt(2.0 * tau)) / (2.0 * k)
-    r = (1.0 + rho**2) / (2.0 * rho)
+    s = torch.hypot(torch.ones_like(k), 2.0 * k)  # sqrt(1 + 4 k^2) without overflow
+    tau = 1.0 + s
+    root = torch.sqrt(2.0 * tau)
+    rho = 2.0 * k / (tau + root)
+    one_minus_rho = (1.0 + 1.0 / (s + 2.0 * k) + root) / (tau + root)
+    r_minus_1 = one_minus_rho**2 / (2.0 * rho)
+    scale = k * r_minus_1 * (r_minus_1 + 2.0)  # k (r^2 - 1)
     theta = torch.empty_like(k)
-    todo = torch.arange(k.numel(), device=k.device)
-    while todo.numel():
-        rr, kk = r[todo], k[todo]
-        u = torch.rand((3, candidates, todo.numel()), dtype=torch.float64, device=k.device)
-        zc = torch.cos(math.pi * u[0])
-        f = (1.0 + rr * zc) / (rr + zc)
-        cc = kk * (rr - f)
+    todo = None  # every element, without indexing copies in the first round
+    while todo is None or todo.numel():
+        rm1, sc = (r_minus_1, scale) if todo is None else (r_minus_1[todo], scale[todo])
+        u = torch.rand((2, candidates, rm1.numel()), dtype=k.dtype, device=k.device)
+        # One uniform gives both the side (u < 1/2) and, rescaled, the angle's magnitude.
+        left = u[0] < 0.5
+        half = (0.5 * math.pi) * torch.where(left, 2.0 * u[0], 2.0 * u[0] - 1.0)
+        one_plus_z, one_minus_z = 2.0 * torch.cos(half) ** 2, 2.0 * torch.sin(half) ** 2
+        r_plus_z = rm1 + one_plus_z
+        cc = sc / r_plus_z
         ok = (cc * (2.0 - cc) > u[1]) | (torch.log(cc / u[1]) + 1.0 >= cc)
-        draw = torch.sign(u[2] - 0.5) * torch.acos(f.clamp(-1.0, 1.0))
+        # acos(f) = 2 asin(sqrt((1 - f) / 2)), accurate where f is close to 1.
+        half_gap = (0.5 * rm1 * one_minus_z / r_plus_z).clamp(0.0, 1.0)
+        magnitude = 2.0 * torch.asin(torch.sqrt(half_gap))
+        draw = torch.where(left, -magnitude, magnitude)
         rejected_before = (~ok).cumprod(0).sum(0, keepdim=True)  # index of the first accepted
         accepted = rejected_before[0] < candidates
         first = rejected_before.clamp_max(candidates - 1)
-        theta[todo[accepted]] = draw.gather(0, first).squeeze(0)[accepted]
-        todo = todo[~accepted]
-    alpha = torch.remainder(theta.reshape(shape).to(dtype) + loc.detach(), TWO_PI)
+        kept = draw.gather(0, first).squeeze(0)
+        if todo is None:
+            theta = kept
+            todo = (~accepted).nonzero().squeeze(-1)
+        else:
+            theta[todo[accepted]] = kept[accepted]
+            todo = todo[~accepted]
+    alpha = torch.remainder(theta.reshape(shape).to(loc.dtype) + loc.detach(), TWO_PI)
     # In float32, remainder(-1e-8, 2 pi) rounds to 2 pi itself, outside [0, 2 pi), where
     # the prior density is zero; that point of the circle is angle 0.
     return torch.where(alpha >= TWO_PI, torch.zeros_like(alpha), alpha)
