@@ -73,7 +73,9 @@ def reconstruction_mse(x: Tensor, reconstruction: Tensor, log_weights: Tensor) -
 
 
 @torch.no_grad()
-def importance_log_evidence(model: Model, proposals: Proposals, x: Tensor, num_samples: int, chunk: int = 100) -> Tensor:
+def importance_log_evidence(
+    model: Model, proposals: Proposals, x: Tensor, num_samples: int, chunk: int = 100
+) -> Tensor:
     """Importance-sampled ``log p(x)`` from the encoder, ``(B,)`` (Rezende et al. 2014,
     appendix E, eq. 19): ``log (1/S) sum_s p(x, z_s) / q(z_s | x)`` with ``z_s ~ q(z | x)``.
 

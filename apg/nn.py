@@ -80,7 +80,8 @@ class _PairwiseTanhLinear(torch.autograd.Function):
     """``tanh(point + cluster) @ weight`` over every (point, cluster) pair, fused.
 
     The (L, B, N, I, H) hidden tensor is the largest in a mixture model's training step.
-    On CPU the compiled kernel (``apg/kernels/pairwise.c``) never forms it: the forward
+    On CPU the compiled kernel (``apg/kernels/tanh_layers.c``, on torch's OpenMP threads)
+    never forms it: the forward
     keeps only the inputs and the backward recomputes each row's tanh. Elsewhere the
     PyTorch path keeps only the hidden tensor and works in one buffer in place, because
     autograd would keep several same-sized temporaries and, for the broadcast addition,

@@ -226,7 +226,9 @@ def evaluate(
         out.update(method.diagnostics(result))
         if exact is not None and len(result.sweeps) > 1:
             for block, names in model.blocks.items():
-                out[f"kl_{block}"] = inclusive_kl(exact, proposals, block, names, xb, result.z, result.log_weights)
+                out[f"kl_{block}"] = inclusive_kl(
+                    exact, proposals, block, names, xb, result.z, result.log_weights
+                )
         out["log_evidence_is"] = importance_log_evidence(model, proposals, xb, sweeps * particles)
         for k, v in out.items():
             chunks.setdefault(k, []).append(v.cpu().numpy())

@@ -66,7 +66,10 @@ class GMMTarget:
     def __init__(self, model: GMM):
         self.model = model
         cfg = model.cfg
-        self.event_shapes = {"mu": (cfg.num_clusters, cfg.data_dim), "log_tau": (cfg.num_clusters, cfg.data_dim)}
+        self.event_shapes = {
+            "mu": (cfg.num_clusters, cfg.data_dim),
+            "log_tau": (cfg.num_clusters, cfg.data_dim),
+        }
         self.point_dim = cfg.data_dim
 
     def points(self, x: Tensor) -> Tensor:

@@ -44,10 +44,26 @@ class ExactGibbs(Method):
         assert task.exact_gibbs is not None
         return task.exact_gibbs(model)
 
-    def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
+    def run(
+        self,
+        model,
+        proposals,
+        x,
+        sweeps,
+        particles,
+        resample_mode="block",
+        resampler="systematic",
+        collectors=(),
+    ):
         return run_apg(
-            model, proposals, x, sweeps, particles,
-            resample_mode=resample_mode, resampler=resampler, collectors=collectors,
+            model,
+            proposals,
+            x,
+            sweeps,
+            particles,
+            resample_mode=resample_mode,
+            resampler=resampler,
+            collectors=collectors,
         )
 
     def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
@@ -119,10 +135,26 @@ class BootstrapGibbs(Method):
     def build_proposals(self, task: TaskSpec, model: Model, **network: Any) -> Proposals:
         return BootstrapProposals(model, task.build_proposals(model, self.architecture, **network))
 
-    def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
+    def run(
+        self,
+        model,
+        proposals,
+        x,
+        sweeps,
+        particles,
+        resample_mode="block",
+        resampler="systematic",
+        collectors=(),
+    ):
         return run_apg(
-            model, proposals, x, sweeps, particles,
-            resample_mode=resample_mode, resampler=resampler, collectors=collectors,
+            model,
+            proposals,
+            x,
+            sweeps,
+            particles,
+            resample_mode=resample_mode,
+            resampler=resampler,
+            collectors=collectors,
         )
 
     def model_evaluations(self, sweeps: int, particles: int) -> list[float]:

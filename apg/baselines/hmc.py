@@ -60,7 +60,11 @@ def _kinetic(p: Mapping[str, Tensor]) -> Tensor:
 
 
 def leapfrog(
-    log_density: LogDensity, q: Mapping[str, Tensor], p: Mapping[str, Tensor], step_size: float, num_steps: int
+    log_density: LogDensity,
+    q: Mapping[str, Tensor],
+    p: Mapping[str, Tensor],
+    step_size: float,
+    num_steps: int,
 ) -> tuple[Latents, Latents, Tensor]:
     """``num_steps`` leapfrog steps of the Hamiltonian ``-log_density(q) + |p|^2 / 2``.
 
@@ -124,7 +128,17 @@ class HMCRWS(Method):
         continuous_target(model)  # fail early (ValueError) for models without a view
         return super().build_proposals(task, model, **network)
 
-    def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
+    def run(
+        self,
+        model,
+        proposals,
+        x,
+        sweeps,
+        particles,
+        resample_mode="block",
+        resampler="systematic",
+        collectors=(),
+    ):
         if sweeps < 1 or particles < 1:
             raise ValueError(f"need K >= 1 and L >= 1, got K={sweeps}, L={particles}")
         target = continuous_target(model)
@@ -143,7 +157,10 @@ class HMCRWS(Method):
                 log_w, z = resample(log_w, dict(z), resample_fn)
             u = {name: v.detach() for name, v in target.to_unconstrained(z).items()}
             u, accept = hmc_step(
-                lambda v: target.log_density(x, v), u, float(self.options["step_size"]), self.options["leapfrog_steps"]
+                lambda v: target.log_density(x, v),
+                u,
+                float(self.options["step_size"]),
+                self.options["leapfrog_steps"],
             )
             accepts.append(accept.mean(0))
             with torch.no_grad():

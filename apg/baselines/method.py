@@ -38,7 +38,9 @@ class Method:
         unknown = sorted(set(options) - set(self.defaults))
         if unknown:
             known = sorted(self.defaults) or "none"
-            raise ValueError(f"method_options has unknown option(s) {unknown} for method {self.name!r}; known: {known}")
+            raise ValueError(
+                f"method_options has unknown option(s) {unknown} for method {self.name!r}; known: {known}"
+            )
         out = copy.copy(self)
         out.options = {**self.defaults, **options}
         out.check_options()
@@ -103,10 +105,26 @@ def apg_evaluations(sweeps: int, particles: int) -> list[float]:
 class APG(Method):
     """The APG sampler: K sweeps (the first is the encoder) of L particles (section 2.2)."""
 
-    def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
+    def run(
+        self,
+        model,
+        proposals,
+        x,
+        sweeps,
+        particles,
+        resample_mode="block",
+        resampler="systematic",
+        collectors=(),
+    ):
         return run_apg(
-            model, proposals, x, sweeps, particles,
-            resample_mode=resample_mode, resampler=resampler, collectors=collectors,
+            model,
+            proposals,
+            x,
+            sweeps,
+            particles,
+            resample_mode=resample_mode,
+            resampler=resampler,
+            collectors=collectors,
         )
 
     def model_evaluations(self, sweeps: int, particles: int) -> list[float]:

@@ -42,7 +42,9 @@ class GaussianRecognition(Proposals):
         self.shapes = dict(target.event_shapes)
         self.sizes = {k: math.prod(s) for k, s in self.shapes.items()}
         total = sum(self.sizes.values())
-        self.points = nn.Sequential(nn.Linear(target.point_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
+        self.points = nn.Sequential(
+            nn.Linear(target.point_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
+        )
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * total))
         nn.init.zeros_(self.head[-1].weight)
         nn.init.zeros_(self.head[-1].bias)
@@ -90,7 +92,17 @@ class Reparam(Method):
         hidden = network.get("hidden", 32)
         return GaussianRecognition(continuous_target(model), hidden)
 
-    def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
+    def run(
+        self,
+        model,
+        proposals,
+        x,
+        sweeps,
+        particles,
+        resample_mode="block",
+        resampler="systematic",
+        collectors=(),
+    ):
         num = sweeps * particles
         target = proposals.target
         u, log_q = proposals.rsample(x, num)
@@ -101,7 +113,11 @@ class Reparam(Method):
         log_w = sanitize((log_f - log_q).detach())
         with torch.no_grad():
             stats = SweepStats(
-                (normalized_weights(log_w) * log_p.detach()).sum(0), ess_fraction(log_w), {}, log_evidence(log_w), {}
+                (normalized_weights(log_w) * log_p.detach()).sum(0),
+                ess_fraction(log_w),
+                {},
+                log_evidence(log_w),
+                {},
             )
         for collect in collectors:
             collect(1, z, log_w)

@@ -19,7 +19,17 @@ class RWS(Method):
         self.name = name
         self.architecture = architecture
 
-    def run(self, model, proposals, x, sweeps, particles, resample_mode="block", resampler="systematic", collectors=()):
+    def run(
+        self,
+        model,
+        proposals,
+        x,
+        sweeps,
+        particles,
+        resample_mode="block",
+        resampler="systematic",
+        collectors=(),
+    ):
         return run_apg(model, proposals, x, 1, sweeps * particles, resampler=resampler, collectors=collectors)
 
     def model_evaluations(self, sweeps: int, particles: int) -> list[float]:

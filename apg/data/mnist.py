@@ -151,7 +151,9 @@ def read_idx(
         if expected is not None:
             got = hashlib.new(name, raw).hexdigest()
             if got != expected.lower():
-                raise IDXError(f"{path}: wrong {name} checksum {got} (expected {expected}); the file is corrupt")
+                raise IDXError(
+                    f"{path}: wrong {name} checksum {got} (expected {expected}); the file is corrupt"
+                )
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
@@ -163,7 +165,11 @@ def read_idx(
 def write_idx(path: str | os.PathLike, array: np.ndarray, compress: bool | None = None) -> Path:
     """Write a uint8 array as an IDX file (gzip when ``compress``, default: name ends in .gz)."""
     array = np.ascontiguousarray(array, dtype=np.uint8)
-    data = struct.pack(">I", 0x0800 | array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+    data = (
+        struct.pack(">I", 0x0800 | array.ndim)
+        + struct.pack(f">{array.ndim}I", *array.shape)
+        + array.tobytes()
+    )
     path = Path(path)
     if compress if compress is not None else path.suffix == ".gz":
         data = gzip.compress(data, mtime=0)
@@ -232,7 +238,9 @@ def _missing_message(dirs: list[Path]) -> str:
     )
 
 
-def mnist_files(directory: str | os.PathLike | None = None, allow_download: bool = True) -> dict[str, tuple[Path, dict[str, str]]]:
+def mnist_files(
+    directory: str | os.PathLike | None = None, allow_download: bool = True
+) -> dict[str, tuple[Path, dict[str, str]]]:
     """Find every file (downloading into the cache when missing and allowed)."""
     dirs = search_dirs(directory)
     found = {key: _locate(spec, dirs) for key, spec in FILES.items()}

@@ -25,7 +25,7 @@ from pathlib import Path
 _SOURCE = Path(__file__).with_name("tanh_layers.c")
 # -ffast-math only when compiling: linking a shared object with it (GCC < 13) would add
 # crtfastmath.o, which flushes denormals to zero for the whole process on load.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fPIC"]
+_COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
 
 
 def _cpu_id() -> str:
@@ -49,7 +49,9 @@ def _build(compiler: str, target: Path) -> None:
             [compiler, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)], check=True, capture_output=True
         )
         subprocess.run(
-            [compiler, "-shared", str(obj), "-o", str(lib), "-lm"], check=True, capture_output=True
+            [compiler, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lm"],
+            check=True,
+            capture_output=True,
         )
         os.replace(lib, target)  # atomic: concurrent builders (Ray trials) never see half a file
 

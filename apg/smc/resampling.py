@@ -45,9 +45,7 @@ def get_resampler(name: str) -> Resampler:
     try:
         return RESAMPLERS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown resampler {name!r}; choose one of {sorted(RESAMPLERS)}"
-        ) from None
+        raise ValueError(f"unknown resampler {name!r}; choose one of {sorted(RESAMPLERS)}") from None
 
 
 def gather(t: Tensor, ancestors: Tensor) -> Tensor:

@@ -114,9 +114,7 @@ class GMM(Model):
     def prior_globals(self, batch_shape: tuple[int, ...], like: Tensor) -> NormalGamma:
         shape = (*batch_shape, self.cfg.num_clusters, self.cfg.data_dim)
         c = self.cfg
-        return NormalGamma(
-            *(like.new_full(shape, v) for v in (c.mu0, c.nu0, c.alpha0, c.beta0))
-        )
+        return NormalGamma(*(like.new_full(shape, v) for v in (c.mu0, c.nu0, c.alpha0, c.beta0)))
 
     def log_likelihood(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         """``sum_n log N(x_n; mu_{c_n}, 1/tau_{c_n})``, ``(L, B)``."""
@@ -144,7 +142,10 @@ class GMM(Model):
         """
         c = self.cfg
         shape = (num_datasets, c.num_clusters, c.data_dim)
-        tau = torch._standard_gamma(torch.full(shape, c.alpha0, dtype=torch.float64), generator=generator) / c.beta0
+        tau = (
+            torch._standard_gamma(torch.full(shape, c.alpha0, dtype=torch.float64), generator=generator)
+            / c.beta0
+        )
         mu = c.mu0 + torch.randn(shape, generator=generator, dtype=torch.float64) / torch.sqrt(c.nu0 * tau)
         assign = torch.randint(c.num_clusters, (num_datasets, num_points), generator=generator)
         index = assign.unsqueeze(-1).expand(-1, -1, c.data_dim)
@@ -295,7 +296,9 @@ def build_proposals(model: GMM, architecture: str, hidden: int = 32) -> GMMPropo
     return GMMProposals(model.cfg, architecture, hidden)
 
 
-def simulate(model: GMM, num_datasets: int, generator: torch.Generator, num_points: int = 60) -> dict[str, Tensor]:
+def simulate(
+    model: GMM, num_datasets: int, generator: torch.Generator, num_points: int = 60
+) -> dict[str, Tensor]:
     return model.simulate(num_datasets, num_points, generator)
 
 
@@ -308,7 +311,7 @@ def draw(ax, x, z) -> None:
     colours = [f"C{i % 10}" for i in range(len(mu))]
     ax.scatter(x[:, 0], x[:, 1], s=6, c=[colours[i] for i in c], alpha=0.7, linewidths=0)
     for i, (m, t) in enumerate(zip(mu, tau, strict=True)):
-        sd = 1.0 / (t ** 0.5)
+        sd = 1.0 / (t**0.5)
         ax.add_patch(Ellipse(m[:2], 4 * sd[0], 4 * sd[-1], fill=False, color=colours[i], lw=1.0))
         ax.scatter([m[0]], [m[1]], marker="x", color=colours[i], s=30)
     ax.set_aspect("equal")
