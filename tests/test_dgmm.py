@@ -408,6 +408,12 @@ def test_task_registry_and_draw():
     fig2, ax2 = plt.subplots()
     task.draw(ax2, data["x"][0].numpy(), z)
     assert len(ax2.lines) == 0 and len(ax2.collections) == 1 + model.cfg.num_clusters
+    # With reconstructions: one ring of dots per cluster besides its centre, no polygons.
+    latents = {k: torch.as_tensor(v)[None, None] for k, v in z.items()}
+    recon = reconstruct(model, data["x"][:1].float(), {**latents, "alpha": latents["alpha"].float()})
+    fig3, ax3 = plt.subplots()
+    task.draw(ax3, data["x"][0].numpy(), {**z, "recon": recon[0, 0].detach().numpy()})
+    assert len(ax3.lines) == 0 and len(ax3.collections) == 1 + 2 * model.cfg.num_clusters
     plt.close("all")
 
 

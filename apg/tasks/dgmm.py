@@ -486,9 +486,10 @@ def draw(ax, x: np.ndarray, z: Mapping[str, np.ndarray], model: DGMM | None = No
     ``z["mu"] (I, 2)``; draw the learned ring around each centre.
 
     The ring is ``mu_i + g_theta`` over a grid of angles when ``model`` is given; otherwise,
-    when ``z`` carries ``"recon" (N, 2)`` (this particle's ``reconstruct`` output), the
-    reconstructions of each cluster's points joined in order of their angles ``z["alpha"]``.
-    With neither, only points and centres are drawn (``TaskSpec.draw`` gets no model).
+    when ``z`` carries ``"recon" (N, 2)`` (this particle's ``reconstruct`` output), each
+    point's reconstruction is marked, a ring of dots on the learned shape (joining ~N/I
+    dots into a polygon would draw a shape the model does not have). With neither, only
+    points and centres are drawn (``TaskSpec.draw`` gets no model).
     """
     c, mu = np.asarray(z["c"]), np.asarray(z["mu"])
     colours = [f"C{i % 10}" for i in range(len(mu))]
@@ -499,17 +500,14 @@ def draw(ax, x: np.ndarray, z: Mapping[str, np.ndarray], model: DGMM | None = No
             grid = torch.linspace(0.0, TWO_PI, 101, dtype=next(model.parameters()).dtype)
             shape = model.g(grid).numpy()
     for i, centre in enumerate(mu):
-        curve = None
         if shape is not None:
             curve = centre + shape
-        elif "recon" in z:
-            mine = c == i
-            if mine.any():
-                order = np.argsort(np.asarray(z["alpha"])[mine])
-                curve = np.asarray(z["recon"])[mine][order]
-                curve = np.concatenate([curve, curve[:1]])  # close the ring
-        if curve is not None:
             ax.plot(curve[:, 0], curve[:, 1], color=colours[i], lw=1.0)
+        elif "recon" in z:
+            recon = np.asarray(z["recon"])[c == i]
+            ax.scatter(
+                recon[:, 0], recon[:, 1], s=5, marker="o", facecolors="none", edgecolors=colours[i], lw=0.6
+            )
         ax.scatter([centre[0]], [centre[1]], marker="x", color=colours[i], s=30)
     ax.set_aspect("equal")
 
