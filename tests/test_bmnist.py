@@ -144,6 +144,116 @@ def test_frame_likelihood_equals_dense_bernoulli(f64):
     assert torch.allclose(g_got, g_want, atol=1e-9)
 
 
+def test_frame_likelihood_gradient_in_positions(f64):
+    """Reparameterized methods (AVF) differentiate the likelihood in z_where too."""
+    cfg = BMNISTConfig(canvas_size=20, digit_size=6, prob_eps=1e-3)
+    L, B, Fr, D = 2, 2, 2, 3
+    templates = torch.rand(L, B, D, 6, 6) * 0.8
+    where = (torch.rand(L, B, Fr, D, 2) * 2.6 - 1.3).requires_grad_()
+    where.data[0, 0, 0, 1] = where.data[0, 0, 0, 0] + 0.05
+    x = torch.rand(B, Fr, 20, 20) * (torch.rand(B, Fr, 20, 20) < 0.3)
+    got = frame_log_likelihood(x, templates, where, cfg)
+    canvas = render(templates.unsqueeze(2), pixel_offsets(where, 20, 6), 20)
+    p = canvas.clamp(cfg.prob_eps, 1 - cfg.prob_eps)
+    want = (x * p.log() + (1 - x) * torch.log1p(-p)).sum((-3, -2, -1))
+    weights = torch.rand(L, B)
+    (g_got,) = torch.autograd.grad((weights * got).sum(), where)
+    (g_want,) = torch.autograd.grad((weights * want).sum(), where)
+    assert g_want.abs().sum() > 0
+    assert torch.allclose(g_got, g_want, atol=1e-9)
+
+
+def _with_copies(z: dict, L: int, B: int) -> dict:
+    """Particles resampled with repeats (as the sampler's resampling leaves them)."""
+    ancestors = torch.randint(0, L, (L, B))
+    ancestors[:, 0] = 1  # video 0: all copies of one particle
+    return {k: v[ancestors, torch.arange(B)] for k, v in z.items()}
+
+
+def test_blanket_of_copies_equals_per_particle(f64):
+    """Computing the blanket once per distinct particle changes neither values nor theta's gradient."""
+    L, B, T, D = 4, 3, 3, 2
+    model = BouncingMNIST(BMNISTConfig(canvas_size=48))
+    x = torch.rand(B, T, 48, 48) * (torch.rand(B, T, 48, 48) < 0.2)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    assert bmnist._distinct_particles([z["z_what"]]) is not None
+    for block in ("what", "where_1", "where_2"):
+        got = model.log_blanket(block, x, z)
+        model._memo = None  # decode afresh: the per-particle reference shares nothing
+        want = model._log_blanket(block, x, z, T)
+        assert torch.allclose(got, want, atol=1e-9), block
+        weights = torch.rand(L, B)
+        g_got = torch.autograd.grad((weights * got).sum(), list(model.parameters()))
+        g_want = torch.autograd.grad((weights * want).sum(), list(model.parameters()))
+        model._memo = None
+        for a, b in zip(g_got, g_want, strict=True):
+            assert torch.allclose(a, b, atol=1e-9), block
+
+
+def test_templates_of_resampled_codes_reuse_the_decoder(f64):
+    L, B, D = 4, 3, 2
+    model = BouncingMNIST()
+    calls = []
+    model.decoder.register_forward_hook(lambda *args: calls.append(1))
+    z_what = torch.randn(L, B, D, 10)
+    first = model.templates(z_what)
+    copies = _with_copies({"z_what": z_what}, L, B)["z_what"]
+    again = model.templates(copies)
+    assert len(calls) == 1
+    assert torch.equal(again, model.decoder(copies))
+    assert first.grad_fn is not None and again.grad_fn is not None
+    model.templates(torch.randn(L, B, D, 10))  # fresh codes: decoded
+    assert len(calls) == 3
+
+
+def test_where_kernel_of_copies_equals_per_particle(f64):
+    L, B, T, D = 4, 3, 2, 2
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", D)
+    x = torch.rand(B, T, 96, 96)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    got = prop.kernel("where_2", x, z).parts[where_key(2)][0]
+    templates = model.decoder(z["z_what"]).detach()
+    want = prop.where_net(correlate(x[:, 1], templates))
+    assert got.loc.shape == (L, B, D, 2)
+    assert torch.allclose(got.loc, want.loc, atol=1e-9)
+    assert torch.allclose(got.scale, want.scale, atol=1e-9)
+
+
+def test_what_kernel_of_copies_equals_per_particle(f64):
+    L, B, T, D = 4, 3, 3, 2
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", D)
+    x = torch.rand(B, T, 96, 96)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    got = prop.kernel("what", x, z).parts["z_what"][0]
+    want = prop._what(x, torch.stack([z[where_key(t)] for t in range(1, T + 1)], 2))
+    assert got.loc.shape == (L, B, D, 10)
+    assert torch.allclose(got.loc, want.loc, atol=1e-9)
+    assert torch.allclose(got.scale, want.scale, atol=1e-9)
+
+
+def test_where_net_fused_softmax_linear_matches_autograd(f64):
+    """The fused softmax + first layer gives autograd's output and parameter gradients;
+    gradient entries below the smallest normal float are flushed to zero."""
+    net = bmnist.WhereNet(49)
+    corr = torch.randn(5, 3, 7, 7) * 20
+    weights = torch.rand(5, 3, 2)
+    value = torch.randn(5, 3, 2)
+    fused = net(corr)
+    (fused.log_prob(value) * weights).sum().backward()
+    g_fused = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    plain = net(corr.clone().requires_grad_())  # the autograd path
+    (plain.log_prob(value) * weights).sum().backward()
+    assert torch.allclose(fused.loc, plain.loc) and torch.allclose(fused.scale, plain.scale)
+    for a, b in zip(g_fused, [p.grad for p in net.parameters()], strict=True):
+        assert torch.allclose(a, b, atol=1e-12)
+    tiny = torch.finfo(torch.float64).tiny
+    g = torch.tensor([tiny / 4, -tiny / 8, tiny, 1.0])
+    assert torch.equal(bmnist._flush_denormals(g), torch.tensor([0.0, 0.0, tiny, 1.0]))
+
+
 def test_explaining_away_is_correlation_of_residual(f64):
     """The encoder's residual map equals the correlation of (frame - placed template)."""
     cfg = BMNISTConfig()
@@ -208,7 +318,9 @@ def test_log_joint_matches_direct_formula(f64):
     where = torch.stack([z[where_key(t)] for t in range(1, T + 1)], 2)
     std = torch.distributions.Normal(0.0, 1.0)
     prior = std.log_prob(z["z_what"]).sum((-2, -1)) + std.log_prob(where[:, :, 0]).sum((-2, -1))
-    prior = prior + torch.distributions.Normal(where[:, :, :-1], 0.3).log_prob(where[:, :, 1:]).sum((-3, -2, -1))
+    prior = prior + torch.distributions.Normal(where[:, :, :-1], 0.3).log_prob(where[:, :, 1:]).sum(
+        (-3, -2, -1)
+    )
     canvas = model.reconstruct(z, T).clamp(cfg.prob_eps, 1 - cfg.prob_eps)
     lik = (x * canvas.log() + (1 - x) * torch.log1p(-canvas)).sum((-3, -2, -1))
     assert torch.allclose(model.log_joint(x, z), prior + lik, atol=1e-8)
@@ -397,6 +509,15 @@ def test_animate_and_draw():
     bmnist.draw(ax, x.numpy(), {k: v.numpy() for k, v in z.items()})
     assert len(ax.patches) == 4 * 3
     plt.close(fig)
+    # Figure 3: a second row with the reconstructions, boxed the same way
+    recon = bmnist.reconstruct(model, x[None], {k: v[None, None] for k, v in z.items()})[0, 0].detach()
+    fig, ax = plt.subplots()
+    bmnist.draw(ax, x.numpy(), {**{k: v.numpy() for k, v in z.items()}, "recon": recon.numpy()})
+    assert len(ax.patches) == 2 * 4 * 3
+    image = ax.get_images()[0].get_array()
+    assert image.shape == (2 * 96 + 4, 4 * 96)
+    assert np.allclose(image[100:, :96], recon[0].numpy(), atol=1e-6)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- training (slow)
@@ -411,14 +532,26 @@ def test_training_lowers_heldout_mse_and_sweeps_help():
     task = get_task("bmnist")
     g = torch.Generator().manual_seed(0)
     sim_model = task.build_model()
-    train = task.simulate(sim_model, 200, g, num_frames=5, num_digits=2, split="train", mnist_dir=_mnist_dir())
+    train = task.simulate(
+        sim_model, 200, g, num_frames=5, num_digits=2, split="train", mnist_dir=_mnist_dir()
+    )
     test = task.simulate(sim_model, 10, g, num_frames=5, num_digits=2, split="test", mnist_dir=_mnist_dir())
-    cfg = TrainConfig(task="bmnist", method="apg", sweeps=3, particles=4, batch_size=5, iterations=80,
-                      lr=1e-3, network={"num_digits": 2})
+    cfg = TrainConfig(
+        task="bmnist",
+        method="apg",
+        sweeps=3,
+        particles=4,
+        batch_size=5,
+        iterations=80,
+        lr=1e-3,
+        network={"num_digits": 2},
+    )
     trainer = Trainer(cfg, train["x"])
 
     def mse() -> np.ndarray:
-        return evaluate(cfg, trainer.model, trainer.proposals, test["x"], sweeps=4, particles=4, batch_size=10)["mse"]
+        return evaluate(
+            cfg, trainer.model, trainer.proposals, test["x"], sweeps=4, particles=4, batch_size=10
+        )["mse"]
 
     before = mse()
     for _ in trainer.run():

@@ -29,6 +29,14 @@ Blocks (T + 1 of them, in the paper's order): ``what`` = {z_what} and ``where_t`
 through ``blocks_for(x)``. The Markov blanket of ``where_t`` is frame t's likelihood and
 the transitions into and out of t, so a block update costs the same for any T.
 
+Cost of a training step (bench/bench_bmnist.py): the correlation of each frame with
+the templates and the where network's 4761 -> 400 layer (forward and weight gradient)
+are nearly all of the arithmetic. Resampling leaves copies of particles, and a copy's
+templates, correlation maps, proposal and blankets are its original's, so they are
+computed once per distinct particle and handed out by index (exactly the same values and
+gradients; how much this saves depends on the ESS). The decoder runs once per fresh set
+of codes. Gradients are flushed of subnormal floats before their matrix multiplies.
+
 Simulator: each digit follows the model's random walk (its per-frame velocity is a fresh
 Normal(0, sigma0^2 I) step) and bounces, i.e. is reflected, at the borders of [-1, 1],
 so digits always stay inside the canvas. This matches the model except for the
@@ -53,6 +61,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
@@ -192,83 +201,214 @@ def correlate(frames: Tensor, templates: Tensor) -> Tensor:
     return torch.stack([o.reshape(num_particles, digits, side, side) for o in out], 1)
 
 
+def _first_copies(z: Tensor) -> Tensor:
+    """``(L, B)`` index of the first particle of each video equal (exactly, all of its
+    values) to each particle of ``z (L, B, ...)``: ``first[l, b] == l`` for distinct ones."""
+    same = (z.unsqueeze(1) == z.unsqueeze(0)).flatten(3).all(-1)  # (L, L', B)
+    return same.to(torch.uint8).argmax(1)
+
+
+def _distinct_particles(values: list[Tensor]) -> tuple[Tensor, Tensor] | None:
+    """Where some video's particles are exact copies of each other (in all of ``values``,
+    each ``(L, B, ...)``): ``compact (L', B)``, for each video its distinct particles
+    first (in order) then copies, ``L'`` the largest number of distinct particles of a
+    video, and ``position (L, B)``: particle l of video b is ``compact[position[l, b], b]``'s
+    copy. ``None`` when no video has copies."""
+    num_particles = values[0].shape[0]
+    flat = torch.cat([v.flatten(2) for v in values], -1)  # (L, B, V)
+    first = _first_copies(flat)
+    ar = torch.arange(num_particles, device=first.device)[:, None]
+    distinct = first == ar
+    size = int(distinct.sum(0).max())
+    if size == num_particles:
+        return None
+    order = torch.where(distinct, ar, ar + num_particles).argsort(0)  # distinct first, in order
+    rank = distinct.long().cumsum(0) - 1
+    return order[:size], rank.gather(0, first)
+
+
+def _correlate_distinct(frames: Tensor, templates: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
+    """``correlate`` for the distinct particles only.
+
+    ``frames (B, H, H)``, ``templates (L, B, D, S, S)``, ``first (L, B)`` from
+    ``_first_copies``. Returns the maps of the distinct particles, video by video,
+    ``(N, H-S+1, H-S+1)`` with ``N = D x (number of distinct particles)``, and
+    ``rows (L, B, D)``: the map of digit d of particle l in video b is ``corr[rows[l, b, d]]``.
+    """
+    num_particles, batch, digits, size = templates.shape[:4]
+    distinct = first == torch.arange(num_particles, device=first.device)[:, None]  # (L, B)
+    counts = distinct.sum(0)  # (B,)
+    maps = []
+    for b in range(batch):
+        own = templates[distinct[:, b], b].reshape(-1, 1, size, size)  # (n_b x D, 1, S, S)
+        maps.append(F.conv2d(frames[b][None, None], own)[0])
+    # row of particle l's first digit: the video's start + the rank of its original
+    rank = distinct.long().cumsum(0) - 1  # (L, B): rank among the video's distinct particles
+    start = counts.cumsum(0) - counts  # (B,)
+    first_row = (start + rank.gather(0, first)) * digits  # (L, B)
+    rows = first_row[..., None] + torch.arange(digits, device=first.device)
+    return torch.cat(maps), rows
+
+
 def frame_log_likelihood(x: Tensor, templates: Tensor, where: Tensor, cfg: BMNISTConfig) -> Tensor:
     """``sum_{t in chunk} log p(x_t | z_what, z_where_t)`` for a chunk of frames, ``(L, B)``.
 
-    ``x (B, F, H, H)``, ``templates (L, B, D, S, S)``, ``where (L, B, F, D, 2)``.
-    With ``p = clamp(canvas, eps, 1 - eps)`` and ``f(p) = x log p + (1 - x) log(1 - p)``,
-    every pixel no digit touches has ``p = eps``; so the sum over the frame is the data
-    constant ``sum f(eps)`` plus ``f(p) - f(eps)`` over the union of the digits' patches,
-    where a pixel covered by m patches is counted m times with weight 1/m. This costs
-    O(D S^2) per frame and particle instead of O(H^2), forward and backward.
+    ``x (B, F, H, H)``, ``templates (L, B, D, S, S)`` (or broadcastable to it),
+    ``where (L, B, F, D, 2)``. With ``p = clamp(canvas, eps, 1 - eps)`` and
+    ``f(p) = x log p + (1 - x) log(1 - p)``, every pixel no digit touches has ``p = eps``;
+    so the sum over the frame is the data constant ``sum f(eps)`` plus ``f(p) - f(eps)``
+    over the union of the digits' patches, where a pixel covered by m patches is counted
+    m times with weight 1/m. This costs O(D S^2) per frame and particle instead of
+    O(H^2), forward and backward. Differentiable in ``templates`` and ``where``.
     """
     num_particles, batch, frames_n, digits = where.shape[:4]
-    size = cfg.canvas_size
-    n = size * size
-    eps = cfg.prob_eps
-    offset = pixel_offsets(where, size, cfg.digit_size)
-    index, valid, patch = place(templates.unsqueeze(2), offset, size)  # (L, B, F, D, P)
-    m = _cover_count(offset, cfg.digit_size + 1)
-    flat_x = F.pad(x.flatten(-2), (0, 1))  # (B, F, n + 1), the dump slot holds 0
-    xv = flat_x.unsqueeze(0).expand(num_particles, -1, -1, -1).gather(-1, index.flatten(-2)).reshape(index.shape)
-    log_eps, log1m_eps = math.log(eps), math.log1p(-eps)
-    share = valid.to(patch.dtype) / m  # a pixel covered by m patches counts 1/m in each
-    local = _PatchBernoulli.apply(patch, index, xv * share, (1.0 - xv) * share, eps, n)
-    local = local - (share * (xv * log_eps + (1.0 - xv) * log1m_eps)).sum((-3, -2, -1))
-    background = (x * log_eps + (1.0 - x) * log1m_eps).flatten(1).sum(-1)  # (B,)
+    size = templates.shape[-1]
+    templates = templates.expand(num_particles, batch, digits, size, size)
+    offset = pixel_offsets(where, cfg.canvas_size, cfg.digit_size)
+    local = _PatchLikelihood.apply(templates, offset, x, cfg.prob_eps)
+    log_eps, log1m_eps = math.log(cfg.prob_eps), math.log1p(-cfg.prob_eps)
+    # sum over the chunk's pixels of f(eps) = x log eps + (1 - x) log(1 - eps)
+    background = log1m_eps * x[0].numel() + (log_eps - log1m_eps) * x.flatten(1).sum(-1)  # (B,)
     return local + background
 
 
-class _PatchBernoulli(torch.autograd.Function):
-    """``sum_{F, D, P} a log p + b log(1 - p)``, reduced to ``(L, B)``, where ``p`` is the
-    canvas (sum of all patches, clamped to [eps, 1 - eps]) read back at each patch pixel.
+class _PatchLikelihood(torch.autograd.Function):
+    """``sum over the union of the patches of f(p) - f(eps)``, ``(L, B)`` (see
+    ``frame_log_likelihood``), with its gradients computed eagerly, frame by frame.
 
-    ``patch``, ``index``, ``a``, ``b``: ``(L, B, F, D, P)``; ``index`` points into a flat
-    canvas of ``n + 1`` pixels per frame (slot n collects off-canvas pixels, where
-    ``a = b = 0``). The map patch -> canvas -> read-back is ``G = S^T S`` with S the
-    scatter, so the gradient is ``G(dL/dp)``, computed here in the forward pass. Only
-    that one tensor is kept for the backward pass: autograd would keep the canvas (the
-    read-back saves it), the int64 indices and several intermediates of every block's
-    likelihood until the theta loss (which spans all K sweeps) is differentiated.
+    ``templates (L, B, D, S, S)``, ``offset (L, B, F, D, 2)`` continuous pixel offsets,
+    ``x (B, F, H, H)``. Each digit's ``(S + 1)^2`` bilinear patch is scattered into a flat
+    ``(H + 1) x (H + 1)`` canvas per frame and particle, whose last row and column collect
+    the off-canvas pixels and hold ``-inf``, and ``p`` is read back at the patch pixels.
+    Off the canvas ``p = -inf`` clamps to ``eps``, so ``f(p) - f(eps) = 0`` there and no
+    validity mask is needed. As ``p`` at a pixel is the sum of the patches covering it,
+    ``d log p(x) / d patch = f'(p) = (x - p) / (p (1 - p))`` there (0 where the clamp is
+    active, off the canvas included); the adjoint of the bilinear blend carries it to the
+    templates (summed over frames) and to the offsets' fractional parts. Only those
+    gradients, ``(L, B, D, S, S)`` and ``(L, B, F, D, 2)``, are kept for the backward
+    pass: autograd would keep the canvas, the int64 indices and several patch-sized
+    intermediates of every block's likelihood until the theta loss (which spans all K
+    sweeps) is differentiated. Frames are processed one at a time so that the working
+    set (a few MB) stays in cache.
     """
 
     @staticmethod
-    def forward(ctx, patch: Tensor, index: Tensor, a: Tensor, b: Tensor, eps: float, n: int) -> Tensor:
-        shape = patch.shape
-        flat_index = index.reshape(-1, shape[-2] * shape[-1])
-        rows = flat_index.shape[0]
-
-        def scatter_gather(v: Tensor) -> Tensor:
-            canvas = v.new_zeros(rows, n + 1).scatter_add_(1, flat_index, v.reshape(rows, -1))
-            return canvas.gather(1, flat_index).reshape(shape)
-
-        p = scatter_gather(patch)
-        q = p.clamp(eps, 1.0 - eps)
-        out = (a * torch.log(q) + b * torch.log1p(-q)).sum((-3, -2, -1))
-        if ctx.needs_input_grad[0]:
-            inside = (p > eps) & (p < 1.0 - eps)
-            ctx.save_for_backward(scatter_gather(torch.where(inside, a / q - b / (1.0 - q), 0.0)))
+    def forward(ctx, templates: Tensor, offset: Tensor, x: Tensor, eps: float) -> Tensor:
+        need_t, need_o = ctx.needs_input_grad[:2]
+        out = templates.new_zeros(offset.shape[:2])
+        d_templates = torch.zeros_like(templates) if need_t else None
+        d_offset = torch.zeros_like(offset) if need_o else None
+        padded = F.pad(x, (0, 1, 0, 1)).flatten(-2)  # (B, F, (H + 1)^2), zero off the canvas
+        for f in range(offset.shape[2]):
+            dt, do = _patch_likelihood_frame(
+                templates, offset[:, :, f], padded[:, f], x.shape[-1], eps, out, need_t, need_o
+            )
+            if need_t:
+                d_templates += dt
+            if need_o:
+                d_offset[:, :, f] = do
+        ctx.save_for_backward(d_templates, d_offset)
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: Tensor):
-        (dpatch,) = ctx.saved_tensors
-        return dpatch * grad[:, :, None, None, None], None, None, None, None, None
+        saved_t, saved_o = ctx.saved_tensors
+        g_t = g_o = None
+        if saved_t is not None:
+            g_t = saved_t * grad[:, :, None, None, None]
+        if saved_o is not None:
+            g_o = saved_o * grad[:, :, None, None, None]
+        return g_t, g_o, None, None
 
 
-def _cover_count(offset: Tensor, patch_size: int) -> Tensor:
-    """How many of the D patches cover each pixel of each patch, ``(..., D, P)``.
+def _patch_likelihood_frame(
+    t: Tensor,
+    offset: Tensor,
+    flat_x: Tensor,
+    canvas_size: int,
+    eps: float,
+    out: Tensor,
+    need_t: bool,
+    need_o: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """One frame of ``_PatchLikelihood``: adds the frame's term to ``out (L, B)`` and returns
+    its gradients with respect to ``t (L, B, D, S, S)`` and ``offset (L, B, D, 2)``.
+    ``flat_x (B, (H + 1)^2)`` is the frame padded with a zero row and column."""
+    num_particles, batch, digits, size = t.shape[:4]
+    side = size + 1
+    wide = canvas_size + 1
+    base = torch.floor(offset)
+    frac = offset - base
+    base = base.long()
+    fx, fy = frac[..., 0, None, None], frac[..., 1, None, None]  # (L, B, D, 1, 1)
+    # bilinear blend, rows then columns: patch (L, B, D, S + 1, S + 1)
+    rows = t.new_empty(num_particles, batch, digits, side, size)
+    torch.mul(t, 1.0 - fy, out=rows[..., :size, :])
+    rows[..., size, :] = 0.0
+    rows[..., 1:, :].addcmul_(t, fy)
+    patch = t.new_empty(num_particles, batch, digits, side, side)
+    torch.mul(rows, 1.0 - fx, out=patch[..., :size])
+    patch[..., size] = 0.0
+    patch[..., 1:].addcmul_(rows, fx)
+    # flat canvas indices, separable: row part + column part; off-canvas -> row/column H
+    ar = torch.arange(side, device=t.device)
+    cols = base[..., 0, None] + ar  # (L, B, D, S + 1)
+    rws = base[..., 1, None] + ar
+    cols = torch.where((cols >= 0) & (cols < canvas_size), cols, canvas_size)
+    rws = torch.where((rws >= 0) & (rws < canvas_size), rws, canvas_size) * wide
+    canvases = num_particles * batch
+    index = (rws[..., :, None] + cols[..., None, :]).view(canvases, -1)
+    xv = (
+        flat_x.expand(num_particles, -1, -1).gather(2, index.view(num_particles, batch, -1)).view(patch.shape)
+    )
+    canvas = patch.new_zeros(canvases, wide, wide)
+    canvas[:, canvas_size, :] = -math.inf
+    canvas[:, :, canvas_size] = -math.inf
+    canvas = canvas.view(canvases, -1).scatter_add_(1, index, patch.view(canvases, -1))
+    p = canvas.gather(1, index).view(patch.shape)
+    del canvas, index
+    q = p.clamp(eps, 1.0 - eps)
+    log_q = torch.log(q)
+    log_1mq = torch.log1p(q.neg())
+    log_eps, log1m_eps = math.log(eps), math.log1p(-eps)
+    # f(q) - f(eps) = x (log q - log(1 - q) - log eps + log(1 - eps)) + log(1 - q) - log(1 - eps),
+    # where a pixel covered by m patches counts 1/m in each
+    term = log_q.sub_(log_1mq).sub_(log_eps - log1m_eps).mul_(xv).add_(log_1mq).sub_(log1m_eps)
+    term.div_(_cover_count(base, side, t.dtype))
+    out += term.view(num_particles, batch, -1).sum(-1)
+    if not (need_t or need_o):
+        return None, None
+    # f'(p) = (x - p) / (p (1 - p)) where the clamp is inactive (eps < p < 1 - eps; never off
+    # the canvas), else 0: hardtanh's backward is exactly that mask, in one fused pass
+    dp = (xv - q).div_(torch.addcmul(q, q, q, value=-1.0))
+    dp = torch.ops.aten.hardtanh_backward(dp, p, eps, 1.0 - eps)
+    d_rows = dp[..., :size] * (1.0 - fx)  # adjoint of the column blend
+    d_rows.addcmul_(dp[..., 1:], fx)
+    d_t = d_o = None
+    if need_t:
+        d_t = d_rows[..., :size, :] * (1.0 - fy)  # adjoint of the row blend
+        d_t.addcmul_(d_rows[..., 1:, :], fy)
+    if need_o:
+        # d patch / d fx = rows shifted right minus rows; d rows / d fy likewise
+        d_fx = (rows * (dp[..., 1:] - dp[..., :size])).sum((-2, -1))
+        d_fy = (t * (d_rows[..., 1:, :] - d_rows[..., :size, :])).sum((-2, -1))
+        d_o = torch.stack([d_fx, d_fy], -1)
+    return d_t, d_o
 
-    Patches are axis-aligned squares at integer corners, so digit e covers pixel (r, c)
-    of digit d's patch iff it covers its row and its column: a separable count.
+
+def _cover_count(base: Tensor, side: int, dtype: torch.dtype) -> Tensor:
+    """How many of the D patches cover each pixel of each patch, ``(..., D, side, side)``.
+
+    Patches are axis-aligned squares at integer corners ``base (..., D, 2)``, so digit e
+    covers pixel (r, c) of digit d's patch iff it covers its row and its column: a
+    separable count.
     """
-    base = torch.floor(offset.detach())  # (..., D, 2)
     delta = base.unsqueeze(-2) - base.unsqueeze(-3)  # (..., d, e, 2): corner of d minus corner of e
-    ar = torch.arange(patch_size, device=offset.device, dtype=offset.dtype)
-    pos = delta.unsqueeze(-1) + ar  # (..., d, e, 2, p): pixel of d's patch in e's frame
-    inside = ((pos >= 0) & (pos < patch_size)).to(offset.dtype)
-    count = torch.einsum("...der,...dec->...drc", inside[..., 1, :], inside[..., 0, :])
-    return count.flatten(-2)
+    ar = torch.arange(side, device=base.device)
+    pos = delta.unsqueeze(-1) + ar  # (..., d, e, 2, side): pixel of d's patch in e's frame
+    inside = ((pos >= 0) & (pos < side)).to(dtype)
+    return torch.einsum("...der,...dec->...drc", inside[..., 1, :], inside[..., 0, :])
 
 
 # --------------------------------------------------------------------------- the model
@@ -285,7 +425,41 @@ class Decoder(nn.Module):
         )
 
     def forward(self, z_what: Tensor) -> Tensor:
-        return torch.sigmoid(self.net(z_what)).unflatten(-1, (self.digit_size, self.digit_size))
+        return torch.sigmoid(_run(self.net, z_what)).unflatten(-1, (self.digit_size, self.digit_size))
+
+
+class _FlushDenormalGrad(torch.autograd.Function):
+    """The identity, whose backward pass sets subnormal gradient entries to zero.
+
+    Gradients here are scaled by self-normalized importance weights, and a particle's
+    weight can be 1e-40 and less: subnormal floats, which make a CPU matrix multiply
+    about 100x slower (measured: a 300 x 400 gradient with subnormal entries turned the
+    4761 x 400 weight gradient from 87 into 1 GFLOP/s). Flushing them to zero, as GPUs
+    and fast-math CPU code do, changes each gradient entry by less than
+    ``finfo.tiny`` (1.2e-38 in float32) per term.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return _flush_denormals(grad)
+
+
+def _flush_denormals(t: Tensor) -> Tensor:
+    return t.masked_fill(t.abs() < torch.finfo(t.dtype).tiny, 0.0)
+
+
+def _run(net: nn.Sequential, u: Tensor) -> Tensor:
+    """``net(u)``, with the gradient of every linear layer's output flushed of subnormals
+    (``_FlushDenormalGrad``) before it reaches that layer's matrix multiplies."""
+    for layer in net:
+        u = layer(u)
+        if isinstance(layer, nn.Linear) and torch.is_grad_enabled():
+            u = _FlushDenormalGrad.apply(u)
+    return u
 
 
 class BouncingMNIST(Model):
@@ -307,17 +481,30 @@ class BouncingMNIST(Model):
     def templates(self, z_what: Tensor) -> Tensor:
         """Decoded digits ``(L, B, D, S, S)``.
 
-        Within one block update the sampler scores the same ``z_what`` tensor several
-        times (proposal, old and new blanket); the last result is remembered by the
-        tensor's identity and version (and the decoder's parameter versions, which an
-        optimizer step bumps) so the decoder runs once per block.
+        The sampler scores the same codes many times: within one block update the same
+        ``z_what`` tensor (proposal, old and new blanket), and across block updates copies
+        of its particles (resampling gathers them). The decoder runs once per fresh set of
+        codes: a tensor seen last time is answered from memory (checked by identity and
+        version), and a tensor each of whose particles equals (exactly) a particle of
+        the last decoded one, for the same video, gets that particle's decoded digits by
+        indexing, so the gradient reaches the decoder through the same output. The key
+        also holds the grad mode, train/eval mode and the decoder's parameter versions
+        (an optimizer step bumps them).
         """
-        key = (z_what._version, torch.is_grad_enabled(), self.training,
-               tuple(p._version for p in self.decoder.parameters()))
-        if self._memo is not None and self._memo[0]() is z_what and self._memo[1] == key:
-            return self._memo[2]
+        key = (torch.is_grad_enabled(), self.training, tuple(p._version for p in self.decoder.parameters()))
+        memo = self._memo
+        if memo is not None and memo[0] == key:
+            last, last_version, last_out = memo[1]
+            if last() is z_what and last_version == z_what._version:
+                return last_out
+            source, source_version, source_out = memo[2]
+            out = _gather_copies(z_what, source, source_out) if source._version == source_version else None
+            if out is not None:
+                self._memo = (key, (weakref.ref(z_what), z_what._version, out), memo[2])
+                return out
         out = self.decoder(z_what)
-        self._memo = (weakref.ref(z_what), key, out)
+        entry = (weakref.ref(z_what), z_what._version, out)
+        self._memo = (key, entry, (z_what, z_what._version, out))
         return out
 
     def log_prior_what(self, z_what: Tensor) -> Tensor:
@@ -330,12 +517,16 @@ class BouncingMNIST(Model):
         s = self.cfg.sigma0
         return (_std_normal_log_prob((where - prev) / s) - math.log(s)).sum((-2, -1))
 
-    def log_likelihood(self, x: Tensor, templates: Tensor, z: Mapping[str, Tensor], start: int, stop: int) -> Tensor:
+    def log_likelihood(
+        self, x: Tensor, templates: Tensor, z: Mapping[str, Tensor], start: int, stop: int
+    ) -> Tensor:
         """``sum_{t=start}^{stop} log p(x_t | ...)``, ``(L, B)``, in chunks of frames."""
         total: Tensor | None = None
         for lo in range(start, stop + 1, FRAME_CHUNK):
             hi = min(stop, lo + FRAME_CHUNK - 1)
-            part = frame_log_likelihood(x[:, lo - 1 : hi], templates, stack_where(z, hi - lo + 1, lo), self.cfg)
+            part = frame_log_likelihood(
+                x[:, lo - 1 : hi], templates, stack_where(z, hi - lo + 1, lo), self.cfg
+            )
             total = part if total is None else total + part
         assert total is not None
         return total
@@ -352,14 +543,33 @@ class BouncingMNIST(Model):
 
     def log_blanket(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         """Factors that involve ``block``: for ``what`` its prior and every frame; for
-        ``where_t`` frame t and the transitions into and out of t (cost independent of T)."""
+        ``where_t`` frame t and the transitions into and out of t (cost independent of T).
+
+        Resampling leaves copies of particles, whose blankets are their originals': when
+        a video has copies, the blanket is computed on ``L' < L`` particles per video (the
+        distinct ones, padded with copies) and handed out by index (``_distinct_particles``).
+        """
         num_frames = _check_video(x, self.cfg)
+        if block == "what":
+            names = ["z_what", *(where_key(t) for t in range(1, num_frames + 1))]
+        else:
+            t = _frame_of(block)
+            if t > num_frames:
+                raise ValueError(f"block {block!r} does not exist in a video of {num_frames} frames")
+            names = ["z_what", *(where_key(s) for s in (t - 1, t, t + 1) if 1 <= s <= num_frames)]
+        pick = _distinct_particles([z[name] for name in names])
+        if pick is None:
+            return self._log_blanket(block, x, z, num_frames)
+        compact, position = pick
+        videos = torch.arange(x.shape[0], device=x.device)
+        small = {name: z[name][compact, videos] for name in names}
+        return self._log_blanket(block, x, small, num_frames).gather(0, position)
+
+    def _log_blanket(self, block: str, x: Tensor, z: Mapping[str, Tensor], num_frames: int) -> Tensor:
         templates = self.templates(z["z_what"])
         if block == "what":
             return self.log_prior_what(z["z_what"]) + self.log_likelihood(x, templates, z, 1, num_frames)
         t = _frame_of(block)
-        if t > num_frames:
-            raise ValueError(f"block {block!r} does not exist in a video of {num_frames} frames")
         here = z[where_key(t)]
         out = self.log_transition(z[where_key(t - 1)] if t > 1 else None, here)
         if t < num_frames:
@@ -383,6 +593,19 @@ def _check_video(x: Tensor, cfg: BMNISTConfig) -> int:
             f"videos must be shaped (B, T, {cfg.canvas_size}, {cfg.canvas_size}), got {tuple(x.shape)}"
         )
     return x.shape[1]
+
+
+def _gather_copies(z: Tensor, source: Tensor, source_out: Tensor) -> Tensor | None:
+    """``source_out`` reindexed to ``z``'s particles when every particle of ``z (L, B, ...)``
+    is an exact copy of a particle of ``source (L', B, ...)`` for the same video
+    (``source_out[a(l, b), b]``); else ``None``."""
+    if z.shape[1:] != source.shape[1:] or z.dtype != source.dtype or z.device != source.device:
+        return None
+    same = (z.unsqueeze(1) == source.unsqueeze(0)).flatten(3).all(-1)  # (L, L', B)
+    if not bool(same.any(1).all()):
+        return None
+    ancestor = same.to(torch.uint8).argmax(1)  # (L, B)
+    return source_out[ancestor, torch.arange(z.shape[1], device=z.device)]
 
 
 # --------------------------------------------------------------------------- simulator
@@ -459,6 +682,33 @@ def _softmax_no_denormals(logits: Tensor, floor: float = 50.0) -> Tensor:
     return torch.softmax(torch.maximum(logits, top - floor), -1)
 
 
+class _SoftmaxLinear(torch.autograd.Function):
+    """``_softmax_no_denormals(logits) @ weight.T + bias`` for rows ``logits (N, M)`` that
+    need no gradient (correlation maps), fused.
+
+    The softmax is computed in place in one buffer, the only tensor kept for the
+    backward pass (for the weight gradient); the gradient is flushed of subnormals
+    (``_FlushDenormalGrad``) before its matrix multiply.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, weight: Tensor, bias: Tensor, floor: float) -> Tensor:
+        s = logits - logits.amax(-1, keepdim=True)
+        s.clamp_(min=-floor).exp_()
+        s.div_(s.sum(-1, keepdim=True))
+        ctx.save_for_backward(s)
+        return torch.addmm(bias, s, weight.T)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        (s,) = ctx.saved_tensors
+        g = _flush_denormals(grad)
+        grad_w = g.T @ s if ctx.needs_input_grad[1] else None
+        grad_b = g.sum(0) if ctx.needs_input_grad[2] else None
+        return None, grad_w, grad_b, None
+
+
 class WhereNet(nn.Module):
     """q(z_where_{d,t} | correlation map): softmax over the map, 4761 -> 400 tanh, then
     mean (200 tanh -> 2, tanh) and scale (200 tanh -> 2, softplus) heads (Appendix E)."""
@@ -470,8 +720,15 @@ class WhereNet(nn.Module):
         self.scale = nn.Sequential(nn.Linear(hidden, head), nn.Tanh(), nn.Linear(head, 2))
 
     def forward(self, corr: Tensor) -> Normal:
-        h = self.body(_softmax_no_denormals(corr.flatten(-2)))
-        return Normal(self.loc(h), F.softplus(self.scale(h)) + 1e-3, validate_args=False)
+        logits = corr.flatten(-2)
+        if logits.requires_grad:
+            h = _run(self.body, _softmax_no_denormals(logits))
+        else:
+            first = self.body[0]
+            rows = logits.reshape(-1, logits.shape[-1])
+            pre = _SoftmaxLinear.apply(rows, first.weight, first.bias, 50.0)
+            h = self.body[1:](pre).view(*logits.shape[:-1], -1)
+        return Normal(_run(self.loc, h), F.softplus(_run(self.scale, h)) + 1e-3, validate_args=False)
 
 
 class WhatNet(nn.Module):
@@ -487,7 +744,10 @@ class WhatNet(nn.Module):
         self.scale = nn.Linear(feature, z_dim)
 
     def forward(self, mean_feature: Tensor) -> Normal:
-        return Normal(self.loc(mean_feature), F.softplus(self.scale(mean_feature)) + 1e-3, validate_args=False)
+        loc, scale = self.loc(mean_feature), self.scale(mean_feature)
+        if torch.is_grad_enabled():
+            loc, scale = _FlushDenormalGrad.apply(loc), _FlushDenormalGrad.apply(scale)
+        return Normal(loc, F.softplus(scale) + 1e-3, validate_args=False)
 
 
 class BMNISTProposals(Proposals):
@@ -532,7 +792,7 @@ class BMNISTProposals(Proposals):
             hi = min(num_frames, lo + FRAME_CHUNK)
             offset = pixel_offsets(where[:, :, lo:hi], cfg.canvas_size, cfg.digit_size)
             patches = crop(x[:, lo:hi], offset, cfg.digit_size)  # (L, B, F, D, S, S)
-            part = self.what_net.features(patches.flatten(-2)).sum(2)
+            part = _run(self.what_net.features, patches.flatten(-2)).sum(2)
             total = part if total is None else total + part
         assert total is not None
         return self.what_net(total / num_frames)
@@ -563,7 +823,9 @@ class BMNISTProposals(Proposals):
                 digits.append(where)
                 # A placed digit's correlation with the template is A shifted to its offset.
                 offset = pixel_offsets(where, cfg.canvas_size, cfg.digit_size) - (size - 1)
-                corr = corr - render(auto.expand(*where.shape[:-1], 1, *auto.shape), offset.unsqueeze(-2), side)
+                corr = corr - render(
+                    auto.expand(*where.shape[:-1], 1, *auto.shape), offset.unsqueeze(-2), side
+                )
             stacked = torch.stack(digits, -2)  # (L, B, F, D, 2)
             for t in range(lo, hi):
                 z[where_key(t + 1)] = stacked[:, :, t - lo]
@@ -583,12 +845,26 @@ class BMNISTProposals(Proposals):
         if self.architecture != "apg":
             return super().kernel(block, x, z)
         if block == "what":
-            q = self._what(x, stack_where(z, x.shape[1]))
+            where = stack_where(z, x.shape[1])  # (L, B, T, D, 2)
+            pick = _distinct_particles([where])
+            if pick is None:
+                q = self._what(x, where)
+            else:  # copies left by resampling: crop and encode their originals only
+                compact, position = pick
+                q = self._what(x, where[compact, torch.arange(x.shape[0], device=x.device)])
+                index = position[..., None, None].expand(-1, -1, *q.loc.shape[2:])
+                q = Normal(q.loc.gather(0, index), q.scale.gather(0, index), validate_args=False)
             return Factorized({"z_what": (q, 2)})
         t = _frame_of(block)
         # Templates are detached: eq. 5 trains phi only, the decoder belongs to theta.
-        templates = self.model[0].templates(z["z_what"]).detach()
-        q = self.where_net(correlate(x[:, t - 1], templates))
+        # (Subnormal ink, sigmoid(-88) and below, would slow the convolution down.)
+        templates = _flush_denormals(self.model[0].templates(z["z_what"]).detach())
+        # Resampling leaves copies of particles; a copy's z_what, hence its correlation
+        # maps and proposal, are its original's: compute them once per distinct particle.
+        first = _first_copies(z["z_what"])
+        corr, rows = _correlate_distinct(x[:, t - 1], templates, first)
+        q = self.where_net(corr)  # over (N distinct x D, 2)
+        q = Normal(q.loc[rows], q.scale[rows], validate_args=False)
         return Factorized({where_key(t): (q, 2)})
 
 
@@ -608,8 +884,19 @@ def reconstruct(model: BouncingMNIST, x: Tensor, z: Mapping[str, Tensor]) -> Ten
     return model.reconstruct(z, _check_video(x, model.cfg))
 
 
-_COLORS = np.array([[230, 25, 75], [60, 180, 75], [0, 130, 200], [245, 130, 48], [145, 30, 180],
-                    [70, 240, 240], [240, 50, 230], [210, 245, 60]], dtype=np.uint8)
+_COLORS = np.array(
+    [
+        [230, 25, 75],
+        [60, 180, 75],
+        [0, 130, 200],
+        [245, 130, 48],
+        [145, 30, 180],
+        [70, 240, 240],
+        [240, 50, 230],
+        [210, 245, 60],
+    ],
+    dtype=np.uint8,
+)
 
 
 def _boxes(z: Mapping[str, Any], num_frames: int, cfg: BMNISTConfig = BMNISTConfig()) -> np.ndarray:
@@ -619,20 +906,30 @@ def _boxes(z: Mapping[str, Any], num_frames: int, cfg: BMNISTConfig = BMNISTConf
 
 
 def draw(ax, x, z, max_frames: int = 10) -> None:
-    """A strip of the first ``max_frames`` frames with the inferred digit boxes (Figure 3).
+    """Figure 3: a strip of the first ``max_frames`` frames with the inferred digit boxes
+    and, below it, the model's reconstructions of the same frames with the same boxes.
 
-    ``x (T, H, H)`` numpy; ``z`` numpy dict without particle or batch dims."""
+    ``x (T, H, H)`` numpy; ``z`` numpy dict without particle or batch dims. The
+    reconstruction row needs the decoder, which ``z`` does not carry: it is drawn from
+    ``z["recon"]`` (``(T, H, H)``, the model's ``reconstruct`` of this sample), when given.
+    """
     from matplotlib.patches import Rectangle
 
     x = np.asarray(x)
     frames = min(max_frames, x.shape[0])
     side = x.shape[-1]
     corners = _boxes(z, frames)
-    ax.imshow(np.concatenate(list(x[:frames]), axis=1), cmap="gray", vmin=0, vmax=1)
-    for t in range(frames):
-        for d, (cx, cy) in enumerate(corners[t]):
-            ax.add_patch(Rectangle((t * side + cx - 0.5, cy - 0.5), DIGIT, DIGIT, fill=False, lw=1,
-                                   edgecolor=_COLORS[d % len(_COLORS)] / 255.0))
+    strips = [np.concatenate(list(x[:frames]), axis=1)]
+    if "recon" in z:
+        gap = np.ones((4, strips[0].shape[1]))
+        strips += [gap, np.concatenate(list(np.clip(np.asarray(z["recon"])[:frames], 0, 1)), axis=1)]
+    ax.imshow(np.concatenate(strips, axis=0), cmap="gray", vmin=0, vmax=1)
+    for top in (0, side + 4)[: 1 if len(strips) == 1 else 2]:
+        for t in range(frames):
+            for d, (cx, cy) in enumerate(corners[t]):
+                color = _COLORS[d % len(_COLORS)] / 255.0
+                corner = (t * side + cx - 0.5, top + cy - 0.5)
+                ax.add_patch(Rectangle(corner, DIGIT, DIGIT, fill=False, lw=1, edgecolor=color))
     ax.set_axis_off()
 
 
@@ -669,6 +966,12 @@ def _box(img: np.ndarray, x0: int, y0: int, size: int, color: np.ndarray) -> Non
 
 
 TASK = TaskSpec(
-    "bmnist", build_model, build_proposals, simulate, ("apg", "mlp"),
-    reconstruct=reconstruct, draw=draw, animate=animate,
+    "bmnist",
+    build_model,
+    build_proposals,
+    simulate,
+    ("apg", "mlp"),
+    reconstruct=reconstruct,
+    draw=draw,
+    animate=animate,
 )
