@@ -48,8 +48,10 @@ from pipeline.config import evaluation_pairs, evaluation_sets, load_params
 
 COLUMNS = ["task", "method", "K", "L", "seed", "train_K", "train_L", "cell_id", "test_set", "test_sizes",
            "dataset", "sweep", "metric", "value"]
-# Save a figure particle's reconstruction when one dataset has at most this many numbers.
-RECON_MAX_ELEMENTS = 20_000
+# Save a figure particle's reconstruction when one dataset has at most this many numbers:
+# the rings' points, and Bouncing MNIST figure videos up to ~27 frames of 96x96 (Figure 3's
+# reconstruction row); longer videos are reconstructed by the report from the model.
+RECON_MAX_ELEMENTS = 250_000
 
 
 def tidy(metrics: dict[str, np.ndarray], ids: dict[str, Any]) -> pd.DataFrame:
@@ -81,10 +83,10 @@ def best_particles(cfg, model, proposals, x: torch.Tensor, sweeps: list[int], pa
     """``{sweep: {latent: (M, ...)}}``: each dataset's highest-weight particle after each sweep.
 
     RWS methods run one step whatever K is, so they only have sweep 1. When the task can
-    reconstruct and a dataset is small (at most ``RECON_MAX_ELEMENTS`` numbers, e.g. the
-    rings' points), the particle's reconstruction is saved as ``recon`` (``(M, ...)``, like
-    ``x``) for the pictures; large data (videos) are reconstructed by the report from the
-    model instead (``animate``), so samples.npz stays small.
+    reconstruct and a dataset is small (at most ``RECON_MAX_ELEMENTS`` numbers: the
+    rings' points, short videos), the particle's reconstruction is saved as ``recon``
+    (``(M, ...)``, like ``x``) for the pictures; larger data are reconstructed by the
+    report from the model instead (``animate``), so samples.npz stays small.
     """
     reconstruct = get_task(cfg.task).reconstruct
     keep_recon = reconstruct is not None and x[0].numel() <= RECON_MAX_ELEMENTS

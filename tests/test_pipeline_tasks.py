@@ -173,7 +173,10 @@ def test_figure_samples_carry_reconstructions_only_for_small_data():
 
     cfg = TrainConfig(task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}).validate()
     model, proposals = build(cfg)
-    video = torch.zeros(1, 3, 96, 96)  # 27,648 numbers: above RECON_MAX_ELEMENTS
+    video = torch.zeros(1, 3, 96, 96)  # 27,648 numbers: a short video keeps its reconstruction
     video[0, :, 10:30, 10:30] = 1.0
     best = best_particles(cfg, model, proposals, video, [2], 2)
-    assert "recon" not in best[2] and best[2]["z_where_2"].shape == (1, 1, 2)
+    assert best[2]["recon"].shape == tuple(video.shape) and best[2]["z_where_2"].shape == (1, 1, 2)
+    long_video = torch.zeros(1, 30, 96, 96)  # 276,480 numbers: above RECON_MAX_ELEMENTS
+    best = best_particles(cfg, model, proposals, long_video, [2], 2)
+    assert "recon" not in best[2] and best[2]["z_where_30"].shape == (1, 1, 2)
