@@ -48,8 +48,15 @@ def videos(num: int, frames: int, digits: int, mnist_dir: str | None, seed: int)
     task = get_task("bmnist")
     g = torch.Generator().manual_seed(seed)
     try:
-        return task.simulate(task.build_model(), num, g, num_frames=frames, num_digits=digits,
-                             split="train", mnist_dir=mnist_dir)["x"]
+        return task.simulate(
+            task.build_model(),
+            num,
+            g,
+            num_frames=frames,
+            num_digits=digits,
+            split="train",
+            mnist_dir=mnist_dir,
+        )["x"]
     except FileNotFoundError:  # no MNIST: random blobs have the same cost
         from apg.tasks.bmnist import pixel_offsets, render, simulate_trajectories
 
@@ -112,10 +119,13 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.skip_sweep:
         t10 = sweep_cost(10, args.sweep_repeats, args.mnist_dir, 10, 10)
         t100 = sweep_cost(100, args.sweep_repeats, args.mnist_dir, 10, 10)
-        res.update(sweep_T10=t10, sweep_T100=t100,
-                   sweep_cpu_ratio_T100_T10=round(t100["cpu_seconds"] / t10["cpu_seconds"], 2),
-                   sweep_flop_ratio_T100_T10=round(t100["gflop"] / t10["gflop"], 2),
-                   load_average_end=os.getloadavg())
+        res.update(
+            sweep_T10=t10,
+            sweep_T100=t100,
+            sweep_cpu_ratio_T100_T10=round(t100["cpu_seconds"] / t10["cpu_seconds"], 2),
+            sweep_flop_ratio_T100_T10=round(t100["gflop"] / t10["gflop"], 2),
+            load_average_end=os.getloadavg(),
+        )
     print(json.dumps(res), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
@@ -124,8 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 def step(args: argparse.Namespace) -> dict:
     x = videos(50, 10, 3, args.mnist_dir, seed=0)
-    cfg = TrainConfig(task="bmnist", method="apg", sweeps=5, particles=10, batch_size=10, lr=1e-4,
-                      network={"num_digits": 3})
+    cfg = TrainConfig(
+        task="bmnist", method="apg", sweeps=5, particles=10, batch_size=10, lr=1e-4, network={"num_digits": 3}
+    )
     trainer = Trainer(cfg, x)
     rss_before = vm_hwm_mb()
     times = time_step(trainer, args.repeats)

@@ -23,7 +23,9 @@ import time
 import torch
 
 
-def step_time(threads: int, steps: int, warmup: int, batch: int, points: int, sweeps: int, particles: int) -> dict:
+def step_time(
+    threads: int, steps: int, warmup: int, batch: int, points: int, sweeps: int, particles: int
+) -> dict:
     from apg.objectives import apg_loss
     from apg.smc.sampler import run_apg
     from apg.tasks import get_task
@@ -82,7 +84,9 @@ print(base, hwm(), time.perf_counter() - start)
 
 def eval_memory(threads: int, batch: int, points: int, sweeps: int, particles: int) -> dict:
     code = _EVAL.format(threads=threads, batch=batch, points=points, sweeps=sweeps, particles=particles)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True
+    ).stdout.split()
     before, peak, seconds = int(out[0]), int(out[1]), float(out[2])
     return {"peak_rss_mb": peak / 1024, "peak_rss_before_run_mb": before / 1024, "seconds": seconds}
 

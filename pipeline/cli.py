@@ -121,10 +121,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     trainer = Trainer(cfg, train_x, args.device)
     from tqdm import tqdm
 
-    with tqdm(total=cfg.iterations, desc=f"{cfg.task}/{cfg.method} K={cfg.sweeps} L={cfg.particles}", unit="it") as bar:
+    with tqdm(
+        total=cfg.iterations, desc=f"{cfg.task}/{cfg.method} K={cfg.sweeps} L={cfg.particles}", unit="it"
+    ) as bar:
         for metrics in trainer.run():
             bar.update(1)
-            bar.set_postfix(log_joint=f"{metrics['log_joint']:.1f}", ess=f"{metrics['ess']:.3f}", refresh=False)
+            bar.set_postfix(
+                log_joint=f"{metrics['log_joint']:.1f}", ess=f"{metrics['ess']:.3f}", refresh=False
+            )
     path = _save(args.out, cfg, trainer)
     print(f"wrote {path}")
 
@@ -152,7 +156,9 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     cfg, model, proposals = load_trained(args.checkpoint, args.device)
     x = load_task_data(cfg.task, args.data, cfg.model).to(args.device)
     seed_everything(args.seed)
-    metrics = evaluate(cfg, model, proposals, x, args.sweeps, args.particles, args.batch_size, args.resample_mode)
+    metrics = evaluate(
+        cfg, model, proposals, x, args.sweeps, args.particles, args.batch_size, args.resample_mode
+    )
     payload = {
         "task": cfg.task,
         "method": cfg.method,
@@ -180,7 +186,9 @@ def cmd_stage(module: str) -> Callable[[argparse.Namespace], None]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="apg-pipeline", description="APG samplers: train, evaluate, sweep, report.")
+    parser = argparse.ArgumentParser(
+        prog="apg-pipeline", description="APG samplers: train, evaluate, sweep, report."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="simulate datasets of a task into an .npz file")
@@ -190,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-points", type=int, default=None, help="shorthand for --size num_points=N")
     gen.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="task size option")
-    gen.add_argument("--model", action="append", default=[], metavar="KEY=VALUE", help="task model hyperparameter")
+    gen.add_argument(
+        "--model", action="append", default=[], metavar="KEY=VALUE", help="task model hyperparameter"
+    )
     gen.set_defaults(func=cmd_generate)
 
     train = sub.add_parser("train", help="train a method on a dataset file and save a checkpoint")
@@ -205,7 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resampler", default="systematic")
     train.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
     train.add_argument("--network", action="append", default=[], metavar="KEY=VALUE")
-    train.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="the method's own option (e.g. step_size=0.05 for hmc-rws)")
+    train.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="the method's own option (e.g. step_size=0.05 for hmc-rws)",
+    )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     train.add_argument("--device", default="cpu")

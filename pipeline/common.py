@@ -54,7 +54,9 @@ def load_task_data(task: str, path: str | Path, model_hparams: dict[str, Any] | 
     example = _example_x(task, model_hparams or {})
     if x.dim() != example.dim():
         want = ", ".join(["M", *map(str, example.shape[1:])])
-        raise DatasetError(f"dataset file {path}: 'x' must be shaped like ({want}) for task {task}, got {tuple(x.shape)}")
+        raise DatasetError(
+            f"dataset file {path}: 'x' must be shaped like ({want}) for task {task}, got {tuple(x.shape)}"
+        )
     architecture = spec.architectures[0]
     proposals = spec.build_proposals(model, architecture)
     method = next(m for m in METHODS.values() if m.architecture == architecture)
@@ -79,11 +81,15 @@ def _example_x(task: str, model_hparams: dict[str, Any]) -> Tensor:
     if key not in _EXAMPLES:
         spec = get_task(task)
         with torch.no_grad():
-            _EXAMPLES[key] = spec.simulate(spec.build_model(**model_hparams), 1, torch.Generator().manual_seed(0))["x"]
+            _EXAMPLES[key] = spec.simulate(
+                spec.build_model(**model_hparams), 1, torch.Generator().manual_seed(0)
+            )["x"]
     return _EXAMPLES[key]
 
 
-def with_network(cfg: TrainConfig, model, proposals, overrides: dict[str, Any] | None, device: torch.device | str = "cpu"):
+def with_network(
+    cfg: TrainConfig, model, proposals, overrides: dict[str, Any] | None, device: torch.device | str = "cpu"
+):
     """``(cfg, proposals)`` with proposal-network keyword ``overrides`` (e.g. the number of
     objects to track in a held-out set), loading the trained weights into the rebuilt
     networks. Overrides must not change any weight's shape (``CheckpointError`` otherwise)."""
@@ -94,7 +100,9 @@ def with_network(cfg: TrainConfig, model, proposals, overrides: dict[str, Any] |
     try:
         rebuilt.load_state_dict(proposals.state_dict())
     except RuntimeError as err:
-        raise CheckpointError(f"network overrides {overrides} change the trained weights' shapes ({_first_line(err)})") from None
+        raise CheckpointError(
+            f"network overrides {overrides} change the trained weights' shapes ({_first_line(err)})"
+        ) from None
     rebuilt.eval()
     return cfg, rebuilt
 
@@ -108,7 +116,9 @@ def load_trained(path: str | Path, device: torch.device | str = "cpu"):
         model.load_state_dict(state["model"])
         proposals.load_state_dict(state["proposals"])
     except (KeyError, TypeError, RuntimeError, ValueError) as err:
-        raise CheckpointError(f"checkpoint file {path} does not match its config ({_first_line(err)})") from None
+        raise CheckpointError(
+            f"checkpoint file {path} does not match its config ({_first_line(err)})"
+        ) from None
     model.eval()
     proposals.eval()
     return cfg, model, proposals

@@ -60,7 +60,13 @@ TASK_KEYS: dict[str, Any] = {
     "grid": list,
     "evaluate": dict,
 }
-DATA_SET_KEYS: dict[str, Any] = {"num_datasets": int, "seed": int, "sizes": dict, "name": str, "network": dict}
+DATA_SET_KEYS: dict[str, Any] = {
+    "num_datasets": int,
+    "seed": int,
+    "sizes": dict,
+    "name": str,
+    "network": dict,
+}
 # ``<task>.data`` itself: the training set, held-out test sets (one ``test`` or several
 # named ``tests``), figure sets, and the dtype ``x`` is stored in.
 DATA_KEYS: dict[str, Any] = {"train": dict, "test": dict, "tests": list, "figures": list, "x_dtype": str}
@@ -142,7 +148,9 @@ def validate_params(params: dict[str, Any]) -> None:
     known_tasks = task_names()
     for key in params:
         if key not in TOP_KEYS and key not in known_tasks:
-            raise ParamsError(_unknown(key, [*TOP_KEYS, *known_tasks], "top-level section or registered task"))
+            raise ParamsError(
+                _unknown(key, [*TOP_KEYS, *known_tasks], "top-level section or registered task")
+            )
     tasks = _require(params, "tasks", list, "tasks")
     if not tasks:
         raise ParamsError("tasks: list at least one task")
@@ -180,7 +188,9 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         raise ParamsError(f"{task}.data.train: missing")
     _check_data_set(data["train"], f"{task}.data.train")
     if "network" in data["train"]:
-        raise ParamsError(f"{task}.data.train.network: training uses {task}.network; overrides are for held-out sets")
+        raise ParamsError(
+            f"{task}.data.train.network: training uses {task}.network; overrides are for held-out sets"
+        )
     if data.get("x_dtype", "float32") not in X_DTYPES:
         raise ParamsError(f"{task}.data.x_dtype: must be one of {list(X_DTYPES)}, got {data['x_dtype']!r}")
     sets = evaluation_sets(section, where=f"{task}.data")  # checks names and each entry
@@ -201,7 +211,9 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     if "budget" in ev:
         _budget_pairs(ev["budget"], f"{task}.evaluate.budget")
     if "baseline" in ev and ev["baseline"] not in METHODS:
-        raise ParamsError(f"{task}.evaluate.baseline: unknown method {ev['baseline']!r}; choose one of {sorted(METHODS)}")
+        raise ParamsError(
+            f"{task}.evaluate.baseline: unknown method {ev['baseline']!r}; choose one of {sorted(METHODS)}"
+        )
     for key in ("batch_size", "figure_particles"):
         if key in ev and ev[key] < (2 if key == "figure_particles" else 1):
             raise ParamsError(f"{task}.evaluate.{key}: too small ({ev[key]})")
@@ -226,8 +238,15 @@ def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[s
     sets: list[dict[str, Any]] = []
     if "test" in data:
         _check_data_set(data["test"], f"{where}.test")
-        sets.append({**data["test"], "name": data["test"].get("name", "test"), "stem": "test", "kind": "test",
-                     "where": f"{where}.test"})
+        sets.append(
+            {
+                **data["test"],
+                "name": data["test"].get("name", "test"),
+                "stem": "test",
+                "kind": "test",
+                "where": f"{where}.test",
+            }
+        )
     tests = data.get("tests") or []
     if not isinstance(tests, list):
         raise ParamsError(f"{where}.tests: must be a list of data sets, got {tests!r}")
@@ -236,7 +255,9 @@ def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[s
         _check_data_set(entry, at)
         name = entry.get("name")
         if not name or not all(ch.isalnum() or ch in "-_." for ch in name):
-            raise ParamsError(f"{at}.name: give each test set a name of letters, digits, '-', '_' or '.', got {name!r}")
+            raise ParamsError(
+                f"{at}.name: give each test set a name of letters, digits, '-', '_' or '.', got {name!r}"
+            )
         sets.append({**entry, "stem": f"test_{name}", "kind": "test", "where": at})
     if not sets:
         raise ParamsError(f"{where}.test: missing (give test: {{...}} or tests: [{{name: ..., ...}}])")
@@ -247,7 +268,15 @@ def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[s
     for i, entry in enumerate(data.get("figures") or []):
         at = f"{where}.figures[{i}]"
         _check_data_set(entry, at)
-        sets.append({**entry, "name": entry.get("name", f"figure_{i}"), "stem": f"figure_{i}", "kind": "figure", "where": at})
+        sets.append(
+            {
+                **entry,
+                "name": entry.get("name", f"figure_{i}"),
+                "stem": f"figure_{i}",
+                "kind": "figure",
+                "where": at,
+            }
+        )
     return sets
 
 
@@ -263,9 +292,13 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
     options = train.pop("method_options", None) or {}
     for name, opts in options.items():
         if name not in METHODS:
-            raise ParamsError(f"{task}.train.method_options.{name}: unknown method; choose one of {sorted(METHODS)}")
+            raise ParamsError(
+                f"{task}.train.method_options.{name}: unknown method; choose one of {sorted(METHODS)}"
+            )
         if not isinstance(opts, dict):
-            raise ParamsError(f"{task}.train.method_options.{name}: must be a mapping of options, got {opts!r}")
+            raise ParamsError(
+                f"{task}.train.method_options.{name}: must be a mapping of options, got {opts!r}"
+            )
     cells: dict[str, Cell] = {}
     grid = section.get("grid")
     if not isinstance(grid, list) or not grid:
@@ -289,7 +322,9 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
                 raise ParamsError(f"{where}.seeds[{j}]: must be an integer, got {seed!r}")
         for j, method in enumerate(methods):
             if method not in METHODS:
-                raise ParamsError(f"{where}.methods[{j}]: unknown method {method!r}; choose one of {sorted(METHODS)}")
+                raise ParamsError(
+                    f"{where}.methods[{j}]: unknown method {method!r}; choose one of {sorted(METHODS)}"
+                )
             for k, l in pairs:
                 for seed in seeds:
                     cfg = TrainConfig(
@@ -347,7 +382,11 @@ def _budget_pairs(budget: Any, where: str) -> list[tuple[int, int]]:
 
 
 def _check_pair(pair: Any, where: str) -> tuple[int, int]:
-    if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)):
+    if not (
+        isinstance(pair, (list, tuple))
+        and len(pair) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+    ):
         raise ParamsError(f"{where}: must be a pair [K, L] of integers, got {pair!r}")
     k, l = pair
     if k < 1:

@@ -46,8 +46,22 @@ from pipeline.common import (
 )
 from pipeline.config import evaluation_pairs, evaluation_sets, load_params
 
-COLUMNS = ["task", "method", "K", "L", "seed", "train_K", "train_L", "cell_id", "test_set", "test_sizes",
-           "dataset", "sweep", "metric", "value"]
+COLUMNS = [
+    "task",
+    "method",
+    "K",
+    "L",
+    "seed",
+    "train_K",
+    "train_L",
+    "cell_id",
+    "test_set",
+    "test_sizes",
+    "dataset",
+    "sweep",
+    "metric",
+    "value",
+]
 # Save a figure particle's reconstruction when one dataset has at most this many numbers:
 # the rings' points, and Bouncing MNIST figure videos up to ~27 frames of 96x96 (Figure 3's
 # reconstruction row); longer videos are reconstructed by the report from the model.
@@ -79,7 +93,9 @@ def tidy(metrics: dict[str, np.ndarray], ids: dict[str, Any]) -> pd.DataFrame:
     return frame[COLUMNS]
 
 
-def best_particles(cfg, model, proposals, x: torch.Tensor, sweeps: list[int], particles: int) -> dict[int, dict[str, np.ndarray]]:
+def best_particles(
+    cfg, model, proposals, x: torch.Tensor, sweeps: list[int], particles: int
+) -> dict[int, dict[str, np.ndarray]]:
     """``{sweep: {latent: (M, ...)}}``: each dataset's highest-weight particle after each sweep.
 
     RWS methods run one step whatever K is, so they only have sweep 1. When the task can
@@ -144,18 +160,34 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         }
         for entry in test_sets:
             set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
-            set_ids = {**ids, "test_set": entry["name"], "test_sizes": json.dumps(entry.get("sizes", {}), sort_keys=True)}
+            set_ids = {
+                **ids,
+                "test_set": entry["name"],
+                "test_sizes": json.dumps(entry.get("sizes", {}), sort_keys=True),
+            }
             for k, l in unique_pairs:
                 # Same seed for every cell at a pair: methods see the same randomness budget.
                 seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
                 metrics = evaluate_cell(
-                    set_cfg, model, set_proposals, entry["x"], k, l, ev.get("batch_size", 20), ev.get("resample_mode", "block")
+                    set_cfg,
+                    model,
+                    set_proposals,
+                    entry["x"],
+                    k,
+                    l,
+                    ev.get("batch_size", 20),
+                    ev.get("resample_mode", "block"),
                 )
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
         hist = pd.read_csv(root / cell["history"])
         histories.append(
             hist.melt(id_vars="iteration", var_name="metric", value_name="value").assign(
-                task=task, method=cell["method"], K=cell["K"], L=cell["L"], seed=cell["seed"], cell_id=cell["cell_id"]
+                task=task,
+                method=cell["method"],
+                K=cell["K"],
+                L=cell["L"],
+                seed=cell["seed"],
+                cell_id=cell["cell_id"],
             )
         )
         for i, entry in enumerate(figure_sets):
@@ -163,13 +195,22 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
             samples[f"x__{stem}"] = x.numpy()
             set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
             seed_everything(ev.get("seed", 0) + i)
-            best = best_particles(set_cfg, model, set_proposals, x, figure_sweeps, ev.get("figure_particles", 10))
+            best = best_particles(
+                set_cfg, model, set_proposals, x, figure_sweeps, ev.get("figure_particles", 10)
+            )
             for sweep, z in best.items():
                 for name, arr in z.items():
                     key = f"{cell['cell_id']}__{stem}__sweep{sweep}__{name}"
                     samples[key] = arr
-            index.append({"cell_id": cell["cell_id"], "method": cell["method"], "seed": cell["seed"],
-                          "figure_set": stem, "sweeps": sorted(best)})
+            index.append(
+                {
+                    "cell_id": cell["cell_id"],
+                    "method": cell["method"],
+                    "seed": cell["seed"],
+                    "figure_set": stem,
+                    "sweeps": sorted(best),
+                }
+            )
     metrics_frame = pd.concat(frames, ignore_index=True)
     run_ids = mlflow_run_ids(summary)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -188,23 +229,53 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         "test_datasets": int(first["x"].shape[0]),
         "test_sizes": first.get("sizes", {}),
         "test_sets": [
-            {"name": e["name"], "file": f"{e['stem']}.npz", "num_datasets": int(e["x"].shape[0]),
-             "shape": list(e["x"].shape), "sizes": e.get("sizes", {}), "network": e.get("network", {})}
+            {
+                "name": e["name"],
+                "file": f"{e['stem']}.npz",
+                "num_datasets": int(e["x"].shape[0]),
+                "shape": list(e["x"].shape),
+                "sizes": e.get("sizes", {}),
+                "network": e.get("network", {}),
+            }
             for e in test_sets
         ],
         "batch_size": section["train"].get("batch_size"),
         "lr": section["train"].get("lr"),
         "seeds": sorted({c["seed"] for c in summary["cells"]}),
         "cells": [
-            {**{k: c[k] for k in ("cell_id", "name", "method", "K", "L", "seed", "iterations", "mean_it_per_s", "checkpoint")},
-             "mlflow_run_id": run_ids.get(c["cell_id"])}
+            {
+                **{
+                    k: c[k]
+                    for k in (
+                        "cell_id",
+                        "name",
+                        "method",
+                        "K",
+                        "L",
+                        "seed",
+                        "iterations",
+                        "mean_it_per_s",
+                        "checkpoint",
+                    )
+                },
+                "mlflow_run_id": run_ids.get(c["cell_id"]),
+            }
             for c in summary["cells"]
         ],
         "pairs": [list(p) for p in plan.get("pairs", [])],
-        "budget": {"total": ev["budget"]["total"], "pairs": [list(p) for p in plan["budget"]]} if "budget" in plan else None,
+        "budget": {"total": ev["budget"]["total"], "pairs": [list(p) for p in plan["budget"]]}
+        if "budget" in plan
+        else None,
         "baseline": ev.get("baseline"),
-        "figure_sets": [{"name": e["stem"], "shape": list(e["x"].shape), "sizes": e.get("sizes", {}),
-                         "network": e.get("network", {})} for e in figure_sets],
+        "figure_sets": [
+            {
+                "name": e["stem"],
+                "shape": list(e["x"].shape),
+                "sizes": e.get("sizes", {}),
+                "network": e.get("network", {}),
+            }
+            for e in figure_sets
+        ],
         "samples": index,
     }
     text = json.dumps(meta, indent=2)
@@ -226,13 +297,17 @@ def mlflow_run_ids(summary: dict[str, Any]) -> dict[str, str]:
         out = {}
         for cell in summary["cells"]:
             run = tracking.find_run(
-                client, info["experiment_id"], {tracking.TAG_PARENT: info["parent_run_id"], tracking.TAG_CELL: cell["cell_id"]}
+                client,
+                info["experiment_id"],
+                {tracking.TAG_PARENT: info["parent_run_id"], tracking.TAG_CELL: cell["cell_id"]},
             )
             if run is not None:
                 out[cell["cell_id"]] = run.info.run_id
         return out
     except Exception as err:  # noqa: BLE001 - traceability is best effort; evaluation must not fail on it
-        print(f"note: MLflow run ids not recorded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        print(
+            f"note: MLflow run ids not recorded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        )
         return {}
 
 

@@ -30,7 +30,9 @@ from apg.tasks import get_task
 from pipeline.config import evaluation_sets, load_params
 
 
-def simulate_set(task: str, model_hparams: dict[str, Any], num_datasets: int, seed: int, sizes: dict[str, Any]) -> dict[str, np.ndarray]:
+def simulate_set(
+    task: str, model_hparams: dict[str, Any], num_datasets: int, seed: int, sizes: dict[str, Any]
+) -> dict[str, np.ndarray]:
     """One seeded simulated set as numpy arrays (``x`` plus the true latents)."""
     spec = get_task(task)
     model = spec.build_model(**model_hparams)
@@ -55,7 +57,9 @@ def generate(task: str, params: dict[str, Any], out_dir: Path) -> list[Path]:
     x_dtype = np.dtype(section["data"].get("x_dtype", "float32"))
     written = []
     for stem, entry in planned_sets(section).items():
-        arrays = simulate_set(task, section.get("model", {}), entry["num_datasets"], entry["seed"], entry.get("sizes", {}))
+        arrays = simulate_set(
+            task, section.get("model", {}), entry["num_datasets"], entry["seed"], entry.get("sizes", {})
+        )
         arrays["x"] = arrays["x"].astype(x_dtype)
         written.append(save_reproducible(out_dir / f"{stem}.npz", arrays))
     stale = {p for p in out_dir.glob("*.npz")} - set(written)

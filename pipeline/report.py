@@ -128,7 +128,9 @@ def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | No
             table[f"paper_{metric}"] = paper_col
     table = table.reset_index()
     rank = {m: i for i, m in enumerate([baseline, *sorted(set(table["method"]) - {baseline})])}
-    return table.sort_values(["method", "K", "L"], key=lambda s: s.map(rank) if s.name == "method" else s).reset_index(drop=True)
+    return table.sort_values(
+        ["method", "K", "L"], key=lambda s: s.map(rank) if s.name == "method" else s
+    ).reset_index(drop=True)
 
 
 # In the methods table (accept) and the compute figure (model_evals) instead.
@@ -146,7 +148,11 @@ def average_indexed_blocks(fin: pd.DataFrame) -> pd.DataFrame:
         return fin
     sub = fin[indexed].assign(metric=parts[0][indexed] + "_" + parts[1][indexed] + "_t")
     keys = [c for c in fin.columns if c not in ("value", "sweep")]
-    averaged = sub.groupby(keys, dropna=False)[["value", "sweep"]].agg({"value": "mean", "sweep": "max"}).reset_index()
+    averaged = (
+        sub.groupby(keys, dropna=False)[["value", "sweep"]]
+        .agg({"value": "mean", "sweep": "max"})
+        .reset_index()
+    )
     return pd.concat([fin[~indexed], averaged[fin.columns]], ignore_index=True)
 
 
@@ -173,7 +179,11 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
     """Compact Markdown: ``mean ± std`` per metric, the paper's value in the next column.
 
     ``labels`` renames block suffixes for readers (``globals`` -> ``{tau,mu}``)."""
-    metrics = [c for c in table.columns if c not in ("method", "K", "L") and not c.endswith("_std") and not c.startswith("paper_")]
+    metrics = [
+        c
+        for c in table.columns
+        if c not in ("method", "K", "L") and not c.endswith("_std") and not c.startswith("paper_")
+    ]
     header, cells = ["method", "K", "L"], []
     for m in metrics:
         header.append(_label(m, labels))
@@ -195,8 +205,8 @@ def _label(metric: str, labels: dict[str, str] | None) -> str:
         kind, block = metric[: metric.index("_")], metric[metric.index("_") + 1 :]
         return f"{kind} {block} (mean over t)"
     for prefix in ("ess_", "kl_"):
-        if metric.startswith(prefix) and labels and metric[len(prefix):] in labels:
-            return f"{prefix.rstrip('_')} {labels[metric[len(prefix):]]}"
+        if metric.startswith(prefix) and labels and metric[len(prefix) :] in labels:
+            return f"{prefix.rstrip('_')} {labels[metric[len(prefix) :]]}"
     return {"d_log_joint": "Δ log p(x,z)", "log_joint": "log p(x,z)", "ess": "ESS/L"}.get(metric, metric)
 
 
@@ -230,7 +240,9 @@ def comparison_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
     fin = fin[fin["metric"].isin(COMPARISON_METRICS)]
     per_seed = fin.groupby(["method", "K", "L", "seed", "cell_id", "metric"])["value"].mean().reset_index()
     stats = per_seed.groupby(["method", "K", "L", "metric"])["value"].agg(["mean", "std"]).reset_index()
-    wide = stats.pivot_table(index=["method", "K", "L"], columns="metric", values=["mean", "std"], dropna=False)
+    wide = stats.pivot_table(
+        index=["method", "K", "L"], columns="metric", values=["mean", "std"], dropna=False
+    )
     table = pd.DataFrame(index=wide.index)
     for metric in COMPARISON_METRICS:
         if ("mean", metric) in wide:
@@ -247,8 +259,13 @@ def comparison_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
 
 
 def comparison_markdown(table: pd.DataFrame) -> str:
-    labels = {"log_joint": "log p(x,z)", "ess": "ESS/L", "log_evidence": "log p(x) SMC", "log_evidence_is": "log p(x) IS",
-              "accept": "HMC accept"}
+    labels = {
+        "log_joint": "log p(x,z)",
+        "ess": "ESS/L",
+        "log_evidence": "log p(x) SMC",
+        "log_evidence_is": "log p(x) IS",
+        "accept": "HMC accept",
+    }
     metrics = [m for m in COMPARISON_METRICS if m in table]
     header = ["K×L", "method", "K", "L", *(labels[m] for m in metrics), "seeds", "cells (MLflow runs)"]
     rows = [header, ["---"] * len(header)]
@@ -257,8 +274,17 @@ def comparison_markdown(table: pd.DataFrame) -> str:
             f"`{c}` ({r[:8]})" if r else f"`{c}`"
             for c, r in zip(row["cells"].split(), (row["runs"].split() + [""] * 99), strict=False)
         )
-        rows.append([str(row["budget"]), row["method"], str(row["K"]), str(row["L"]),
-                     *(_pm(row[m], row.get(f"{m}_std")) for m in metrics), str(row["seeds"]), trace])
+        rows.append(
+            [
+                str(row["budget"]),
+                row["method"],
+                str(row["K"]),
+                str(row["L"]),
+                *(_pm(row[m], row.get(f"{m}_std")) for m in metrics),
+                str(row["seeds"]),
+                trace,
+            ]
+        )
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
@@ -281,7 +307,9 @@ def budget_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
         stats = mean_std(fin[fin["metric"] == metric], ["method", "K"])
         for (method, group), color in zip(stats.groupby("method"), sns.color_palette(), strict=False):
             ax.plot(group["K"], group["mean"], marker="o", label=method, color=color)
-            ax.fill_between(group["K"], group["mean"] - group["std"], group["mean"] + group["std"], alpha=0.2, color=color)
+            ax.fill_between(
+                group["K"], group["mean"] - group["std"], group["mean"] + group["std"], alpha=0.2, color=color
+            )
         ax.set_xscale("log")
         ax.set_xlabel(f"K sweeps (L = {meta['budget']['total']} // K)")
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
@@ -302,10 +330,18 @@ def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
         stats = mean_std(sub[sub["metric"] == metric], ["method", "sweep"])
         for (method, group), color in zip(stats.groupby("method"), sns.color_palette(), strict=False):
             if len(group) == 1:  # one-step methods (RWS with K*L particles): a level line
-                ax.axhline(group["mean"].iloc[0], ls="--", color=color, label=f"{method} ({k_max * l_at} particles)")
+                ax.axhline(
+                    group["mean"].iloc[0], ls="--", color=color, label=f"{method} ({k_max * l_at} particles)"
+                )
                 continue
             ax.plot(group["sweep"], group["mean"], marker=".", label=method, color=color)
-            ax.fill_between(group["sweep"], group["mean"] - group["std"], group["mean"] + group["std"], alpha=0.2, color=color)
+            ax.fill_between(
+                group["sweep"],
+                group["mean"] - group["std"],
+                group["mean"] + group["std"],
+                alpha=0.2,
+                color=color,
+            )
         ax.set_xlabel("sweep k")
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
     axes[0].legend(fontsize=8)
@@ -335,7 +371,15 @@ def mse_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Pa
             if group.empty:
                 continue
             style = {"marker": "o", "ls": "none"} if len(group) == 1 else {"marker": "."}
-            ax.errorbar(group["sweep"], group["mean"], yerr=group["std"], label=name, color=colors[name], capsize=2, **style)
+            ax.errorbar(
+                group["sweep"],
+                group["mean"],
+                yerr=group["std"],
+                label=name,
+                color=colors[name],
+                capsize=2,
+                **style,
+            )
         ax.set_xlabel("sweep k" if stats["sweep"].nunique() > 1 else "one step (K*L particles)")
         ax.set_title(method, fontsize=9)
         ax.set_xticks(sorted(set(stats["sweep"])))
@@ -364,11 +408,18 @@ def methods_sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: st
         stats = part.groupby(["method", "sweep"])["value"].agg(["mean", "sem"]).fillna(0.0).reset_index()
         for method, group in stats.groupby("method"):
             if len(group) == 1:
-                ax.axhline(group["mean"].iloc[0], ls="--", color=colors[method], label=f"{method} ({k * l} at once)")
+                ax.axhline(
+                    group["mean"].iloc[0], ls="--", color=colors[method], label=f"{method} ({k * l} at once)"
+                )
                 continue
             ax.plot(group["sweep"], group["mean"], marker=".", color=colors[method], label=method)
-            ax.fill_between(group["sweep"], group["mean"] - group["sem"], group["mean"] + group["sem"], alpha=0.2,
-                            color=colors[method])
+            ax.fill_between(
+                group["sweep"],
+                group["mean"] - group["sem"],
+                group["mean"] + group["sem"],
+                alpha=0.2,
+                color=colors[method],
+            )
         ax.set_title(f"K={k}, L={l}", fontsize=9)
         ax.set_xlabel("sweep k")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
@@ -379,7 +430,9 @@ def methods_sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: st
     return True
 
 
-def kl_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path, labels: dict[str, str] | None) -> bool:
+def kl_figure(
+    frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path, labels: dict[str, str] | None
+) -> bool:
     """Inclusive KL (eq. 4) of each method's block kernels to the exact Gibbs conditionals,
     one panel per block, versus the evaluation pair whose final particles stand in for
     p(z_-b | x); mean and std over seeds x datasets."""
@@ -397,8 +450,12 @@ def kl_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Pat
     for ax, block in zip(axes[0], blocks, strict=False):
         stats = mean_std(fin[fin["metric"] == block], ["method", "K", "L"])
         for j, (method, group) in enumerate(stats.groupby("method")):
-            x = np.array([position[(k, l)] for k, l in zip(group["K"], group["L"], strict=False)]) + 0.08 * (j - (len(methods) - 1) / 2)
-            ax.errorbar(x, group["mean"], yerr=group["std"], marker="o", capsize=2, color=colors[method], label=method)
+            x = np.array([position[(k, l)] for k, l in zip(group["K"], group["L"], strict=False)]) + 0.08 * (
+                j - (len(methods) - 1) / 2
+            )
+            ax.errorbar(
+                x, group["mean"], yerr=group["std"], marker="o", capsize=2, color=colors[method], label=method
+            )
         ax.axhline(0.0, color="grey", lw=0.8)
         ax.set_xticks(range(len(pairs)), [f"K={k}, L={l}" for k, l in pairs], fontsize=8)
         ax.set_title(f"block {_label(block, labels).removeprefix('kl ')}", fontsize=9)
@@ -431,19 +488,33 @@ def compute_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.6 * rows), squeeze=False, sharex=True)
     for ax, name in zip(axes.flat, order, strict=False):
         part = wide[wide["test_set"] == name]
-        stats = part.groupby(["method", "K", "L", "sweep"]).agg(
-            evals=("model_evals", "mean"), mse=("mse", "mean"), std=("mse", "std")).fillna(0.0).reset_index()
+        stats = (
+            part.groupby(["method", "K", "L", "sweep"])
+            .agg(evals=("model_evals", "mean"), mse=("mse", "mean"), std=("mse", "std"))
+            .fillna(0.0)
+            .reset_index()
+        )
         seen = set()
         for (method, _, _), group in stats.groupby(["method", "K", "L"]):
             label = None if method in seen else method
             seen.add(method)
             style = {"marker": "o", "ls": "none"} if len(group) == 1 else {"marker": ".", "ls": "-"}
-            ax.errorbar(group["evals"], group["mse"], yerr=group["std"], color=colors[method], capsize=2, label=label, **style)
+            ax.errorbar(
+                group["evals"],
+                group["mse"],
+                yerr=group["std"],
+                color=colors[method],
+                capsize=2,
+                label=label,
+                **style,
+            )
         ax.set_xscale("log")
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("likelihood evaluations per dataset (all of it, one particle; gradient = 2)", fontsize=8)
+        ax.set_xlabel(
+            "likelihood evaluations per dataset (all of it, one particle; gradient = 2)", fontsize=8
+        )
         ax.set_ylabel("reconstruction MSE per pixel")
-    for ax in list(axes.flat)[len(order):]:
+    for ax in list(axes.flat)[len(order) :]:
         ax.axis("off")
     axes[0, 0].legend(fontsize=7)
     fig.suptitle("Reconstruction MSE versus compute")
@@ -460,7 +531,9 @@ def mse_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
         sub = sub.assign(test_set="test")
     table = sub.groupby(["test_set", "method", "K", "L"])["value"].agg(["mean", "std"]).reset_index()
     rank = {s["name"]: i for i, s in enumerate(meta.get("test_sets") or [])}
-    return table.sort_values(["test_set", "method", "K"], key=lambda c: c.map(rank) if c.name == "test_set" else c).reset_index(drop=True)
+    return table.sort_values(
+        ["test_set", "method", "K"], key=lambda c: c.map(rank) if c.name == "test_set" else c
+    ).reset_index(drop=True)
 
 
 def training_figure(training: pd.DataFrame, caption: str, path: Path) -> bool:
@@ -469,9 +542,21 @@ def training_figure(training: pd.DataFrame, caption: str, path: Path) -> bool:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, metric in zip(axes, ("log_joint", "ess", "it_per_s"), strict=False):
         sub = training[training["metric"] == metric].copy()
-        sub["cell"] = sub["method"] + " K" + sub["K"].astype(str) + " L" + sub["L"].astype(str) + " s" + sub["seed"].astype(str)
+        sub["cell"] = (
+            sub["method"]
+            + " K"
+            + sub["K"].astype(str)
+            + " L"
+            + sub["L"].astype(str)
+            + " s"
+            + sub["seed"].astype(str)
+        )
         sns.lineplot(data=sub, x="iteration", y="value", hue="cell", ax=ax, legend=ax is axes[0])
-        ax.set_ylabel({"log_joint": "log p(x, z) (training batch)", "ess": "ESS / L", "it_per_s": "iterations / s"}[metric])
+        ax.set_ylabel(
+            {"log_joint": "log p(x, z) (training batch)", "ess": "ESS / L", "it_per_s": "iterations / s"}[
+                metric
+            ]
+        )
     if axes[0].get_legend():
         axes[0].legend(fontsize=7)
     fig.suptitle("Training curves (last sweep of each training batch)")
@@ -479,7 +564,9 @@ def training_figure(training: pd.DataFrame, caption: str, path: Path) -> bool:
     return True
 
 
-def samples_figure(task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], caption: str, path: Path) -> bool:
+def samples_figure(
+    task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], caption: str, path: Path
+) -> bool:
     """Figure 1 style: each method's best particle after several sweeps, per figure set."""
     spec = get_task(task)
     if spec.draw is None or not meta["samples"]:
@@ -494,7 +581,7 @@ def samples_figure(task: str, samples: dict[str, np.ndarray], meta: dict[str, An
         for j, (fset, sweep) in enumerate(columns):
             e = entry.get(fset)
             prefix = f"{e['cell_id']}__{fset}__sweep{sweep}__" if e else None
-            z = {k[len(prefix):]: v[0] for k, v in samples.items() if prefix and k.startswith(prefix)}
+            z = {k[len(prefix) :]: v[0] for k, v in samples.items() if prefix and k.startswith(prefix)}
             if z:
                 x = samples[f"x__{fset}"]
                 panels[i, j] = (f"{method}, sweep {sweep}\n{fset} (x {tuple(x.shape[1:])})", x[0], z)
@@ -503,10 +590,14 @@ def samples_figure(task: str, samples: dict[str, np.ndarray], meta: dict[str, An
     aspect = _draw_aspect(spec, next(iter(panels.values())))
     if aspect > 2.0:  # wide pictures (a strip of video frames): one picture per row, no empty rows
         width = min(2.0 * aspect, 16.0)
-        fig, grid = plt.subplots(len(panels), 1, figsize=(width, (width / aspect + 0.45) * len(panels) + 0.9), squeeze=False)
+        fig, grid = plt.subplots(
+            len(panels), 1, figsize=(width, (width / aspect + 0.45) * len(panels) + 0.9), squeeze=False
+        )
         axes = dict(zip(sorted(panels), grid[:, 0], strict=True))
     else:
-        fig, grid = plt.subplots(len(methods), len(columns), figsize=(3 * len(columns), 3 * len(methods)), squeeze=False)
+        fig, grid = plt.subplots(
+            len(methods), len(columns), figsize=(3 * len(columns), 3 * len(methods)), squeeze=False
+        )
         axes = {(i, j): grid[i, j] for i in range(len(methods)) for j in range(len(columns))}
     for key, ax in axes.items():
         if key not in panels:
@@ -534,7 +625,9 @@ def _draw_aspect(spec, panel: tuple[str, np.ndarray, dict[str, np.ndarray]]) -> 
         plt.close(fig)
 
 
-def animation(task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], root: Path, path: Path) -> bool:
+def animation(
+    task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], root: Path, path: Path
+) -> bool:
     """A GIF of the last APG sweep's sample on the first figure set (tasks with ``animate``)."""
     spec = get_task(task)
     if spec.animate is None or not meta["samples"]:
@@ -549,11 +642,16 @@ def animation(task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], r
     _, model, _ = load_trained(root / cell["checkpoint"])
     sweep = max(entry["sweeps"])
     prefix = f"{entry['cell_id']}__{entry['figure_set']}__sweep{sweep}__"
-    z = {k[len(prefix):]: torch.from_numpy(v[0]) for k, v in samples.items() if k.startswith(prefix)}
+    z = {k[len(prefix) :]: torch.from_numpy(v[0]) for k, v in samples.items() if k.startswith(prefix)}
     x = torch.from_numpy(samples[f"x__{entry['figure_set']}"][0]).to(torch.get_default_dtype())
     frames = np.asarray(spec.animate(model, x, z))
     images = [Image.fromarray(f) for f in frames]
-    atomic_write(path, lambda tmp: images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=200, loop=0))
+    atomic_write(
+        path,
+        lambda tmp: images[0].save(
+            tmp, format="GIF", save_all=True, append_images=images[1:], duration=200, loop=0
+        ),
+    )
     return True
 
 
@@ -567,7 +665,15 @@ def _save(fig, path: Path, caption: str) -> None:
 # --------------------------------------------------------------------------- the stage
 
 
-def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None, out: Path, root: Path, label: str, fmt: str) -> dict[str, Any]:
+def report_task(
+    task: str,
+    results: dict[str, Any],
+    paper: dict[str, Any] | None,
+    out: Path,
+    root: Path,
+    label: str,
+    fmt: str,
+) -> dict[str, Any]:
     meta, all_sets = results["meta"], results["metrics"]
     frame = primary_test_set(all_sets, meta)
     caption = scale_caption(meta, label)
@@ -586,25 +692,39 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
         atomic_write(tables / f"{task}_mse.csv", lambda tmp: mse.to_csv(tmp, index=False))
         mse_md = "\n".join(
             ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
-            + [f"| {r.test_set} | {r.method} | {r.K} | {r.L} | {_pm(r.mean, r.std)} |" for r in mse.itertuples(index=False)]
+            + [
+                f"| {r.test_set} | {r.method} | {r.K} | {r.L} | {_pm(r.mean, r.std)} |"
+                for r in mse.itertuples(index=False)
+            ]
         )
     made = {}
     for name, ok in (
         ("mse", mse_figure(all_sets, meta, caption, figures / f"{task}_mse.{fmt}")),
         ("compute", compute_figure(all_sets, meta, caption, figures / f"{task}_compute.{fmt}")),
-        ("methods_sweeps", methods_sweeps_figure(frame, meta, caption, figures / f"{task}_methods_sweeps.{fmt}")),
-        ("kl", kl_figure(frame, meta, caption, figures / f"{task}_kl.{fmt}", (paper or {}).get("block_labels"))),
+        (
+            "methods_sweeps",
+            methods_sweeps_figure(frame, meta, caption, figures / f"{task}_methods_sweeps.{fmt}"),
+        ),
+        (
+            "kl",
+            kl_figure(frame, meta, caption, figures / f"{task}_kl.{fmt}", (paper or {}).get("block_labels")),
+        ),
         ("budget", budget_figure(frame, meta, caption, figures / f"{task}_budget.{fmt}")),
         ("sweeps", sweeps_figure(frame, meta, caption, figures / f"{task}_sweeps.{fmt}")),
         ("training", training_figure(results["training"], caption, figures / f"{task}_training.{fmt}")),
-        ("samples", samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}")),
+        (
+            "samples",
+            samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}"),
+        ),
         ("animation", animation(task, results["samples"], meta, root, figures / f"{task}_samples.gif")),
     ):
         if ok:
             made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
     headline = {
         f"{row.method}/K{row.K}/L{row.L}": {
-            m: float(getattr(row, m)) for m in ("log_joint", "d_log_joint", "ess") if m in table and np.isfinite(getattr(row, m))
+            m: float(getattr(row, m))
+            for m in ("log_joint", "d_log_joint", "ess")
+            if m in table and np.isfinite(getattr(row, m))
         }
         for row in table.itertuples(index=False)
     }
@@ -612,9 +732,17 @@ def report_task(task: str, results: dict[str, Any], paper: dict[str, Any] | None
         if np.isfinite(r.mean):
             headline.setdefault(f"{r.method}/K{r.K}/L{r.L}", {})[f"mse_{r.test_set}"] = float(r.mean)
     sets = meta.get("test_sets") or []
-    return {"task": task, "caption": caption, "table_md": md, "methods_md": methods_md, "figures": made,
-            "metrics": headline, "paper": paper, "mse_md": mse_md,
-            "primary": sets[0]["name"] if len(sets) > 1 else None}
+    return {
+        "task": task,
+        "caption": caption,
+        "table_md": md,
+        "methods_md": methods_md,
+        "figures": made,
+        "metrics": headline,
+        "paper": paper,
+        "mse_md": mse_md,
+        "primary": sets[0]["name"] if len(sets) > 1 else None,
+    }
 
 
 FIGURE_TEXT = {
@@ -647,8 +775,11 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
         task = part["task"]
         lines += [f"## {task}", "", part["caption"] + ".", ""]
         if part.get("primary"):
-            lines += [f"Tables and the sweep/budget figures use the first held-out set, `{part['primary']}`; "
-                      "Figure 4 and the MSE table cover every set.", ""]
+            lines += [
+                f"Tables and the sweep/budget figures use the first held-out set, `{part['primary']}`; "
+                "Figure 4 and the MSE table cover every set.",
+                "",
+            ]
         if part["paper"]:
             lines += [f"Paper scale: {part['paper']['scale']}.", ""]
         lines += [
@@ -679,11 +810,23 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
             "",
         ]
         if part.get("mse_md"):
-            lines += [f"### Reconstruction MSE per held-out set ([csv](tables/{task}_mse.csv))", "",
-                      "Final-sweep MSE per pixel, mean ± std over seeds x videos (Figure 4's last points).", "",
-                      part["mse_md"], ""]
+            lines += [
+                f"### Reconstruction MSE per held-out set ([csv](tables/{task}_mse.csv))",
+                "",
+                "Final-sweep MSE per pixel, mean ± std over seeds x videos (Figure 4's last points).",
+                "",
+                part["mse_md"],
+                "",
+            ]
         for name, rel in part["figures"].items():
-            lines += [f"### {name}", "", f"![{task} {name}]({rel})", "", f"{FIGURE_TEXT[name]} {part['caption']}.", ""]
+            lines += [
+                f"### {name}",
+                "",
+                f"![{task} {name}]({rel})",
+                "",
+                f"{FIGURE_TEXT[name]} {part['caption']}.",
+                "",
+            ]
     return "\n".join(lines)
 
 

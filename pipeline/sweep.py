@@ -91,8 +91,11 @@ def architecture_digest(cell: Cell) -> str:
     make a new cell; any other code edit keeps finished cells (retraining on every edit
     would defeat resuming)."""
     model, proposals = build(cell.train)
-    shapes = [(f"{prefix}.{k}", tuple(v.shape)) for prefix, module in (("model", model), ("proposals", proposals))
-              for k, v in module.state_dict().items()]
+    shapes = [
+        (f"{prefix}.{k}", tuple(v.shape))
+        for prefix, module in (("model", model), ("proposals", proposals))
+        for k, v in module.state_dict().items()
+    ]
     return hashlib.sha256(repr(sorted(shapes)).encode()).hexdigest()[:12]
 
 
@@ -111,7 +114,9 @@ class InjectedFault(RuntimeError):
     """Raised by a trial on purpose (``APG_FAULT_INJECT``), to test recovery."""
 
 
-def tune_trainable(config: dict[str, Any], cells: dict[str, dict[str, Any]], data: dict[str, Any] | None = None) -> None:
+def tune_trainable(
+    config: dict[str, Any], cells: dict[str, dict[str, Any]], data: dict[str, Any] | None = None
+) -> None:
     """What Tune runs: the grid searches over cell ids (short, readable in Tune's table);
     the cells' full configs (and the shipped data) come through ``tune.with_parameters``."""
     train_cell(cells[config["cell_id"]], data)
@@ -167,8 +172,10 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
     elif Path(config["data"]).is_file():
         x = torch.from_numpy(load_dataset(config["data"])["x"])
     else:
-        raise SweepError(f"training data {config['data']} is not on node {socket.gethostname()}; "
-                         "put the project on storage every node sees")
+        raise SweepError(
+            f"training data {config['data']} is not on node {socket.gethostname()}; "
+            "put the project on storage every node sees"
+        )
     trainer = Trainer(cfg, x, device)
     history: list[dict[str, float]] = []
     resumed = _resume_state(tune.get_checkpoint(), cell_dir / RESUME)
@@ -196,7 +203,11 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
             raise InjectedFault(f"injected fault after iteration {fault_at} of {config['name']}")
         if trainer.iteration % log_every and not last:
             continue
-        row = {"iteration": trainer.iteration, **metrics, "it_per_s": window_iters / (time.perf_counter() - window_start)}
+        row = {
+            "iteration": trainer.iteration,
+            **metrics,
+            "it_per_s": window_iters / (time.perf_counter() - window_start),
+        }
         window_start, window_iters = time.perf_counter(), 0
         history.append(row)
         logger.log(trainer.iteration, {k: v for k, v in row.items() if k != "iteration"})
@@ -220,8 +231,15 @@ def _resume_state(checkpoint, fallback: Path) -> dict[str, Any] | None:
     return None
 
 
-def _finish_cell(config: dict[str, Any], cfg: TrainConfig, trainer: Trainer, history: list[dict], seconds: float,
-                 client, logger: tracking.RunLogger) -> None:
+def _finish_cell(
+    config: dict[str, Any],
+    cfg: TrainConfig,
+    trainer: Trainer,
+    history: list[dict],
+    seconds: float,
+    client,
+    logger: tracking.RunLogger,
+) -> None:
     """Write the cell's outputs and send them to MLflow; ``done.json`` last, since it marks
     the cell finished (a cell whose records never reached the server is not finished)."""
     cell_dir = Path(config["cell_dir"])
@@ -341,7 +359,12 @@ def check_resources(params: dict[str, Any]) -> None:
 
 
 def trial_configs(
-    todo: dict[str, Cell], params: dict[str, Any], data: Path, sweep_dir: Path, uri: str, run_ids: dict[str, str]
+    todo: dict[str, Cell],
+    params: dict[str, Any],
+    data: Path,
+    sweep_dir: Path,
+    uri: str,
+    run_ids: dict[str, str],
 ) -> list[dict[str, Any]]:
     sweep = params["sweep"]
     return [
@@ -370,7 +393,9 @@ def shipped_data(path: Path) -> dict[str, Any] | None:
     return {"x": load_dataset(path)["x"]}
 
 
-def run_tuner(configs: list[dict[str, Any]], params: dict[str, Any], sweep_dir: Path, data: dict[str, Any] | None = None) -> None:
+def run_tuner(
+    configs: list[dict[str, Any]], params: dict[str, Any], sweep_dir: Path, data: dict[str, Any] | None = None
+) -> None:
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
 
@@ -388,7 +413,9 @@ def run_tuner(configs: list[dict[str, Any]], params: dict[str, Any], sweep_dir: 
         {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)},
     )
     if tune.Tuner.can_restore(str(storage / name)):
-        tuner = tune.Tuner.restore(str(storage / name), trainable, resume_unfinished=True, resume_errored=True)
+        tuner = tune.Tuner.restore(
+            str(storage / name), trainable, resume_unfinished=True, resume_errored=True
+        )
     else:
         tuner = tune.Tuner(
             trainable,
@@ -440,8 +467,10 @@ def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) ->
 def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False) -> dict[str, Any]:
     cells, data, sweep_dir = plan(params, task, root)
     todo = {cid: cell for cid, cell in cells.items() if not is_done(sweep_dir, cid)}
-    print(f"sweep {task}: {len(cells)} cells, {len(cells) - len(todo)} already done, "
-          f"{len(todo)} to {'fetch from MLflow' if fetch else 'train'}")
+    print(
+        f"sweep {task}: {len(cells)} cells, {len(cells) - len(todo)} already done, "
+        f"{len(todo)} to {'fetch from MLflow' if fetch else 'train'}"
+    )
     uri = tracking.tracking_uri(root)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
@@ -453,10 +482,23 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
         todo = {}
     else:
         exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
-        parent = tracking.open_parent(client, exp_id, sweep_key, f"sweep/{sweep_key}", {"task": task, "sweep": params["sweep"], task: params[task]})
+        parent = tracking.open_parent(
+            client,
+            exp_id,
+            sweep_key,
+            f"sweep/{sweep_key}",
+            {"task": task, "sweep": params["sweep"], task: params[task]},
+        )
     if todo:
         run_ids = {
-            cid: tracking.open_child(client, exp_id, parent, cid, cell.name, {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict()})
+            cid: tracking.open_child(
+                client,
+                exp_id,
+                parent,
+                cid,
+                cell.name,
+                {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict()},
+            )
             for cid, cell in todo.items()
         }
         import ray
@@ -464,7 +506,12 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
         start_ray(params)
         try:
             check_resources(params)
-            run_tuner(trial_configs(todo, params, data, sweep_dir, uri, run_ids), params, sweep_dir, shipped_data(data))
+            run_tuner(
+                trial_configs(todo, params, data, sweep_dir, uri, run_ids),
+                params,
+                sweep_dir,
+                shipped_data(data),
+            )
         finally:
             ray.shutdown()
     failed = [cells[cid].name for cid in todo if not is_done(sweep_dir, cid)]
@@ -472,13 +519,21 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
         tracking.finish(client, parent, "FAILED")
         raise SweepError(f"{len(failed)} cell(s) did not finish: {', '.join(failed)}; re-run to resume them")
     summary = summarize(task, cells, sweep_dir, root)
-    summary["mlflow"] = {"tracking_uri": tracking.redact(uri), "experiment_id": exp_id, "parent_run_id": parent}
+    summary["mlflow"] = {
+        "tracking_uri": tracking.redact(uri),
+        "experiment_id": exp_id,
+        "parent_run_id": parent,
+    }
     if not fetch:
         # What this invocation trained goes beside Ray's storage, not into the summary.
         last_run = json.dumps({"trained": sorted(todo), "skipped": sorted(set(cells) - set(todo))}, indent=2)
         atomic_write(sweep_dir / "last_run.json", lambda tmp: tmp.write_text(last_run + "\n"))
-        tracking.retry(lambda: tracking.log_metrics(client, parent, [(0, {"cells": len(cells), "trained_this_run": len(todo)})]),
-                       "logging the sweep's summary")
+        tracking.retry(
+            lambda: tracking.log_metrics(
+                client, parent, [(0, {"cells": len(cells), "trained_this_run": len(todo)})]
+            ),
+            "logging the sweep's summary",
+        )
         tracking.finish(client, parent)
     return summary
 
@@ -497,7 +552,9 @@ def fetch_cells(client, exp_name: str, sweep_key: str, todo: dict[str, Cell], sw
         raise SweepError(f"MLflow has no sweep {sweep_key} (the current grid) in experiment {exp_name!r}")
     parent = found.info.run_id
     for cell_id, cell in todo.items():
-        run = tracking.find_run(client, experiment.experiment_id, {tracking.TAG_PARENT: parent, tracking.TAG_CELL: cell_id})
+        run = tracking.find_run(
+            client, experiment.experiment_id, {tracking.TAG_PARENT: parent, tracking.TAG_CELL: cell_id}
+        )
         if run is None or run.info.status != "FINISHED":
             state = "missing" if run is None else run.info.status
             raise SweepError(f"cell {cell.name} is {state} in MLflow; train it first")
@@ -508,7 +565,9 @@ def fetch_cells(client, exp_name: str, sweep_key: str, todo: dict[str, Cell], sw
                 client.download_artifacts(run.info.run_id, name, tmp)
             done = json.loads((Path(tmp) / DONE).read_text())
             if file_digest(Path(tmp) / MODEL) != done["checkpoint_sha256"]:
-                raise SweepError(f"cell {cell.name}: the model.pt in MLflow does not match its recorded digest")
+                raise SweepError(
+                    f"cell {cell.name}: the model.pt in MLflow does not match its recorded digest"
+                )
             for name in (MODEL, HISTORY, DONE):  # done.json last: it marks the cell finished
                 data = (Path(tmp) / name).read_bytes()
                 atomic_write(cell_dir / name, lambda out, data=data: out.write_bytes(data))
@@ -521,8 +580,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", required=True)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="summary JSON (default results/<task>/sweep.json)")
-    parser.add_argument("--fetch", action="store_true",
-                        help="train nothing: rebuild the finished cells from the MLflow server's records")
+    parser.add_argument(
+        "--fetch",
+        action="store_true",
+        help="train nothing: rebuild the finished cells from the MLflow server's records",
+    )
     args = parser.parse_args(argv)
     from pipeline.cli import run_guarded
 

@@ -67,7 +67,9 @@ def retry(call: Callable[[], Any], what: str, timeout: float = FLUSH_TIMEOUT_S) 
             if not is_transient(err) or time.monotonic() + delay > deadline:
                 raise
             if not warned:
-                warn(f"MLflow unreachable while {what} ({_first_line(err)}); retrying for up to {timeout:.0f} s")
+                warn(
+                    f"MLflow unreachable while {what} ({_first_line(err)}); retrying for up to {timeout:.0f} s"
+                )
                 warned = True
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
@@ -115,7 +117,9 @@ def experiment_id(mlflow_client, name: str, artifacts: str | None) -> str:
 def find_run(mlflow_client, exp_id: str, tags: Mapping[str, str]) -> Any | None:
     """The most recent run carrying all ``tags`` (None if there is none)."""
     query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
-    runs = mlflow_client.search_runs([exp_id], filter_string=query, max_results=1, order_by=["attributes.start_time DESC"])
+    runs = mlflow_client.search_runs(
+        [exp_id], filter_string=query, max_results=1, order_by=["attributes.start_time DESC"]
+    )
     return runs[0] if runs else None
 
 
@@ -131,7 +135,9 @@ def open_parent(mlflow_client, exp_id: str, sweep_key: str, name: str, params: M
     return run.info.run_id
 
 
-def open_child(mlflow_client, exp_id: str, parent_id: str, cell_id: str, name: str, params: Mapping[str, Any]) -> str:
+def open_child(
+    mlflow_client, exp_id: str, parent_id: str, cell_id: str, name: str, params: Mapping[str, Any]
+) -> str:
     """One child run per cell under ``parent_id``; a restarted cell keeps its run."""
     run = find_run(mlflow_client, exp_id, {TAG_PARENT: parent_id, TAG_CELL: cell_id})
     if run is not None:
@@ -209,14 +215,18 @@ class RunLogger:
                 raise
             if self._down_since is None:
                 self._down_since = time.monotonic()
-                warn(f"MLflow unreachable for run {self.run_id} ({_first_line(err)}); "
-                     f"buffering metrics and retrying")
+                warn(
+                    f"MLflow unreachable for run {self.run_id} ({_first_line(err)}); "
+                    f"buffering metrics and retrying"
+                )
             self._next_try = time.monotonic() + self._delay
             self._delay = min(self._delay * 2, 30.0)
             return False
         if self._down_since is not None:
-            warn(f"MLflow reachable again for run {self.run_id} after "
-                 f"{time.monotonic() - self._down_since:.0f} s; buffered metrics sent")
+            warn(
+                f"MLflow reachable again for run {self.run_id} after "
+                f"{time.monotonic() - self._down_since:.0f} s; buffered metrics sent"
+            )
         self._down_since, self._delay, self._next_try = None, 1.0, 0.0
         return True
 
@@ -225,8 +235,10 @@ class RunLogger:
 
         if self.sent_steps is None:
             run = self.client.get_run(self.run_id)
-            self.sent_steps = {key: max(m.step for m in self.client.get_metric_history(self.run_id, key))
-                               for key in run.data.metrics}
+            self.sent_steps = {
+                key: max(m.step for m in self.client.get_metric_history(self.run_id, key))
+                for key in run.data.metrics
+            }
         fresh = [m for m in self.pending if m.step > self.sent_steps.get(m.key, -1)]
         self.dropped += len(self.pending) - len(fresh)
         if self.tags:
@@ -245,8 +257,10 @@ class RunLogger:
         deadline = time.monotonic() + timeout
         while not self.flush(force=True):
             if time.monotonic() > deadline:
-                raise TrackingError(f"MLflow server unreachable for {timeout:.0f} s; "
-                                    f"{len(self.pending)} metric points of run {self.run_id} not sent")
+                raise TrackingError(
+                    f"MLflow server unreachable for {timeout:.0f} s; "
+                    f"{len(self.pending)} metric points of run {self.run_id} not sent"
+                )
             time.sleep(min(self._delay, max(0.0, deadline - time.monotonic()), 30.0))
 
 

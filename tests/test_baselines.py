@@ -61,7 +61,9 @@ def test_gibbs_needs_exact_conditionals():
 
 def test_bootstrap_proposes_globals_from_the_prior_and_learns_locals(gmm_data):
     model, x = gmm_data
-    cfg = TrainConfig(task="gmm", method="gibbs-bootstrap", sweeps=2, particles=4, batch_size=4, iterations=3, lr=0.05)
+    cfg = TrainConfig(
+        task="gmm", method="gibbs-bootstrap", sweeps=2, particles=4, batch_size=4, iterations=3, lr=0.05
+    )
     trainer = Trainer(cfg, x)
     z = {"mu": torch.randn(4, 2, 3, 2), "tau": torch.rand(4, 2, 3, 2) + 0.5}
     kernel = trainer.proposals.kernel("globals", x[:2], z)
@@ -288,7 +290,9 @@ def test_every_method_evaluates_with_an_evidence_estimate(gmm_data, name):
     trainer = Trainer(cfg, x)
     list(trainer.run())
     out = evaluate(cfg, trainer.model, trainer.proposals, x[:5], 3, 4, batch_size=3)
-    assert out["log_evidence_is"].shape == (5,) and torch.isfinite(torch.as_tensor(out["log_evidence_is"])).all()
+    assert (
+        out["log_evidence_is"].shape == (5,) and torch.isfinite(torch.as_tensor(out["log_evidence_is"])).all()
+    )
     assert out["log_joint"].shape[1] == 5
     assert ("kl_c" in out) == get_method(name).kernels
 
@@ -301,10 +305,12 @@ def test_method_options_reach_the_cell_and_name_the_key():
 
     from pipeline.config import ParamsError, grid_cells, validate_params
 
-    params = tiny(**{
-        "gmm.grid": [{"methods": ["apg", "hmc-rws"], "pairs": [[2, 3]], "seeds": [0]}],
-        "gmm.train.method_options": {"hmc-rws": {"step_size": 0.02, "leapfrog_steps": 3}},
-    })
+    params = tiny(
+        **{
+            "gmm.grid": [{"methods": ["apg", "hmc-rws"], "pairs": [[2, 3]], "seeds": [0]}],
+            "gmm.train.method_options": {"hmc-rws": {"step_size": 0.02, "leapfrog_steps": 3}},
+        }
+    )
     validate_params(params)
     cells = {c.method: c for c in grid_cells(params, "gmm")}
     assert cells["hmc-rws"].train.method_options == {"step_size": 0.02, "leapfrog_steps": 3}
@@ -321,10 +327,12 @@ def test_every_method_runs_through_the_pipeline(tmp_path):
     from test_pipeline import make_repo, run, tiny
 
     methods = ["apg", "rws-mlp", "gibbs", "gibbs-bootstrap", "hmc-rws", "reparam"]
-    params = tiny(**{
-        "gmm.grid": [{"methods": methods, "pairs": [[2, 3]], "seeds": [0]}],
-        "gmm.train.method_options": {"hmc-rws": {"step_size": 0.03, "leapfrog_steps": 2}},
-    })
+    params = tiny(
+        **{
+            "gmm.grid": [{"methods": methods, "pairs": [[2, 3]], "seeds": [0]}],
+            "gmm.train.method_options": {"hmc-rws": {"step_size": 0.03, "leapfrog_steps": 2}},
+        }
+    )
     root = make_repo(tmp_path, params)
     run(["dvc", "repro"], root)
     table = pd.read_csv(root / "reports" / "tables" / "gmm_methods.csv")
@@ -336,7 +344,9 @@ def test_every_method_runs_through_the_pipeline(tmp_path):
     assert "Methods at equal sample budgets" in text and "hmc-rws" in text
     # HMC's acceptance rate: a column of the methods table, and logged in training (MLflow)
     hmc = table[table["method"] == "hmc-rws"]
-    assert hmc["accept"].between(0.0, 1.0).all() and table[table["method"] != "hmc-rws"]["accept"].isna().all()
+    assert (
+        hmc["accept"].between(0.0, 1.0).all() and table[table["method"] != "hmc-rws"]["accept"].isna().all()
+    )
     history = pd.read_parquet(root / "results" / "eval" / "gmm" / "training.parquet")
     assert not history[(history["method"] == "hmc-rws") & (history["metric"] == "accept")].empty
     for name in ("gmm_methods_sweeps.png", "gmm_kl.png"):

@@ -14,15 +14,56 @@ import torch
 from apg.training import Trainer, TrainingDiverged
 from pipeline.cli import main
 
-TRAIN = ["--task", "gmm", "--method", "apg", "-K", "2", "-L", "3", "--batch-size", "4", "--iterations", "3", "--lr", "0.01", "--threads", "1"]
+TRAIN = [
+    "--task",
+    "gmm",
+    "--method",
+    "apg",
+    "-K",
+    "2",
+    "-L",
+    "3",
+    "--batch-size",
+    "4",
+    "--iterations",
+    "3",
+    "--lr",
+    "0.01",
+    "--threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     torch.manual_seed(0)
-    main(["generate", "--out", str(root / "train.npz"), "--num-datasets", "8", "--seed", "1", "--num-points", "12"])
-    main(["generate", "--out", str(root / "test.npz"), "--num-datasets", "3", "--seed", "2", "--num-points", "15"])
+    main(
+        [
+            "generate",
+            "--out",
+            str(root / "train.npz"),
+            "--num-datasets",
+            "8",
+            "--seed",
+            "1",
+            "--num-points",
+            "12",
+        ]
+    )
+    main(
+        [
+            "generate",
+            "--out",
+            str(root / "test.npz"),
+            "--num-datasets",
+            "3",
+            "--seed",
+            "2",
+            "--num-points",
+            "15",
+        ]
+    )
     main(["train", *TRAIN, "--data", str(root / "train.npz"), "--out", str(root / "ckpt.pt")])
     return root
 
@@ -47,9 +88,29 @@ def test_round_trip(files, capsys):
     payload = torch.load(files / "ckpt.pt", weights_only=True)
     assert payload["format"] == "apg-checkpoint-1"
     out = files / "metrics.json"
-    main(["evaluate", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"), "-K", "3", "-L", "4", "--out", str(out)])
+    main(
+        [
+            "evaluate",
+            "--checkpoint",
+            str(files / "ckpt.pt"),
+            "--data",
+            str(files / "test.npz"),
+            "-K",
+            "3",
+            "-L",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     metrics = json.loads(out.read_text())
-    assert (metrics["task"], metrics["method"], metrics["sweeps"], metrics["particles"], metrics["num_datasets"]) == ("gmm", "apg", 3, 4, 3)
+    assert (
+        metrics["task"],
+        metrics["method"],
+        metrics["sweeps"],
+        metrics["particles"],
+        metrics["num_datasets"],
+    ) == ("gmm", "apg", 3, 4, 3)
     for key in ("log_joint", "ess", "log_evidence", "ess_globals", "ess_c"):
         assert len(metrics[key]) == 3 and all(math.isfinite(v) for v in metrics[key]), key
     for key in ("kl_globals", "kl_c"):
@@ -63,7 +124,21 @@ def test_rws_evaluates_one_step(files):
     argv = [*TRAIN, "--data", str(files / "train.npz"), "--out", str(ckpt)]
     argv[argv.index("apg")] = "rws-lstm"
     main(["train", *argv])
-    main(["evaluate", "--checkpoint", str(ckpt), "--data", str(files / "test.npz"), "-K", "2", "-L", "3", "--out", str(out)])
+    main(
+        [
+            "evaluate",
+            "--checkpoint",
+            str(ckpt),
+            "--data",
+            str(files / "test.npz"),
+            "-K",
+            "2",
+            "-L",
+            "3",
+            "--out",
+            str(out),
+        ]
+    )
     metrics = json.loads(out.read_text())
     # RWS spends its K*L particles in a single importance-sampling step: one curve point, no KL.
     assert len(metrics["log_joint"]) == 1 and "kl_c" not in metrics
@@ -122,7 +197,20 @@ def test_evaluate_bad_input(files, bad_files, capsys, checkpoint, data, sweeps, 
 
     out = bad_files / "m.json"
     line = run_error(
-        ["evaluate", "--checkpoint", where(checkpoint), "--data", where(data), "-K", sweeps, "-L", particles, "--out", str(out)], capsys
+        [
+            "evaluate",
+            "--checkpoint",
+            where(checkpoint),
+            "--data",
+            where(data),
+            "-K",
+            sweeps,
+            "-L",
+            particles,
+            "--out",
+            str(out),
+        ],
+        capsys,
     )
     assert expected in line
     assert not out.exists()
@@ -134,7 +222,9 @@ def test_nan_loss_stops_with_message(files, tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(Trainer, "step", diverge)
     out = tmp_path / "ckpt.pt"
-    line = run_error(["train", *TRAIN, "--data", str(files / "train.npz"), "--out", str(out)], capsys, progress=True)
+    line = run_error(
+        ["train", *TRAIN, "--data", str(files / "train.npz"), "--out", str(out)], capsys, progress=True
+    )
     assert "training diverged" in line and "nan" in line
     assert not out.exists()
 
@@ -142,7 +232,18 @@ def test_nan_loss_stops_with_message(files, tmp_path, capsys, monkeypatch):
 def test_module_entry_point_reports_one_line(tmp_path):
     """``python -m pipeline.cli`` works and prints no traceback for bad input."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "train", "-K", "0", "--data", "x.npz", "--out", str(tmp_path / "c.pt")],
+        [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "train",
+            "-K",
+            "0",
+            "--data",
+            "x.npz",
+            "--out",
+            str(tmp_path / "c.pt"),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

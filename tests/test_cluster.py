@@ -76,14 +76,27 @@ class MlflowServer:
         self.log = home / "server.log"
 
     def start(self, timeout: float = 120) -> None:
-        cmd = [sys.executable, "-m", "mlflow", "server",
-               "--backend-store-uri", f"sqlite:///{self.home / 'mlflow.db'}",
-               "--artifacts-destination", str(self.home / "artifacts"),
-               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--backend-store-uri",
+            f"sqlite:///{self.home / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.home / "artifacts"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+        ]
         env = {**os.environ, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen(cmd, cwd=self.home, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.time() + timeout
         while time.time() < deadline:
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -209,19 +222,36 @@ def make_project(root: Path, p: dict, data: Path | None) -> Path:
 
 def cluster_env(ray_cluster, server: MlflowServer, **extra) -> dict:
     """What a user sets to run the sweep on the cluster and the server."""
-    return {"RAY_ADDRESS": ray_cluster.address, "MLFLOW_TRACKING_URI": server.uri, "RAY_AUTH_MODE": "disabled", **extra}
+    return {
+        "RAY_ADDRESS": ray_cluster.address,
+        "MLFLOW_TRACKING_URI": server.uri,
+        "RAY_AUTH_MODE": "disabled",
+        **extra,
+    }
 
 
 def base_env(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "RAY_TMPDIR", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
-                        "APG_FAULT_INJECT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RAY_ADDRESS",
+            "MLFLOW_TRACKING_URI",
+            "RAY_TMPDIR",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",
+            "APG_FAULT_INJECT",
+        )
+    }
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled", **extra}
 
 
 def run_cli(args: list[str], root: Path, extra: dict, timeout: int = 240) -> subprocess.CompletedProcess:
-    cmd = ([sys.executable, "-m", "pipeline.generate", "--task", "gmm"] if args == ["generate-stage"]
-           else [sys.executable, "-m", "pipeline.cli", *args])
+    cmd = (
+        [sys.executable, "-m", "pipeline.generate", "--task", "gmm"]
+        if args == ["generate-stage"]
+        else [sys.executable, "-m", "pipeline.cli", *args]
+    )
     proc = subprocess.run(cmd, cwd=root, env=base_env(extra), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     return proc
@@ -229,19 +259,28 @@ def run_cli(args: list[str], root: Path, extra: dict, timeout: int = 240) -> sub
 
 def start_sweep(root: Path, extra: dict, log: Path) -> subprocess.Popen:
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "pipeline.cli", "sweep", "--task", "gmm"], cwd=root,
-                                env=base_env(extra), stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "sweep", "--task", "gmm"],
+            cwd=root,
+            env=base_env(extra),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+def wait_for(
+    predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None
+):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"sweep exited ({proc.returncode}) before {what}: "
-                                 f"{log.read_text()[-4000:] if log else ''}")
+            raise AssertionError(
+                f"sweep exited ({proc.returncode}) before {what}: {log.read_text()[-4000:] if log else ''}"
+            )
         time.sleep(0.2)
     raise TimeoutError(f"timed out waiting for {what}")
 
@@ -277,7 +316,9 @@ def check_child_runs(server: MlflowServer, root: Path) -> None:
     client, runs = server_runs(server)
     parent = s["mlflow"]["parent_run_id"]
     assert s["mlflow"]["tracking_uri"] == server.uri
-    children = {r.data.tags[tracking.TAG_CELL]: r for r in runs if r.data.tags.get(tracking.TAG_PARENT) == parent}
+    children = {
+        r.data.tags[tracking.TAG_CELL]: r for r in runs if r.data.tags.get(tracking.TAG_PARENT) == parent
+    }
     assert sorted(children) == sorted(c["cell_id"] for c in s["cells"])
     assert client.get_run(parent).info.status == "FINISHED"
     for cell in s["cells"]:
@@ -288,8 +329,14 @@ def check_child_runs(server: MlflowServer, root: Path) -> None:
         for key in ("loss", "log_joint", "ess"):
             points = client.get_metric_history(run.info.run_id, key)
             steps = [m.step for m in points]
-            assert sorted(steps) == list(history["iteration"]), (cell["name"], key, steps)  # none lost, none twice
-            assert [m.value for m in sorted(points, key=lambda m: m.step)] == pytest.approx(list(history[key]))
+            assert sorted(steps) == list(history["iteration"]), (
+                cell["name"],
+                key,
+                steps,
+            )  # none lost, none twice
+            assert [m.value for m in sorted(points, key=lambda m: m.step)] == pytest.approx(
+                list(history[key])
+            )
         assert run.data.metrics["final_log_joint"] == pytest.approx(cell["final"]["log_joint"])
 
 
@@ -309,7 +356,11 @@ def cluster_sweep(ray_cluster, mlflow_server, data_dir, tmp_path_factory):
 def test_sweep_runs_every_trial_across_nodes(cluster_sweep, ray_cluster):
     root = cluster_sweep["root"]
     s = summary(root)
-    assert sorted(c["name"] for c in s["cells"]) == ["gmm/apg/K2/L3/seed0", "gmm/rws-lstm/K2/L3/seed0", "gmm/rws-mlp/K2/L3/seed0"]
+    assert sorted(c["name"] for c in s["cells"]) == [
+        "gmm/apg/K2/L3/seed0",
+        "gmm/rws-lstm/K2/L3/seed0",
+        "gmm/rws-mlp/K2/L3/seed0",
+    ]
     assert all(c["iterations"] == 24 for c in s["cells"])
     finished = done(root)
     assert len(finished) == 3
@@ -413,12 +464,20 @@ def test_worker_node_killed_trials_restart_elsewhere(ray_cluster, mlflow_server,
         log = tmp_path / "driver.log"
         proc = start_sweep(root, cluster_env(ray_cluster, mlflow_server), log)
         try:
+
             def victim():  # a cell now running on the extra node that has a checkpoint
                 for cell in cells_dir(root).glob("*"):
-                    attempts = [json.loads(x) for x in (cell / "attempts.jsonl").read_text().splitlines()] \
-                        if (cell / "attempts.jsonl").is_file() else []
-                    if attempts and attempts[-1]["node_id"] == extra.node_id and (cell / "resume.pt").is_file() \
-                            and not (cell / "done.json").exists():
+                    attempts = (
+                        [json.loads(x) for x in (cell / "attempts.jsonl").read_text().splitlines()]
+                        if (cell / "attempts.jsonl").is_file()
+                        else []
+                    )
+                    if (
+                        attempts
+                        and attempts[-1]["node_id"] == extra.node_id
+                        and (cell / "resume.pt").is_file()
+                        and not (cell / "done.json").exists()
+                    ):
                         return cell.name
                 return None
 
@@ -446,10 +505,16 @@ def test_mlflow_server_outage_loses_no_metrics(ray_cluster, mlflow_server, data_
     log = tmp_path / "driver.log"
     proc = start_sweep(root, cluster_env(ray_cluster, mlflow_server), log)
     try:
+
         def logging_started():  # both trials have logged, neither has finished
             _, runs = server_runs(mlflow_server)
-            return sum("loss" in r.data.metrics and r.info.status == "RUNNING" and "apg.cell_id" in r.data.tags
-                       for r in runs) >= 2
+            return (
+                sum(
+                    "loss" in r.data.metrics and r.info.status == "RUNNING" and "apg.cell_id" in r.data.tags
+                    for r in runs
+                )
+                >= 2
+            )
 
         wait_for(logging_started, 300, "both trials logging", proc, log)
         mlflow_server.stop()
@@ -465,8 +530,12 @@ def test_mlflow_server_outage_loses_no_metrics(ray_cluster, mlflow_server, data_
     check_child_runs(mlflow_server, root)
     # Points computed while the server was down reached it, with the time they were computed.
     client, runs = server_runs(mlflow_server)
-    stamps = [m.timestamp / 1000 for r in runs if r.data.tags.get("apg.cell_id") in {c["cell_id"] for c in summary(root)["cells"]}
-              for m in client.get_metric_history(r.info.run_id, "loss")]
+    stamps = [
+        m.timestamp / 1000
+        for r in runs
+        if r.data.tags.get("apg.cell_id") in {c["cell_id"] for c in summary(root)["cells"]}
+        for m in client.get_metric_history(r.info.run_id, "loss")
+    ]
     assert any(down < t < up for t in stamps), (down, up)
 
 
@@ -476,8 +545,12 @@ def test_no_service_left_listening_beyond_loopback(ray_cluster, mlflow_server):
         pytest.skip("ss not available")
     out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True).stdout
     ours = set(processes_mentioning(str(mlflow_server.home))) | set(
-        processes_mentioning(ray_cluster.head_node.get_session_dir_path()))
-    wide = [line for line in out.splitlines()
-            if any(f"pid={pid}," in line for pid in ours)
-            and not line.split()[3].startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))]
+        processes_mentioning(ray_cluster.head_node.get_session_dir_path())
+    )
+    wide = [
+        line
+        for line in out.splitlines()
+        if any(f"pid={pid}," in line for pid in ours)
+        and not line.split()[3].startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))
+    ]
     assert not wide, wide

@@ -42,7 +42,9 @@ def test_globals_posterior_is_the_normalized_joint_including_empty_clusters(f64)
     diff = model.log_joint(x, z) - post.log_prob(z)
     assert diff.std() < 1e-9 * diff.abs().mean()
     prior = model.prior_globals((50, 1), x)
-    for p, q in zip((post.mu, post.nu, post.alpha, post.beta), (prior.mu, prior.nu, prior.alpha, prior.beta), strict=True):
+    for p, q in zip(
+        (post.mu, post.nu, post.alpha, post.beta), (prior.mu, prior.nu, prior.alpha, prior.beta), strict=True
+    ):
         assert torch.allclose(p[..., 2, :], q[..., 2, :])
 
 
@@ -91,15 +93,19 @@ def exact_log_evidence(x, cfg):
             mean = xi.mean(0)
             nu_n, alpha_n = cfg.nu0 + n, cfg.alpha0 + n / 2
             beta_n = (
-                cfg.beta0
-                + 0.5 * ((xi - mean) ** 2).sum(0)
-                + 0.5 * cfg.nu0 * n * (mean - cfg.mu0) ** 2 / nu_n
+                cfg.beta0 + 0.5 * ((xi - mean) ** 2).sum(0) + 0.5 * cfg.nu0 * n * (mean - cfg.mu0) ** 2 / nu_n
             )
-            log_p = log_p + (
-                math.lgamma(alpha_n) - math.lgamma(cfg.alpha0)
-                + cfg.alpha0 * math.log(cfg.beta0) - alpha_n * torch.log(beta_n)
-                + 0.5 * math.log(cfg.nu0 / nu_n) - 0.5 * n * math.log(2 * math.pi)
-            ).sum()
+            log_p = (
+                log_p
+                + (
+                    math.lgamma(alpha_n)
+                    - math.lgamma(cfg.alpha0)
+                    + cfg.alpha0 * math.log(cfg.beta0)
+                    - alpha_n * torch.log(beta_n)
+                    + 0.5 * math.log(cfg.nu0 / nu_n)
+                    - 0.5 * n * math.log(2 * math.pi)
+                ).sum()
+            )
         total.append(log_p)
     return torch.logsumexp(torch.stack(total), 0)
 

@@ -52,7 +52,13 @@ TINY = {
             "test": {"num_datasets": 3, "seed": 2, "sizes": {"num_points": 15}},
             "figures": [{"num_datasets": 1, "seed": 3, "sizes": {"num_points": 30}}],
         },
-        "train": {"batch_size": 4, "iterations": 6, "lr": 0.01, "resample_mode": "block", "resampler": "systematic"},
+        "train": {
+            "batch_size": 4,
+            "iterations": 6,
+            "lr": 0.01,
+            "resample_mode": "block",
+            "resampler": "systematic",
+        },
         "grid": [{"methods": ["apg", "rws-mlp"], "pairs": [[2, 3]], "seeds": [0]}],
         "evaluate": {
             "batch_size": 4,
@@ -90,9 +96,14 @@ def test_tiny_params_are_valid():
 
 
 def test_budget_grid_expands_to_pairs():
-    params = tiny(**{"gmm.grid": [{"methods": ["apg"], "budget": {"total": 20, "sweeps": [2, 5]}, "seeds": [0, 1]}]})
+    params = tiny(
+        **{"gmm.grid": [{"methods": ["apg"], "budget": {"total": 20, "sweeps": [2, 5]}, "seeds": [0, 1]}]}
+    )
     assert sorted((c.sweeps, c.particles, c.seed) for c in grid_cells(params, "gmm")) == [
-        (2, 10, 0), (2, 10, 1), (5, 4, 0), (5, 4, 1)
+        (2, 10, 0),
+        (2, 10, 1),
+        (5, 4, 0),
+        (5, 4, 1),
     ]
 
 
@@ -113,8 +124,14 @@ def test_cell_id_changes_with_any_option():
         ({"gmm.grid.0.pairs": [[0, 3]]}, "gmm.grid[0].pairs[0]: K must be >= 1"),
         ({"gmm.grid.0.pairs": [[2, 1]]}, "gmm.grid[0].pairs[0]: L must be >= 2"),
         ({"gmm.evaluate.pairs": [[2, 1]]}, "gmm.evaluate.pairs[0]: L must be >= 2"),
-        ({"gmm.grid.0.budget": {"total": 4, "sweeps": [5]}}, "gmm.grid[0].budget.total: budget 4 is smaller than K=5"),
-        ({"gmm.evaluate.budget": {"total": 4, "sweeps": [5]}}, "gmm.evaluate.budget.total: budget 4 is smaller than K=5"),
+        (
+            {"gmm.grid.0.budget": {"total": 4, "sweeps": [5]}},
+            "gmm.grid[0].budget.total: budget 4 is smaller than K=5",
+        ),
+        (
+            {"gmm.evaluate.budget": {"total": 4, "sweeps": [5]}},
+            "gmm.evaluate.budget.total: budget 4 is smaller than K=5",
+        ),
         ({"gmm.train.lr": -0.1}, "gmm.train.lr: lr must be a positive number"),
         ({"gmm.train.iterations": "many"}, "gmm.train.iterations: must be int"),
         ({"gmm.model": {"nu_0": 0.3}}, "gmm.model: "),
@@ -140,7 +157,9 @@ def test_sweep_stage_fails_before_ray_starts(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--task", "gmm", "--params", str(path)])
     assert info.value.code == 2
-    assert capsys.readouterr().err.strip() == "apg-pipeline: error: gmm.grid[0].pairs[0]: L must be >= 2, got 1"
+    assert (
+        capsys.readouterr().err.strip() == "apg-pipeline: error: gmm.grid[0].pairs[0]: L must be >= 2, got 1"
+    )
     assert not ray.is_initialized()
 
 
@@ -171,8 +190,12 @@ def make_repo(root: Path, params: dict) -> Path:
     for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
         shutil.copy(REPO / name, root / name)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    for cmd in (["git", "init", "-q"], ["dvc", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["dvc", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init"],
+    ):
         subprocess.run(cmd, cwd=root, check=True, capture_output=True)
     return root
 
@@ -220,12 +243,22 @@ def test_dvc_repro_end_to_end(tmp_path):
 
     # Report: files exist, every (method, K, L) cell of Table 1 has finite numbers.
     reports = root / "reports"
-    for name in ("README.md", "metrics.json", "tables/gmm_table1.md", "figures/gmm_budget.png",
-                 "figures/gmm_sweeps.png", "figures/gmm_training.png", "figures/gmm_samples.png"):
+    for name in (
+        "README.md",
+        "metrics.json",
+        "tables/gmm_table1.md",
+        "figures/gmm_budget.png",
+        "figures/gmm_sweeps.png",
+        "figures/gmm_training.png",
+        "figures/gmm_samples.png",
+    ):
         assert (reports / name).is_file(), name
     table = pd.read_csv(reports / "tables" / "gmm_table1.csv")
     assert sorted(zip(table["method"], table["K"], table["L"], strict=True)) == [
-        ("apg", 2, 3), ("apg", 3, 3), ("rws-mlp", 2, 3), ("rws-mlp", 3, 3)
+        ("apg", 2, 3),
+        ("apg", 3, 3),
+        ("rws-mlp", 2, 3),
+        ("rws-mlp", 3, 3),
     ]
     for column in ("log_joint", "d_log_joint", "ess", "log_evidence"):
         assert table[column].map(math.isfinite).all(), column
@@ -243,16 +276,23 @@ def test_dvc_repro_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path):
-    params = tiny(**{
-        "sweep.max_concurrent": 1,  # cells finish one after another, so we can stop between them
-        "gmm.train.iterations": 40,
-        "gmm.grid": [{"methods": ["rws-mlp", "apg", "rws-lstm"], "pairs": [[2, 3]], "seeds": [0]}],
-    })
+    params = tiny(
+        **{
+            "sweep.max_concurrent": 1,  # cells finish one after another, so we can stop between them
+            "gmm.train.iterations": 40,
+            "gmm.grid": [{"methods": ["rws-mlp", "apg", "rws-lstm"], "pairs": [[2, 3]], "seeds": [0]}],
+        }
+    )
     root = make_repo(tmp_path, params)
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
     cells = root / "results" / "sweeps" / "gmm" / "cells"
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.sweep", "--task", "gmm"], cwd=root, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        cwd=root,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 400
         while not list(cells.glob("*/done.json")) and time.time() < deadline and proc.poll() is None:
@@ -286,8 +326,17 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path):
 def test_unsatisfiable_gpu_request_fails_before_trials(tmp_path):
     root = make_repo(tmp_path, tiny(**{"sweep.gpus_per_trial": 1}))
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
-    proc = subprocess.run([sys.executable, "-m", "pipeline.sweep", "--task", "gmm"], cwd=root, env=env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        cwd=root,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == "apg-pipeline: error: sweep.gpus_per_trial=1 but the Ray cluster has 0 GPUs"
+    assert (
+        proc.stderr.strip().splitlines()[-1]
+        == "apg-pipeline: error: sweep.gpus_per_trial=1 but the Ray cluster has 0 GPUs"
+    )
     assert not (root / "results" / "sweeps" / "gmm" / "cells").exists()

@@ -26,7 +26,9 @@ from pipeline.config import ParamsError, evaluation_sets, validate_params
 from pipeline.generate import generate
 
 MNIST_DIR = Path(os.environ.get("APG_MNIST_DIR") or REPO.parent / "shared" / "data" / "mnist")
-HAVE_MNIST = (MNIST_DIR / "train-images-idx3-ubyte.gz").is_file() or (MNIST_DIR / "train-images-idx3-ubyte").is_file()
+HAVE_MNIST = (MNIST_DIR / "train-images-idx3-ubyte.gz").is_file() or (
+    MNIST_DIR / "train-images-idx3-ubyte"
+).is_file()
 
 
 def bmnist_section(sets: list[tuple[int, int]]) -> dict:
@@ -36,20 +38,48 @@ def bmnist_section(sets: list[tuple[int, int]]) -> dict:
         "network": {"num_digits": 1},
         "data": {
             "x_dtype": "float16",
-            "train": {"num_datasets": 6, "seed": 21, "sizes": {"num_frames": 2, "num_digits": 1, "split": "train"}},
+            "train": {
+                "num_datasets": 6,
+                "seed": 21,
+                "sizes": {"num_frames": 2, "num_digits": 1, "split": "train"},
+            },
             "tests": [
-                {"name": f"T{t}_D{d}", "num_datasets": 2, "seed": 30 + i,
-                 "sizes": {"num_frames": t, "num_digits": d, "split": "test"}, "network": {"num_digits": d}}
+                {
+                    "name": f"T{t}_D{d}",
+                    "num_datasets": 2,
+                    "seed": 30 + i,
+                    "sizes": {"num_frames": t, "num_digits": d, "split": "test"},
+                    "network": {"num_digits": d},
+                }
                 for i, (t, d) in enumerate(sets)
             ],
-            "figures": [{"num_datasets": 1, "seed": 40, "sizes": {"num_frames": 3, "num_digits": 2, "split": "test"},
-                         "network": {"num_digits": 2}}],
+            "figures": [
+                {
+                    "num_datasets": 1,
+                    "seed": 40,
+                    "sizes": {"num_frames": 3, "num_digits": 2, "split": "test"},
+                    "network": {"num_digits": 2},
+                }
+            ],
         },
-        "train": {"batch_size": 2, "iterations": 4, "lr": 0.001, "resample_mode": "block", "resampler": "systematic",
-                  "method_options": {"avf": {"iterations": 1}}},
+        "train": {
+            "batch_size": 2,
+            "iterations": 4,
+            "lr": 0.001,
+            "resample_mode": "block",
+            "resampler": "systematic",
+            "method_options": {"avf": {"iterations": 1}},
+        },
         "grid": [{"methods": ["apg", "rws-mlp", "avf"], "pairs": [[2, 2]], "seeds": [0]}],
-        "evaluate": {"batch_size": 2, "resample_mode": "block", "seed": 0, "pairs": [[3, 2]],
-                     "baseline": "rws-mlp", "figure_sweeps": [1, 2], "figure_particles": 2},
+        "evaluate": {
+            "batch_size": 2,
+            "resample_mode": "block",
+            "seed": 0,
+            "pairs": [[3, 2]],
+            "baseline": "rws-mlp",
+            "figure_sweeps": [1, 2],
+            "figure_particles": 2,
+        },
     }
 
 
@@ -58,12 +88,17 @@ def bmnist_section(sets: list[tuple[int, int]]) -> dict:
 
 def test_single_test_set_keeps_its_file_and_name():
     sets = evaluation_sets(TINY["gmm"])
-    assert [(s["name"], s["stem"], s["kind"]) for s in sets] == [("test", "test", "test"), ("figure_0", "figure_0", "figure")]
+    assert [(s["name"], s["stem"], s["kind"]) for s in sets] == [
+        ("test", "test", "test"),
+        ("figure_0", "figure_0", "figure"),
+    ]
 
 
 def test_named_test_sets_and_overrides_are_checked():
     params = copy.deepcopy(TINY)
-    params["gmm"]["data"]["tests"] = [{"name": "N30", "num_datasets": 2, "seed": 5, "sizes": {"num_points": 30}}]
+    params["gmm"]["data"]["tests"] = [
+        {"name": "N30", "num_datasets": 2, "seed": 5, "sizes": {"num_points": 30}}
+    ]
     validate_params(params)
     assert [s["stem"] for s in evaluation_sets(params["gmm"])] == ["test", "test_N30", "figure_0"]
     for change, expected in (
@@ -84,8 +119,12 @@ def test_named_test_sets_and_overrides_are_checked():
 def test_generate_is_byte_reproducible_and_stores_compact_x(tmp_path):
     params = copy.deepcopy(TINY)
     params["gmm"]["data"]["x_dtype"] = "float16"
-    first = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in generate("gmm", params, tmp_path / "a")}
-    second = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in generate("gmm", params, tmp_path / "b")}
+    first = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in generate("gmm", params, tmp_path / "a")
+    }
+    second = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in generate("gmm", params, tmp_path / "b")
+    }
     assert first == second and set(first) == {"train.npz", "test.npz", "figure_0.npz"}
     with np.load(tmp_path / "a" / "train.npz") as archive:
         assert archive["x"].dtype == np.float16
@@ -143,8 +182,14 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
         assert len(values) and values.map(math.isfinite).all(), metric
 
     reports = root / "reports"
-    for name in ("figures/bmnist_mse.png", "figures/bmnist_samples.png", "figures/bmnist_samples.gif",
-                 "figures/bmnist_compute.png", "tables/bmnist_mse.csv", "tables/bmnist_table1.md"):
+    for name in (
+        "figures/bmnist_mse.png",
+        "figures/bmnist_samples.png",
+        "figures/bmnist_samples.gif",
+        "figures/bmnist_compute.png",
+        "tables/bmnist_mse.csv",
+        "tables/bmnist_table1.md",
+    ):
         assert (reports / name).is_file(), name
     table = pd.read_csv(reports / "tables" / "bmnist_mse.csv")
     assert sorted(set(table["test_set"])) == ["T2_D1", "T3_D2"]
@@ -171,7 +216,9 @@ def test_figure_samples_carry_reconstructions_only_for_small_data():
     assert best[2]["recon"].shape == tuple(x.shape)  # the rings pictures draw the learned ring
     assert best[2]["mu"].shape[0] == 2
 
-    cfg = TrainConfig(task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}).validate()
+    cfg = TrainConfig(
+        task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}
+    ).validate()
     model, proposals = build(cfg)
     video = torch.zeros(1, 3, 96, 96)  # 27,648 numbers: a short video keeps its reconstruction
     video[0, :, 10:30, 10:30] = 1.0
