@@ -37,3 +37,11 @@ def apg_loss(result: APGResult) -> Tensor:
 
 def _zero(result: APGResult) -> Tensor:
     return result.log_weights.new_zeros(())
+
+
+def negative_elbo(result: APGResult) -> Tensor:
+    """``-E_q[log p - log q]`` from a one-step run of reparameterized samples (stochastic
+    backpropagation, AVF's filtering free energy), averaged over samples and datasets;
+    its gradient flows through the samples, not through weights."""
+    step = result.steps[0]
+    return -(step.log_joint - step.log_q).mean()

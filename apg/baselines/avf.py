@@ -59,8 +59,9 @@ from torch import Tensor, nn
 
 from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
-from apg.smc.sampler import APGResult, Step, SweepStats
-from apg.smc.weights import ess_fraction, log_evidence, normalized_weights, sanitize
+from apg.objectives import negative_elbo
+from apg.smc.sampler import APGResult, Step, sweep_stats
+from apg.smc.weights import normalized_weights, sanitize
 from apg.tasks.bmnist import TASK as BMNIST_TASK
 from apg.tasks.bmnist import BouncingMNIST, where_key
 
@@ -320,14 +321,7 @@ class AVF(Method):
         log_p = model.log_joint(x, z)
         log_w = sanitize((log_p - log_q).detach())
         detached = {k: v.detach() for k, v in z.items()}
-        with torch.no_grad():
-            stats = SweepStats(
-                (normalized_weights(log_w) * log_p.detach()).sum(0),
-                ess_fraction(log_w),
-                {},
-                log_evidence(log_w),
-                {},
-            )
+        stats = sweep_stats(log_w, log_p)
         for collect in collectors:
             collect(1, detached, log_w)
         # The step holds the ELBO integrand's terms, log q(z | x) and log p(x, z), both
@@ -335,9 +329,7 @@ class AVF(Method):
         return APGResult(detached, log_w, log_p, [stats], [Step(normalized_weights(log_w), log_q, log_p)])
 
     def loss(self, result: APGResult) -> Tensor:
-        step = result.steps[0]
-        # The filtering free energy (eq. 7), one sample per particle, averaged.
-        return -(step.log_joint - step.log_q).mean()
+        return negative_elbo(result)
 
     def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
         # Per sample: every frame's likelihood gradient `iterations` times while filtering

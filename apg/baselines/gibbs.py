@@ -20,14 +20,15 @@ from typing import Any
 
 from torch import Tensor
 
-from apg.baselines.method import Method, apg_evaluations
+from apg.baselines.method import APG
 from apg.blocks import BlockDistribution, Latents, Model, Proposals, TaskSpec
 from apg.objectives import theta_loss
-from apg.smc.sampler import APGResult, run_apg
+from apg.smc.sampler import APGResult
 
 
-class ExactGibbs(Method):
-    """Population Gibbs with the exact conditionals (no learned proposals)."""
+class ExactGibbs(APG):
+    """Population Gibbs with the exact conditionals (no learned proposals): APG's sampler
+    and budget with other kernels."""
 
     name = "gibbs"
     architecture = "exact"
@@ -43,31 +44,6 @@ class ExactGibbs(Method):
         self.check_task(task)
         assert task.exact_gibbs is not None
         return task.exact_gibbs(model)
-
-    def run(
-        self,
-        model,
-        proposals,
-        x,
-        sweeps,
-        particles,
-        resample_mode="block",
-        resampler="systematic",
-        collectors=(),
-    ):
-        return run_apg(
-            model,
-            proposals,
-            x,
-            sweeps,
-            particles,
-            resample_mode=resample_mode,
-            resampler=resampler,
-            collectors=collectors,
-        )
-
-    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
-        return apg_evaluations(sweeps, particles)
 
     def loss(self, result: APGResult) -> Tensor:
         # The kernels have no parameters, so eq. 5 is void; eq. 6 still trains a model
@@ -126,36 +102,12 @@ class BootstrapProposals(Proposals):
         return self.learned.kernel(block, x, z)
 
 
-class BootstrapGibbs(Method):
-    """Bootstrapped population Gibbs: prior for the globals, learned local kernels."""
+class BootstrapGibbs(APG):
+    """Bootstrapped population Gibbs: prior for the globals, learned local kernels (APG's
+    sampler, budget and loss)."""
 
     name = "gibbs-bootstrap"
     architecture = "apg"
 
     def build_proposals(self, task: TaskSpec, model: Model, **network: Any) -> Proposals:
         return BootstrapProposals(model, task.build_proposals(model, self.architecture, **network))
-
-    def run(
-        self,
-        model,
-        proposals,
-        x,
-        sweeps,
-        particles,
-        resample_mode="block",
-        resampler="systematic",
-        collectors=(),
-    ):
-        return run_apg(
-            model,
-            proposals,
-            x,
-            sweeps,
-            particles,
-            resample_mode=resample_mode,
-            resampler=resampler,
-            collectors=collectors,
-        )
-
-    def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
-        return apg_evaluations(sweeps, particles)

@@ -36,8 +36,8 @@ from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.objectives import weighted_nll
 from apg.smc.resampling import get_resampler, resample
-from apg.smc.sampler import APGResult, Step, SweepStats
-from apg.smc.weights import ess_fraction, log_evidence, normalized_weights, sanitize
+from apg.smc.sampler import APGResult, Step, sweep_stats
+from apg.smc.weights import normalized_weights, sanitize
 
 LogDensity = Callable[[Mapping[str, Tensor]], Tensor]
 
@@ -147,7 +147,7 @@ class HMCRWS(Method):
         log_p = model.log_joint(x, z)
         log_w = sanitize((log_p - log_q).detach())
         steps = [Step(normalized_weights(log_w), log_q, log_p)]
-        stats = [_stats(log_w, log_p)]
+        stats = [sweep_stats(log_w, log_p)]
         collectors = list(collectors)
         for collect in collectors:
             collect(1, z, log_w)
@@ -166,7 +166,7 @@ class HMCRWS(Method):
             with torch.no_grad():
                 z, _ = target.complete(x, u)
             log_p = model.log_joint(x, z)
-            stats.append(_stats(log_w, log_p))
+            stats.append(sweep_stats(log_w, log_p))
             for collect in collectors:
                 collect(k, z, log_w)
         if sweeps > 1:
@@ -197,9 +197,3 @@ class HMCResult(APGResult):
     (mean acceptance probability over the chains and the K - 1 transitions)."""
 
     diagnostics: Mapping[str, Tensor]
-
-
-def _stats(log_w: Tensor, log_joint: Tensor) -> SweepStats:
-    with torch.no_grad():
-        weighted = (normalized_weights(log_w) * log_joint.detach()).sum(0)
-        return SweepStats(weighted, ess_fraction(log_w), {}, log_evidence(log_w), {})

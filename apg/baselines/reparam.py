@@ -24,8 +24,9 @@ from torch import Tensor, nn
 from apg.baselines.continuous import ContinuousTarget, continuous_target
 from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
-from apg.smc.sampler import APGResult, Step, SweepStats
-from apg.smc.weights import ess_fraction, log_evidence, normalized_weights, sanitize
+from apg.objectives import negative_elbo
+from apg.smc.sampler import APGResult, Step, sweep_stats
+from apg.smc.weights import normalized_weights, sanitize
 
 
 class GaussianRecognition(Proposals):
@@ -111,14 +112,7 @@ class Reparam(Method):
             z, _ = target.complete(x, {k: v.detach() for k, v in u.items()})
         log_p = model.log_joint(x, z)
         log_w = sanitize((log_f - log_q).detach())
-        with torch.no_grad():
-            stats = SweepStats(
-                (normalized_weights(log_w) * log_p.detach()).sum(0),
-                ess_fraction(log_w),
-                {},
-                log_evidence(log_w),
-                {},
-            )
+        stats = sweep_stats(log_w, log_p)
         for collect in collectors:
             collect(1, z, log_w)
         # The step's terms are the ELBO integrand's: log q(u | x) and log p(x, u), both
@@ -129,7 +123,4 @@ class Reparam(Method):
         return [float(2 * sweeps * particles)]  # the marginal log p(x, u), then log p(x, z)
 
     def loss(self, result: APGResult) -> Tensor:
-        step = result.steps[0]
-        # Negative ELBO, E_q[log p(x, u) - log q(u | x)], averaged over samples and datasets;
-        # its gradient flows through u (stochastic backpropagation).
-        return -(step.log_joint - step.log_q).mean()
+        return negative_elbo(result)

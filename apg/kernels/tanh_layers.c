@@ -21,7 +21,35 @@
 #include <stddef.h>
 #include <string.h>
 
-#define DEFINE_KERNELS(T, TANH, SUFFIX)                                                        \
+/* The output layer both networks share, on one row of hidden units t = tanh(pre):
+ * forward out = Wt t; backward gWt += g t^T and, returned in a, the gradient with respect
+ * to the pre-activation, (Wt^T g) * (1 - t^2). */
+#define DEFINE_OUTPUT_LAYER(T, SUFFIX)                                                         \
+static inline void output_forward_##SUFFIX(const T *t, const T *Wt, T *out, long H, long O) {  \
+    for (long o = 0; o < O; ++o) {                                                             \
+        const T *w = Wt + o * H;                                                               \
+        T s = 0;                                                                               \
+        for (long h = 0; h < H; ++h) s += w[h] * t[h];                                         \
+        out[o] = s;                                                                            \
+    }                                                                                          \
+}                                                                                              \
+                                                                                               \
+static inline void output_backward_##SUFFIX(const T *t, const T *Wt, const T *g, T *a,         \
+                                            T *gWt, long H, long O) {                          \
+    for (long h = 0; h < H; ++h) a[h] = 0;                                                     \
+    for (long o = 0; o < O; ++o) {                                                             \
+        const T go = g[o];                                                                     \
+        const T *w = Wt + o * H;                                                               \
+        T *gw = gWt + o * H;                                                                   \
+        for (long h = 0; h < H; ++h) {                                                         \
+            a[h] += w[h] * go;                                                                 \
+            gw[h] += t[h] * go;                                                                \
+        }                                                                                      \
+    }                                                                                          \
+    for (long h = 0; h < H; ++h) a[h] *= 1 - t[h] * t[h];                                      \
+}
+
+#define DEFINE_PAIRWISE(T, TANH, SUFFIX)                                                       \
 void pairwise_forward_##SUFFIX(const T *P, const T *C, const T *Wt, T *out, long L, long Lp,   \
                                long B, long N, long I, long H, long O) {                       \
     _Pragma("omp parallel for schedule(static)")                                               \
@@ -32,14 +60,9 @@ void pairwise_forward_##SUFFIX(const T *P, const T *C, const T *Wt, T *out, long
                 const T *p = P + (((Lp == 1 ? 0 : l) * B + b) * N + n) * H;                    \
                 for (long i = 0; i < I; ++i) {                                                 \
                     const T *c = C + ((l * B + b) * I + i) * H;                                \
-                    T *o_ = out + (((l * B + b) * N + n) * I + i) * O;                         \
                     for (long h = 0; h < H; ++h) t[h] = TANH(p[h] + c[h]);                     \
-                    for (long o = 0; o < O; ++o) {                                             \
-                        const T *w = Wt + o * H;                                               \
-                        T s = 0;                                                               \
-                        for (long h = 0; h < H; ++h) s += w[h] * t[h];                         \
-                        o_[o] = s;                                                             \
-                    }                                                                          \
+                    output_forward_##SUFFIX(t, Wt, out + (((l * B + b) * N + n) * I + i) * O,  \
+                                            H, O);                                             \
                 }                                                                              \
             }                                                                                  \
     }                                                                                          \
@@ -64,23 +87,11 @@ void pairwise_backward_##SUFFIX(const T *P, const T *C, const T *Wt, const T *G,
                         const T *c = C + crow;                                                 \
                         T *gc = gC + crow;                                                     \
                         const T *g = G + (((l * B + b) * N + n) * I + i) * O;                  \
+                        for (long h = 0; h < H; ++h) t[h] = TANH(p[h] + c[h]);                 \
+                        output_backward_##SUFFIX(t, Wt, g, a, gw_local, H, O);                 \
                         for (long h = 0; h < H; ++h) {                                         \
-                            t[h] = TANH(p[h] + c[h]);                                          \
-                            a[h] = 0;                                                          \
-                        }                                                                      \
-                        for (long o = 0; o < O; ++o) {                                         \
-                            const T go = g[o];                                                 \
-                            const T *w = Wt + o * H;                                           \
-                            T *gw = gw_local + o * H;                                          \
-                            for (long h = 0; h < H; ++h) {                                     \
-                                a[h] += w[h] * go;                                             \
-                                gw[h] += t[h] * go;                                            \
-                            }                                                                  \
-                        }                                                                      \
-                        for (long h = 0; h < H; ++h) {                                         \
-                            const T d = a[h] * (1 - t[h] * t[h]);                              \
-                            gp[h] += d;                                                        \
-                            gc[h] += d;                                                        \
+                            gp[h] += a[h];                                                     \
+                            gc[h] += a[h];                                                     \
                         }                                                                      \
                     }                                                                          \
                 }                                                                              \
@@ -106,12 +117,7 @@ void pointwise_forward_##SUFFIX(const T *U, const T *W1t, const T *b1, const T *
     for (long m = 0; m < M; ++m) {                                                             \
         T t[H];                                                                                \
         pointwise_hidden_##SUFFIX(U + m * D, W1t, b1, t, D, H);                                \
-        for (long o = 0; o < O; ++o) {                                                         \
-            const T *w = W2t + o * H;                                                          \
-            T s = 0;                                                                           \
-            for (long h = 0; h < H; ++h) s += w[h] * t[h];                                     \
-            out[m * O + o] = s;                                                                \
-        }                                                                                      \
+        output_forward_##SUFFIX(t, W2t, out + m * O, H, O);                                    \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
@@ -127,22 +133,9 @@ void pointwise_backward_##SUFFIX(const T *U, const T *W1t, const T *b1, const T 
         _Pragma("omp for schedule(static)")                                                    \
         for (long m = 0; m < M; ++m) {                                                         \
             const T *u = U + m * D;                                                            \
-            const T *g = G + m * O;                                                            \
             pointwise_hidden_##SUFFIX(u, W1t, b1, t, D, H);                                    \
-            for (long h = 0; h < H; ++h) a[h] = 0;                                             \
-            for (long o = 0; o < O; ++o) {                                                     \
-                const T go = g[o];                                                             \
-                const T *w = W2t + o * H;                                                      \
-                T *gw = gw2 + o * H;                                                           \
-                for (long h = 0; h < H; ++h) {                                                 \
-                    a[h] += w[h] * go;                                                         \
-                    gw[h] += t[h] * go;                                                        \
-                }                                                                              \
-            }                                                                                  \
-            for (long h = 0; h < H; ++h) {                                                     \
-                a[h] *= 1 - t[h] * t[h];                                                       \
-                gb[h] += a[h];                                                                 \
-            }                                                                                  \
+            output_backward_##SUFFIX(t, W2t, G + m * O, a, gw2, H, O);                         \
+            for (long h = 0; h < H; ++h) gb[h] += a[h];                                        \
             for (long d = 0; d < D; ++d) {                                                     \
                 const T ud = u[d];                                                             \
                 T s = 0;                                                                       \
@@ -162,7 +155,9 @@ void pointwise_backward_##SUFFIX(const T *U, const T *W1t, const T *b1, const T 
     }                                                                                          \
 }
 
-DEFINE_KERNELS(float, tanhf, f32)
-DEFINE_KERNELS(double, tanh, f64)
+DEFINE_OUTPUT_LAYER(float, f32)
+DEFINE_OUTPUT_LAYER(double, f64)
+DEFINE_PAIRWISE(float, tanhf, f32)
+DEFINE_PAIRWISE(double, tanh, f64)
 DEFINE_POINTWISE(float, tanhf, f32)
 DEFINE_POINTWISE(double, tanh, f64)

@@ -135,7 +135,7 @@ def run_apg(
     check_particles("log_joint", log_p, num_particles, batch)
     log_w = sanitize((log_p - log_q).detach())
     steps = [Step(normalized_weights(log_w), log_q, log_p)]
-    sweeps = [_stats(log_w, log_p, {}, {})]
+    sweeps = [sweep_stats(log_w, log_p)]
     collectors = list(collectors)
     for collect in collectors:
         collect(1, z, log_w)
@@ -166,7 +166,7 @@ def run_apg(
             steps.append(Step(normalized_weights(log_w), log_q_new, log_joint))
             ess_blocks[block] = ess_fraction(log_w)
             increments[block] = log_v
-        sweeps.append(_stats(log_w, state[_LOG_JOINT], ess_blocks, increments))
+        sweeps.append(sweep_stats(log_w, state[_LOG_JOINT], ess_blocks, increments))
         for collect in collectors:
             collect(len(sweeps), {k: v for k, v in state.items() if k != _LOG_JOINT}, log_w)
 
@@ -174,12 +174,16 @@ def run_apg(
     return APGResult(state, log_w, final_log_joint, sweeps, steps)
 
 
-def _stats(
+def sweep_stats(
     log_w: Tensor,
     log_joint: Tensor,
-    ess_blocks: dict[str, Tensor],
-    increments: dict[str, Tensor],
+    ess_blocks: dict[str, Tensor] | None = None,
+    increments: dict[str, Tensor] | None = None,
 ) -> SweepStats:
+    """``SweepStats`` of particles with log-weights ``log_w`` and log joints ``log_joint``
+    (both ``(L, B)``); also used by the baselines that report in the sampler's terms."""
     with torch.no_grad():
         weighted = (normalized_weights(log_w) * log_joint.detach()).sum(0)
-        return SweepStats(weighted, ess_fraction(log_w), ess_blocks, log_evidence(log_w), increments)
+        return SweepStats(
+            weighted, ess_fraction(log_w), ess_blocks or {}, log_evidence(log_w), increments or {}
+        )
