@@ -57,6 +57,8 @@ def test_exact_gibbs_trains_nothing_and_has_unit_weights(gmm_data):
 def test_gibbs_needs_exact_conditionals():
     with pytest.raises(ValueError, match="exact Gibbs conditionals"):
         TrainConfig(task="dgmm", method="gibbs").validate()
+    for name in ("hmc-rws", "reparam"):  # the rings have a continuous view
+        TrainConfig(task="dgmm", method=name).validate()
 
 
 def test_bootstrap_proposes_globals_from_the_prior_and_learns_locals(gmm_data):
@@ -175,10 +177,13 @@ def test_gmm_view_recovers_the_log_joint(gmm_data):
     assert torch.allclose(lhs, rhs, rtol=1e-5, atol=1e-3)
 
 
+class NoView(Model):
+    blocks = {"z": ("z",)}
+
+
 def test_models_without_a_view_are_refused():
-    dgmm = get_task("dgmm")
     with pytest.raises(ValueError, match="no continuous view"):
-        continuous_target(dgmm.build_model())
+        continuous_target(NoView())
 
 
 # --------------------------------------------------------------------------- conjugate Gaussian
@@ -196,6 +201,7 @@ class Conjugate(Model):
 
 class ConjugateTarget:
     event_shapes = {"z": ()}
+    point_shapes: dict = {}
     point_dim = 1
 
     def __init__(self, model):
@@ -283,10 +289,27 @@ def test_reparam_weights_are_the_appendix_e_weights(gmm_data):
 # --------------------------------------------------------------------------- evaluation
 
 
-@pytest.mark.parametrize("name", ["gibbs", "gibbs-bootstrap", "hmc-rws", "reparam"])
-def test_every_method_evaluates_with_an_evidence_estimate(gmm_data, name):
-    _, x = gmm_data
-    cfg = TrainConfig(task="gmm", method=name, sweeps=3, particles=4, batch_size=4, iterations=2, lr=0.01)
+@pytest.fixture
+def dgmm_data():
+    task = get_task("dgmm")
+    model = task.build_model()
+    return model, task.simulate(model, 12, torch.Generator().manual_seed(1), num_points=20)["x"].float()
+
+
+@pytest.mark.parametrize(
+    "task, name",
+    [
+        ("gmm", "gibbs"),
+        ("gmm", "gibbs-bootstrap"),
+        ("gmm", "hmc-rws"),
+        ("gmm", "reparam"),
+        ("dgmm", "hmc-rws"),  # per-point angles: the continuous view's point_shapes
+        ("dgmm", "reparam"),
+    ],
+)
+def test_every_method_evaluates_with_an_evidence_estimate(request, task, name):
+    _, x = request.getfixturevalue(f"{task}_data")
+    cfg = TrainConfig(task=task, method=name, sweeps=3, particles=4, batch_size=4, iterations=2, lr=0.01)
     trainer = Trainer(cfg, x)
     list(trainer.run())
     out = evaluate(cfg, trainer.model, trainer.proposals, x[:5], 3, 4, batch_size=3)
@@ -322,20 +345,53 @@ def test_method_options_reach_the_cell_and_name_the_key():
         validate_params(params)
 
 
-@pytest.mark.slow
-def test_every_method_runs_through_the_pipeline(tmp_path):
-    from test_pipeline import make_repo, run, tiny
+def tiny_params(task: str, methods: list[str]) -> dict:
+    """The pipeline tests' tiny params with ``task`` alone, its grid ``methods`` at (K, L) = (2, 3)."""
+    from test_pipeline import tiny
 
-    methods = ["apg", "rws-mlp", "gibbs", "gibbs-bootstrap", "hmc-rws", "reparam"]
-    params = tiny(
-        **{
-            "gmm.grid": [{"methods": methods, "pairs": [[2, 3]], "seeds": [0]}],
-            "gmm.train.method_options": {"hmc-rws": {"step_size": 0.03, "leapfrog_steps": 2}},
+    params = tiny()
+    section = params.pop("gmm")
+    if task == "dgmm":  # the GMM's tiny section on rings of 15 points
+        section["data"] = {
+            kind: {**entry, "sizes": {"num_points": 15, "radius": 2.0}}
+            for kind, entry in section["data"].items()
+            if kind != "figures"
         }
-    )
-    root = make_repo(tmp_path, params)
+        section["data"]["figures"] = [
+            {"num_datasets": 1, "seed": 3, "sizes": {"num_points": 30, "radius": 2.0}}
+        ]
+    section["grid"] = [{"methods": methods, "pairs": [[2, 3]], "seeds": [0]}]
+    section["train"]["method_options"] = {"hmc-rws": {"step_size": 0.03, "leapfrog_steps": 2}}
+    params["tasks"] = [task]
+    params[task] = section
+    return params
+
+
+def test_rings_validate_with_the_gradient_baselines_but_not_bootstrap_gibbs():
+    from pipeline.config import ParamsError, grid_cells, validate_params
+
+    params = tiny_params("dgmm", ["apg", "hmc-rws", "reparam"])
+    validate_params(params)
+    assert sorted(c.method for c in grid_cells(params, "dgmm")) == ["apg", "hmc-rws", "reparam"]
+    params["dgmm"]["grid"][0]["methods"].append("gibbs-bootstrap")  # the GMM only (issue 7)
+    with pytest.raises(ParamsError, match=r"dgmm\.network: .*prior_globals.*\(method gibbs-bootstrap\)"):
+        validate_params(params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "task, methods",
+    [
+        ("gmm", ["apg", "rws-mlp", "gibbs", "gibbs-bootstrap", "hmc-rws", "reparam"]),
+        ("dgmm", ["apg", "rws-mlp", "hmc-rws", "reparam"]),  # no exact conditionals: no Gibbs, no KL
+    ],
+)
+def test_every_method_runs_through_the_pipeline(tmp_path, task, methods):
+    from test_pipeline import make_repo, run
+
+    root = make_repo(tmp_path, tiny_params(task, methods))
     run(["dvc", "repro"], root)
-    table = pd.read_csv(root / "reports" / "tables" / "gmm_methods.csv")
+    table = pd.read_csv(root / "reports" / "tables" / f"{task}_methods.csv")
     assert sorted(set(table["method"])) == sorted(methods)
     for column in ("log_joint", "ess", "log_evidence", "log_evidence_is"):
         assert table[column].map(math.isfinite).all(), column
@@ -347,7 +403,8 @@ def test_every_method_runs_through_the_pipeline(tmp_path):
     assert (
         hmc["accept"].between(0.0, 1.0).all() and table[table["method"] != "hmc-rws"]["accept"].isna().all()
     )
-    history = pd.read_parquet(root / "results" / "eval" / "gmm" / "training.parquet")
+    history = pd.read_parquet(root / "results" / "eval" / task / "training.parquet")
     assert not history[(history["method"] == "hmc-rws") & (history["metric"] == "accept")].empty
-    for name in ("gmm_methods_sweeps.png", "gmm_kl.png"):
+    figures = [f"{task}_methods_sweeps.png"] + (["gmm_kl.png"] if task == "gmm" else [])
+    for name in figures:
         assert (root / "reports" / "figures" / name).is_file(), name

@@ -1,10 +1,14 @@
 """Continuous-latent views of a model, for the gradient-based baselines (HMC, reparam).
 
 HMC and stochastic backpropagation need a density over *unconstrained, continuous*
-latents. Where the model's discrete latents can be summed out of the likelihood (the GMM
-assignments: a log-sum-exp over clusters), the view is the marginal
-``log p(x, z_cont)``, and the discrete latents are drawn afterwards from their exact
-conditional, so that every method reports the same ``log p(x, z)``.
+latents. Where the model's discrete latents can be summed out of the likelihood (the
+GMM's and the rings' assignments: a log-sum-exp over clusters per point), the view is the
+marginal ``log p(x, z_cont)``, and the discrete latents are drawn afterwards from their
+exact conditional, so that every method reports the same ``log p(x, z)``.
+
+Unconstrained latents come in two kinds: per dataset (``event_shapes``, e.g. the
+cluster parameters, ``(L, B, *event)``) and per point (``point_shapes``, e.g. the rings'
+angles, ``(L, B, N, *point)``, whose number follows the dataset's N).
 
 A view is looked up by the model's type (``continuous_target``); a task gains the
 gradient-based baselines by registering one (``register_target``).
@@ -19,21 +23,27 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from apg.blocks import Latents, Model
 from apg.distributions import CategoricalBlock
+from apg.tasks.dgmm import DGMM, TWO_PI
 from apg.tasks.gmm import GMM, assignment_logits
 
 
 class ContinuousTarget(Protocol):
     """The interface HMC-RWS and the reparameterized recognition model use.
 
-    ``event_shapes``: unconstrained variable -> shape of one dataset's value.
+    ``event_shapes``: unconstrained per-dataset variable -> shape of one dataset's value,
+    held as ``(L, B, *event)``.
+    ``point_shapes``: unconstrained per-point variable -> shape of one point's value, held
+    as ``(L, B, N, *point)`` with the N of the data (empty when there are none).
     ``point_dim``: features per point of ``points(x)``.
     """
 
     event_shapes: dict[str, tuple[int, ...]]
+    point_shapes: dict[str, tuple[int, ...]]
     point_dim: int
 
     def points(self, x: Tensor) -> Tensor:
@@ -41,7 +51,8 @@ class ContinuousTarget(Protocol):
         ...
 
     def to_unconstrained(self, z: Mapping[str, Tensor]) -> Latents:
-        """Unconstrained values ``(L, B, *event)`` of the model's continuous latents."""
+        """Unconstrained values (``(L, B, *event)``, ``(L, B, N, *point)``) of the model's
+        continuous latents."""
         ...
 
     def log_density(self, x: Tensor, u: Mapping[str, Tensor]) -> Tensor:
@@ -70,6 +81,7 @@ class GMMTarget:
             "mu": (cfg.num_clusters, cfg.data_dim),
             "log_tau": (cfg.num_clusters, cfg.data_dim),
         }
+        self.point_shapes: dict[str, tuple[int, ...]] = {}
         self.point_dim = cfg.data_dim
 
     def points(self, x: Tensor) -> Tensor:
@@ -99,7 +111,79 @@ class GMMTarget:
         return {"mu": u["mu"], "tau": tau, **c}, assign.log_prob(c)
 
 
-TARGETS: dict[type, Callable[[Model], ContinuousTarget]] = {GMM: GMMTarget}
+class DGMMTarget:
+    """The rings (DGMM) with assignments summed out: ``u = {mu (L, B, I, 2), logit_alpha (L, B, N)}``.
+
+    Angles are mapped onto the prior's support by ``alpha = 2 pi sigmoid(logit_alpha)``, a
+    smooth bijection from the real line onto ``(0, 2 pi)`` (the support up to the null
+    point 0) with ``log |d alpha / d logit_alpha| = log 2 pi + log sigmoid(a) + log
+    sigmoid(-a)``. It puts a seam at angle 0 = 2 pi: an angle whose posterior straddles it
+    is two far-apart modes in ``logit_alpha``, which HMC cannot cross and a Gaussian
+    recognition model covers with one of them. No bijection from the real line onto the
+    circle avoids a seam; moving on the circle itself (``alpha = a mod 2 pi``) would, but
+    then the reparameterized density ``q(alpha)`` is a wrapped normal, an infinite sum.
+
+    The marginal likelihood of a point, with ``c_n ~ Cat(1 / I)``:
+
+        log p(x_n | mu, alpha_n) = logsumexp_i [log(1/I) + log N(x_n; g_theta(alpha_n) + mu_i, sigma_eps^2 I)]
+
+    ``g_theta`` and both priors are the model's own (``DGMM.g``, ``log_prior_mu``,
+    ``log_prior_local``); the density is differentiable in ``u`` and in theta.
+    """
+
+    def __init__(self, model: DGMM):
+        self.model = model
+        cfg = model.cfg
+        self.event_shapes = {"mu": (cfg.num_clusters, 2)}
+        self.point_shapes = {"logit_alpha": ()}
+        self.point_dim = 2
+
+    def points(self, x: Tensor) -> Tensor:
+        return x / self.model.cfg.sigma0  # O(1) inputs for the recognition model's tanh units
+
+    def angle(self, logit_alpha: Tensor) -> Tensor:
+        """``2 pi sigmoid(logit_alpha)`` in ``[0, 2 pi)``, any shape."""
+        alpha = TWO_PI * torch.sigmoid(logit_alpha)
+        # sigmoid rounds to 1 for large arguments (float32: above ~17), giving 2 pi itself,
+        # where the prior density is zero; that point of the circle is angle 0, and g_theta
+        # (periodic) and its gradient are the same there.
+        return torch.where(alpha >= TWO_PI, alpha - TWO_PI, alpha)
+
+    def to_unconstrained(self, z: Mapping[str, Tensor]) -> Latents:
+        frac = z["alpha"] / TWO_PI
+        # Angle 0 (and a rounded 2 pi) would map to -inf (+inf): keep it one ulp inside.
+        eps = torch.finfo(frac.dtype).eps
+        return {"mu": z["mu"], "logit_alpha": torch.logit(frac.clamp(eps, 1.0 - eps))}
+
+    def log_det_jacobian(self, u: Mapping[str, Tensor]) -> Tensor:
+        a = u["logit_alpha"]
+        return (math.log(TWO_PI) + F.logsigmoid(a) + F.logsigmoid(-a)).sum(-1)
+
+    def cluster_log_likelihood(self, x: Tensor, mu: Tensor, alpha: Tensor) -> Tensor:
+        """``log N(x_n; g_theta(alpha_n) + mu_i, sigma_eps^2 I)`` for every point and
+        cluster, ``(L, B, N, I)``."""
+        if x.dim() != 3 or x.shape[-1] != 2:
+            raise ValueError(f"x must be shaped (B, N, 2), got {tuple(x.shape)}")
+        s = self.model.cfg.noise
+        resid = (x - self.model.g(alpha)).unsqueeze(-2) - mu.unsqueeze(-3)  # (L, B, N, I, 2)
+        return -0.5 * (resid**2).sum(-1) / s**2 - 2 * (math.log(s) + 0.5 * math.log(TWO_PI))
+
+    def log_density(self, x: Tensor, u: Mapping[str, Tensor]) -> Tensor:
+        mu, alpha = u["mu"], self.angle(u["logit_alpha"])
+        # sum_n log p(alpha_n) + log(1/I): the model's local prior at any c (c is uniform).
+        log_prior = self.model.log_prior_mu(mu) + self.model.log_prior_local(x, {"alpha": alpha})
+        log_lik = torch.logsumexp(self.cluster_log_likelihood(x, mu, alpha), -1).sum(-1)
+        return log_prior + log_lik + self.log_det_jacobian(u)
+
+    def complete(self, x: Tensor, u: Mapping[str, Tensor]) -> tuple[Latents, Tensor]:
+        mu, alpha = u["mu"], self.angle(u["logit_alpha"])
+        # p(c_n = i | x_n, mu, alpha_n) is proportional to the cluster's likelihood (uniform prior).
+        assign = CategoricalBlock("c", self.cluster_log_likelihood(x, mu, alpha))
+        c = assign.sample()
+        return {"mu": mu, "alpha": alpha, **c}, assign.log_prob(c)
+
+
+TARGETS: dict[type, Callable[[Model], ContinuousTarget]] = {GMM: GMMTarget, DGMM: DGMMTarget}
 
 
 def register_target(model_type: type, factory: Callable[[Model], ContinuousTarget]) -> None:

@@ -4,11 +4,12 @@ The encoder ``q_phi(z | x)`` (an RWS architecture) proposes L particles, weighte
 ``p(x, z) / q(z | x)``; the encoder trains on these by RWS (eq. 5 at the initial step).
 Then ``K - 1`` resample-move steps: resample, one HMC transition on the unconstrained
 continuous latents of the model's continuous view (``apg.baselines.continuous``: GMM
-``mu`` and ``log tau`` with the assignments summed out), and the discrete latents
-redrawn from their exact conditional. Both moves leave ``p(z | x)`` invariant, so the
-weights do not change (after resampling they are uniform, and ESS/L reports 1: an HMC
-move's quality shows in the log joint, not in the weights). The generative model's
-gradient (eq. 6) uses the final, HMC-improved particles.
+``mu`` and ``log tau``, rings ``mu`` and every point's ``logit(alpha / 2 pi)``, with the
+assignments summed out), and the discrete latents redrawn from their exact conditional.
+Both moves leave ``p(z | x)`` invariant, so the weights do not change (after resampling
+they are uniform, and ESS/L reports 1: an HMC move's quality shows in the log joint, not
+in the weights). The generative model's gradient (eq. 6) uses the final, HMC-improved
+particles.
 
 Budget: a cell of K sweeps x L particles runs L particles and K - 1 HMC transitions,
 each of ``leapfrog_steps`` gradient evaluations, so it spends
@@ -19,7 +20,8 @@ updates both position and momentum, and ``hmc_step`` applies the Metropolis corr
 the run reports its acceptance rate (``Method.diagnostics``: ``accept``), which training
 logs (MLflow) and evaluation keeps (the report's methods table).
 
-Legend: L particles (independent chains), B datasets; positions ``(L, B, ...)``.
+Legend: L particles (independent chains), B datasets; positions ``(L, B, ...)`` (per-dataset
+latents ``(L, B, *event)`` and per-point ones ``(L, B, N, *point)`` alike).
 """
 
 from __future__ import annotations

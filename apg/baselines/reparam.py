@@ -4,13 +4,15 @@ A Gaussian recognition model ``q_phi(u | x)`` (diagonal covariance) over the mod
 unconstrained continuous latents, trained on the ELBO (exclusive KL) with gradients
 through the samples ``u = m(x) + s(x) * eps``, ``eps ~ N(0, I)``. Discrete latents are
 summed out of the likelihood by the model's continuous view
-(``apg.baselines.continuous``), so only continuous latents are sampled; for reporting,
+(``apg.baselines.continuous``), so only continuous latents are sampled (per dataset, and
+per point where the model has per-point ones, e.g. the rings' angles); for reporting,
 they are then drawn from their exact conditional, which leaves the importance weight
 ``p(x, u) / q(u | x)`` unchanged, so ``log_evidence`` is the paper's appendix-E estimate.
 
 Budget: a cell of K sweeps x L particles draws ``K * L`` samples in one step (like RWS).
 
-Legend: L samples, B datasets, N points, H hidden units, F flattened latent dims.
+Legend: L samples, B datasets, N points, H hidden units, F flattened per-dataset latent
+dims, G flattened per-point latent dims.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ from apg.smc.weights import normalized_weights, sanitize
 class GaussianRecognition(Proposals):
     """``q_phi(u | x) = N(u; m(x), diag s(x)^2)`` from a permutation-invariant set encoder.
 
-    Each point ``(B, N, P)`` goes through a tanh MLP, the features are averaged over the
-    points, and a second MLP gives ``m`` and ``log s`` for every unconstrained latent.
-    The output layer starts at zero (``q = N(0, I)``, the breadth of the priors).
+    Each point ``(B, N, P)`` goes through a tanh MLP to features ``h_n``, averaged over the
+    points to ``h``. A head on ``h`` gives ``m`` and ``log s`` for every per-dataset latent
+    (``target.event_shapes``); a point head on ``[h_n, h]`` gives each point's own ``m`` and
+    ``log s`` for every per-point latent (``target.point_shapes``), so the same weights
+    serve any N. Output layers start at zero (``q = N(0, I)``, the breadth of the priors).
     """
 
     def __init__(self, target: ContinuousTarget, hidden: int = 32):
@@ -42,31 +46,76 @@ class GaussianRecognition(Proposals):
         self.target = target
         self.shapes = dict(target.event_shapes)
         self.sizes = {k: math.prod(s) for k, s in self.shapes.items()}
-        total = sum(self.sizes.values())
+        self.point_shapes = dict(target.point_shapes)
+        self.point_sizes = {k: math.prod(s) for k, s in self.point_shapes.items()}
+        total, point_total = sum(self.sizes.values()), sum(self.point_sizes.values())
         self.points = nn.Sequential(
             nn.Linear(target.point_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
         )
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * total))
-        nn.init.zeros_(self.head[-1].weight)
-        nn.init.zeros_(self.head[-1].bias)
+        outputs = [self.head[-1]]
+        # Only models with per-point latents get the point head (the GMM's parameters, and
+        # so its checkpoints, are unchanged).
+        self.point_head: nn.Sequential | None = None
+        if point_total:
+            self.point_head = nn.Sequential(
+                nn.Linear(2 * hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * point_total)
+            )
+            outputs.append(self.point_head[-1])
+        for layer in outputs:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def _features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Point features ``(B, N, H)`` and their mean over the points ``(B, H)``."""
+        h = self.points(self.target.points(x))
+        return h, h.mean(-2)
 
     def gaussian(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Mean and standard deviation, each ``(B, F)``."""
-        h = self.points(self.target.points(x)).mean(-2)
-        loc, log_scale = self.head(h).chunk(2, dim=-1)
+        """Mean and standard deviation of the per-dataset latents, each ``(B, F)``."""
+        return self._dataset_gaussian(self._features(x)[1])
+
+    def point_gaussian(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Mean and standard deviation of each point's latents, each ``(B, N, G)``
+        (``G = 0`` without per-point latents)."""
+        return self._point_gaussian(*self._features(x))
+
+    def _dataset_gaussian(self, pooled: Tensor) -> tuple[Tensor, Tensor]:
+        loc, log_scale = self.head(pooled).chunk(2, dim=-1)
+        return loc, torch.exp(log_scale)
+
+    def _point_gaussian(self, h: Tensor, pooled: Tensor) -> tuple[Tensor, Tensor]:
+        if self.point_head is None:
+            empty = h.new_zeros((*h.shape[:-1], 0))
+            return empty, empty
+        both = torch.cat([h, pooled.unsqueeze(-2).expand_as(h)], -1)  # (B, N, 2H)
+        loc, log_scale = self.point_head(both).chunk(2, dim=-1)
         return loc, torch.exp(log_scale)
 
     def rsample(self, x: Tensor, num_samples: int) -> tuple[Latents, Tensor]:
-        """Reparameterized ``u ~ q(u | x)`` ``{name: (L, B, *event)}`` and ``log q(u | x)`` ``(L, B)``."""
-        loc, scale = self.gaussian(x)
-        eps = torch.randn((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
-        flat = loc + scale * eps
-        log_q = (-0.5 * eps**2 - torch.log(scale) - 0.5 * math.log(2 * math.pi)).sum(-1)
-        u, start = {}, 0
-        for name, size in self.sizes.items():
-            u[name] = flat[..., start : start + size].reshape(num_samples, x.shape[0], *self.shapes[name])
-            start += size
-        return u, log_q
+        """Reparameterized ``u ~ q(u | x)`` (``{name: (L, B, *event)}`` and
+        ``{name: (L, B, N, *point)}``) and ``log q(u | x)`` ``(L, B)``."""
+        h, pooled = self._features(x)
+        u: Latents = {}
+        log_q: list[Tensor] = []
+        parts = (
+            (self._dataset_gaussian(pooled), self.sizes, self.shapes),
+            (self._point_gaussian(h, pooled), self.point_sizes, self.point_shapes),
+        )
+        for (loc, scale), sizes, shapes in parts:
+            if not sizes:
+                continue
+            eps = torch.randn((num_samples, *loc.shape), dtype=loc.dtype, device=loc.device)
+            flat = loc + scale * eps
+            log_n = -0.5 * eps**2 - torch.log(scale) - 0.5 * math.log(2 * math.pi)
+            log_q.append(log_n.flatten(2).sum(-1))
+            start = 0
+            for name, size in sizes.items():
+                # (L, B, F) -> (L, B, *event); (L, B, N, G) -> (L, B, N, *point)
+                lead = flat.shape[:-1]
+                u[name] = flat[..., start : start + size].reshape(*lead, *shapes[name])
+                start += size
+        return u, torch.stack(log_q).sum(0)
 
     def initial(self, x: Tensor, num_particles: int) -> tuple[Latents, Tensor]:
         """All latents (discrete ones from their exact conditional) and their density
