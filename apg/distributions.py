@@ -3,6 +3,8 @@
 ``torch.distributions.Categorical`` samples through ``softmax`` + ``multinomial``, which
 costs several times more than an inverse-CDF draw on the many short rows (one per point)
 that assignment blocks have; argument validation costs more than the arithmetic too.
+On CPU, draws and log-probabilities of such rows run as single passes in the compiled
+kernels (``apg/kernels/categorical.c``); the PyTorch formulas below are their twins.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from apg.blocks import Latents
+from apg.kernels import call, native_function
 
 
 def log_softmax_short(logits: Tensor) -> Tensor:
@@ -38,16 +41,60 @@ def sample_categorical(log_probs: Tensor) -> Tensor:
     return (cdf[..., :-1] < u * cdf[..., -1:]).sum(-1)
 
 
+def categorical_sample(logits: Tensor) -> Tensor:
+    """One draw per row of unnormalized ``logits (..., I)``, ``(...)`` (long)."""
+    logits = logits.detach()
+    native = native_function("categorical_sample", logits)
+    if native is None:
+        return sample_categorical(log_softmax_short(logits))
+    u = torch.rand(logits.shape[:-1], dtype=logits.dtype)
+    out = torch.empty(logits.shape[:-1], dtype=torch.long)
+    call(native, logits, u, out, out.numel(), logits.shape[-1])
+    return out
+
+
+class _CategoricalLogProb(torch.autograd.Function):
+    """``log_softmax(logits)[..., index]`` in one pass per row, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, index: Tensor, forward_fn, backward_fn) -> Tensor:
+        logits, index = logits.contiguous(), index.contiguous()
+        out, lse = (logits.new_empty(index.shape) for _ in range(2))
+        call(forward_fn, logits, index, out, lse, index.numel(), logits.shape[-1])
+        ctx.save_for_backward(logits, index, lse)
+        ctx.backward_fn = backward_fn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, index, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        call(ctx.backward_fn, logits, index, lse, grad, grad_logits, index.numel(), logits.shape[-1])
+        return grad_logits, None, None, None
+
+
+def categorical_log_prob(logits: Tensor, index: Tensor) -> Tensor:
+    """``log p(index)`` per row under ``softmax(logits (..., I))``, ``(...)``; differentiable
+    in ``logits``."""
+    if index.dtype != torch.long:
+        raise TypeError(f"categorical indices must be int64, got {index.dtype}")
+    native = native_function("categorical_log_prob", logits)
+    if native is None:
+        return log_softmax_short(logits).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    backward = native_function("categorical_log_prob_backward", logits)
+    return _CategoricalLogProb.apply(logits, index, native, backward)
+
+
 class CategoricalBlock:
     """A block of one categorical variable per point: ``name`` shaped ``(L, B, N)`` with
     logits ``(L, B, N, I)``; ``log_prob`` sums over the N points to ``(L, B)``."""
 
     def __init__(self, name: str, logits: Tensor):
         self.name = name
-        self.log_probs = log_softmax_short(logits)
+        self.logits = logits
 
     def sample(self) -> Latents:
-        return {self.name: sample_categorical(self.log_probs)}
+        return {self.name: categorical_sample(self.logits)}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
-        return self.log_probs.gather(-1, value[self.name].unsqueeze(-1)).squeeze(-1).sum(-1)
+        return categorical_log_prob(self.logits, value[self.name]).sum(-1)

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor, nn
 
-from apg.kernels import native_library
+from apg.kernels import call, native_function
 
 
 class PointFeatures(nn.Module):
@@ -41,39 +39,14 @@ class PointFeatures(nn.Module):
         return out.reshape(*lead, *out.shape[-2:])
 
 
-_NATIVE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-
-
-def _native(name: str, *tensors: Tensor):
-    """The compiled function ``name`` for these tensors' dtype, or ``None`` where the
-    PyTorch path must run (GPU tensors, other dtypes, no compiler)."""
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in _NATIVE_SUFFIX:
-        return None
-    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
-        return None
-    lib = native_library()
-    return None if lib is None else getattr(lib, f"{name}_{_NATIVE_SUFFIX[first.dtype]}")
-
-
 def _native_pairwise(point: Tensor, cluster: Tensor, weight: Tensor):
     """The compiled pairwise functions ``(forward, backward)`` when they apply."""
     if point.dim() != 4 or cluster.dim() != 4 or weight.dim() != 2:
         return None
     if point.shape[0] not in (1, cluster.shape[0]) or point.shape[1] != cluster.shape[1]:
         return None
-    forward = _native("pairwise_forward", point, cluster, weight)
-    return None if forward is None else (forward, _native("pairwise_backward", point))
-
-
-def _call(fn, *values: Tensor | int) -> None:
-    """Call a compiled function: tensors by data pointer, sizes as C longs.
-
-    Outputs must already be contiguous (they are written in place); inputs are made so
-    here, and ``held`` keeps any such copies alive until the call returns.
-    """
-    held = [v.contiguous() if isinstance(v, Tensor) else v for v in values]
-    fn(*(ctypes.c_void_p(v.data_ptr()) if isinstance(v, Tensor) else ctypes.c_long(v) for v in held))
+    forward = native_function("pairwise_forward", point, cluster, weight)
+    return None if forward is None else (forward, native_function("pairwise_backward", point))
 
 
 class _PairwiseTanhLinear(torch.autograd.Function):
@@ -99,7 +72,7 @@ class _PairwiseTanhLinear(torch.autograd.Function):
             (num_particles, batch, num_clusters, width), lp = c.shape, p.shape[0]
             out = p.new_empty(num_particles, batch, p.shape[2], num_clusters, w_t.shape[0])
             sizes = (num_particles, lp, batch, p.shape[2], num_clusters, width, w_t.shape[0])
-            _call(native[0], p, c, w_t, out, *sizes)
+            call(native[0], p, c, w_t, out, *sizes)
             ctx.native, ctx.sizes = native, sizes
             ctx.save_for_backward(p, c, w_t)
             return out
@@ -113,7 +86,7 @@ class _PairwiseTanhLinear(torch.autograd.Function):
         if ctx.native is not None:
             p, c, w_t = ctx.saved_tensors
             grad_p, grad_c, grad_w_t = torch.zeros_like(p), torch.zeros_like(c), torch.zeros_like(w_t)
-            _call(ctx.native[1], p, c, w_t, grad, grad_p, grad_c, grad_w_t, *ctx.sizes)
+            call(ctx.native[1], p, c, w_t, grad, grad_p, grad_c, grad_w_t, *ctx.sizes)
             return (grad_p.squeeze(0) if ctx.point_dims == 3 else grad_p), grad_c, grad_w_t.T
         hidden, weight = ctx.saved_tensors
         width = hidden.shape[-1]
@@ -150,8 +123,8 @@ class _TanhMLP(torch.autograd.Function):
         w1_t, w2_t = w1.T.contiguous(), w2.contiguous()
         sizes = (rows.shape[0], w1.shape[1], w1.shape[0], w2.shape[0])
         out = rows.new_empty(rows.shape[0], w2.shape[0])
-        ctx.backward_fn = _native("pointwise_backward", rows, w1, b1, w2)
-        _call(_native("pointwise_forward", rows, w1, b1, w2), rows, w1_t, b1, w2_t, out, *sizes)
+        ctx.backward_fn = native_function("pointwise_backward", rows, w1, b1, w2)
+        call(native_function("pointwise_forward", rows, w1, b1, w2), rows, w1_t, b1, w2_t, out, *sizes)
         ctx.save_for_backward(rows, w1_t, b1.contiguous(), w2_t)
         ctx.sizes, ctx.in_shape = sizes, u.shape
         return out.reshape(*u.shape[:-1], w2.shape[0])
@@ -160,7 +133,7 @@ class _TanhMLP(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         rows, w1_t, b1, w2_t = ctx.saved_tensors
         grads = [torch.empty_like(rows), torch.zeros_like(w1_t), torch.zeros_like(b1), torch.zeros_like(w2_t)]
-        _call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad.reshape(rows.shape[0], -1), *grads, *ctx.sizes)
+        call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad.reshape(rows.shape[0], -1), *grads, *ctx.sizes)
         grad_u, grad_w1_t, grad_b1, grad_w2 = grads
         return grad_u.reshape(ctx.in_shape), grad_w1_t.T, grad_b1, grad_w2
 
@@ -172,6 +145,6 @@ def tanh_mlp(u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
     outside). On CPU the compiled kernel never forms the ``(..., H)`` hidden tensor, which
     for a network of a per-point latent (the rings' g_theta(alpha)) is the step's largest.
     """
-    if _native("pointwise_forward", u, w1, b1, w2) is None:
+    if native_function("pointwise_forward", u, w1, b1, w2) is None:
         return torch.tanh(torch.nn.functional.linear(u, w1, b1)) @ w2.T
     return _TanhMLP.apply(u, w1, b1, w2)

@@ -1,22 +1,10 @@
 """The fused tanh layers equal the plain autograd formulas, values and gradients, on both
 of their paths (the compiled CPU kernels and the PyTorch fallback)."""
 
-import pytest
 import torch
 
-from apg import nn as apg_nn
 from apg.kernels import native_library
 from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
-
-
-@pytest.fixture(params=["native", "torch"])
-def path(request, monkeypatch):
-    if request.param == "native":
-        if native_library() is None:
-            pytest.skip("no C compiler: the native kernel cannot be built here")
-    else:
-        monkeypatch.setattr(apg_nn, "_native", lambda *args: None)
-    return request.param
 
 
 def test_the_native_kernel_builds_on_this_machine():
@@ -24,7 +12,7 @@ def test_the_native_kernel_builds_on_this_machine():
     assert native_library() is not None
 
 
-def test_pairwise_tanh_linear_matches_the_plain_formula_and_its_gradients(path):
+def test_pairwise_tanh_linear_matches_the_plain_formula_and_its_gradients(kernel_path):
     torch.set_default_dtype(torch.float64)
     point = torch.randn(2, 5, 4, requires_grad=True)
     cluster = torch.randn(3, 2, 6, 4, requires_grad=True)
@@ -34,7 +22,7 @@ def test_pairwise_tanh_linear_matches_the_plain_formula_and_its_gradients(path):
     assert torch.autograd.gradcheck(pairwise_tanh_linear, (point, cluster, weight))
 
 
-def test_pairwise_tanh_linear_accepts_per_particle_points(path):
+def test_pairwise_tanh_linear_accepts_per_particle_points(kernel_path):
     torch.set_default_dtype(torch.float64)
     point = torch.randn(3, 2, 5, 4, requires_grad=True)
     cluster = torch.randn(3, 2, 6, 4, requires_grad=True)
@@ -42,7 +30,7 @@ def test_pairwise_tanh_linear_accepts_per_particle_points(path):
     assert torch.autograd.gradcheck(pairwise_tanh_linear, (point, cluster, weight))
 
 
-def test_pairwise_tanh_linear_float32_agrees_with_float64(path):
+def test_pairwise_tanh_linear_float32_agrees_with_float64(kernel_path):
     shapes = ((20, 60, 32), (10, 20, 3, 32), (32, 4))
     inputs = [torch.randn(shape, dtype=torch.float64) for shape in shapes]
     grads = []
@@ -56,7 +44,7 @@ def test_pairwise_tanh_linear_float32_agrees_with_float64(path):
         assert float((low - high).abs().max()) < 1e-4 * float(high.abs().max())
 
 
-def test_fused_layers_take_non_contiguous_gradients(path):
+def test_fused_layers_take_non_contiguous_gradients(kernel_path):
     # A transposed consumer (a short-axis softmax, say) hands backward a strided gradient;
     # the native path must copy it and keep the copy alive through the C call.
     torch.set_default_dtype(torch.float64)
@@ -71,7 +59,7 @@ def test_fused_layers_take_non_contiguous_gradients(path):
     assert torch.autograd.gradcheck(lambda *a: tanh_mlp(*a).transpose(0, 1), (u, w1, b1, w2))
 
 
-def test_fused_layers_split_work_across_threads(path):
+def test_fused_layers_split_work_across_threads(kernel_path):
     # Large enough for one chunk per thread on both kernels (pointwise chunks >= 4096 rows).
     torch.set_default_dtype(torch.float64)
     threads = torch.get_num_threads()
@@ -108,7 +96,7 @@ def test_fused_layers_split_work_across_threads(path):
         torch.set_num_threads(threads)
 
 
-def test_tanh_mlp_matches_the_plain_formula_and_its_gradients(path):
+def test_tanh_mlp_matches_the_plain_formula_and_its_gradients(kernel_path):
     torch.set_default_dtype(torch.float64)
     u = torch.randn(3, 4, 5, 2, requires_grad=True)
     w1, b1, w2 = (torch.randn(shape, requires_grad=True) for shape in ((7, 2), (7,), (3, 7)))

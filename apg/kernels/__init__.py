@@ -1,10 +1,11 @@
 """Native CPU kernels, compiled on first use with the system C compiler and cached.
 
-Only hot loops that PyTorch's eager ops cannot fuse live here (``tanh_layers.c``). Each has
+Only hot loops that PyTorch's eager ops cannot fuse live here (``tanh_layers.c``: fused tanh
+networks; ``categorical.c``: draws and log-probabilities over a short last axis). Each has
 a pure-PyTorch twin that runs on GPUs, on machines without a compiler, and when the
 environment sets ``APG_NATIVE_KERNELS=0``; tests check the two agree.
 
-The shared library is built into ``$APG_KERNEL_CACHE`` (default ``~/.cache/apg/kernels``)
+All sources are built into one shared library, into ``$APG_KERNEL_CACHE`` (default ``~/.cache/apg/kernels``)
 under a name that hashes the source, the flags and the CPU, so nodes of a heterogeneous
 cluster sharing a home directory never load each other's ``-march=native`` builds.
 """
@@ -22,7 +23,10 @@ import tempfile
 import warnings
 from pathlib import Path
 
-_SOURCE = Path(__file__).with_name("tanh_layers.c")
+import torch
+from torch import Tensor
+
+_SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # -ffast-math only when compiling: linking a shared object with it (GCC < 13) would add
 # crtfastmath.o, which flushes denormals to zero for the whole process on load.
 _COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -44,29 +48,25 @@ def _cache_dir() -> Path:
 def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / target.name
+        objects = [Path(tmp) / f"{source.stem}.o" for source in _SOURCES]
+        for source, obj in zip(_SOURCES, objects, strict=True):
+            subprocess.run(
+                [compiler, *_COMPILE_FLAGS, "-c", str(source), "-o", str(obj)],
+                check=True,
+                capture_output=True,
+            )
+        lib = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *_COMPILE_FLAGS, "-c", str(_SOURCE), "-o", str(obj)], check=True, capture_output=True
-        )
-        subprocess.run(
-            [compiler, "-shared", "-fopenmp", str(obj), "-o", str(lib), "-lm"],
+            [compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(lib), "-lm"],
             check=True,
             capture_output=True,
         )
         os.replace(lib, target)  # atomic: concurrent builders (Ray trials) never see half a file
 
 
-_FUNCTIONS = tuple(
-    f"{kind}_{direction}_{dtype}"
-    for kind in ("pairwise", "pointwise")
-    for direction in ("forward", "backward")
-    for dtype in ("f32", "f64")
-)
-
-
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
-    """The compiled ``tanh_layers.c``, or ``None`` (with one warning) where it cannot be built."""
+    """The compiled kernels, or ``None`` (with one warning) where it cannot be built."""
     if os.environ.get("APG_NATIVE_KERNELS", "1") == "0":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -74,10 +74,15 @@ def native_library() -> ctypes.CDLL | None:
         return None
     key = hashlib.sha256(
         b"\0".join(
-            [_SOURCE.read_bytes(), " ".join(_COMPILE_FLAGS).encode(), compiler.encode(), _cpu_id().encode()]
+            [
+                *(source.read_bytes() for source in _SOURCES),
+                " ".join(_COMPILE_FLAGS).encode(),
+                compiler.encode(),
+                _cpu_id().encode(),
+            ]
         )
     ).hexdigest()[:16]
-    target = _cache_dir() / f"tanh_layers-{key}.so"
+    target = _cache_dir() / f"apg_kernels-{key}.so"
     try:
         if not target.exists():
             _build(compiler, target)
@@ -91,6 +96,33 @@ def native_library() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    for name in _FUNCTIONS:
-        getattr(lib, name).restype = None
     return lib
+
+
+_DTYPE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def native_function(name: str, *tensors: Tensor):
+    """The compiled function ``name`` for these floating tensors' dtype, or ``None`` where
+    the PyTorch path must run (GPU tensors, other or mixed dtypes, no compiler)."""
+    first = tensors[0]
+    if first.device.type != "cpu" or first.dtype not in _DTYPE_SUFFIX:
+        return None
+    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return None
+    lib = native_library()
+    if lib is None:
+        return None
+    fn = getattr(lib, f"{name}_{_DTYPE_SUFFIX[first.dtype]}")
+    fn.restype = None  # every kernel writes its outputs in place and returns void
+    return fn
+
+
+def call(fn, *values: Tensor | int) -> None:
+    """Call a compiled function: tensors by data pointer, sizes as C longs.
+
+    Outputs must already be contiguous (they are written in place); inputs are made so
+    here, and ``held`` keeps any such copies alive until the call returns.
+    """
+    held = [v.contiguous() if isinstance(v, Tensor) else v for v in values]
+    fn(*(ctypes.c_void_p(v.data_ptr()) if isinstance(v, Tensor) else ctypes.c_long(v) for v in held))

@@ -50,8 +50,18 @@ def get_resampler(name: str) -> Resampler:
 
 def gather(t: Tensor, ancestors: Tensor) -> Tensor:
     """Select particles: ``out[l, b, ...] = t[ancestors[l, b], b, ...]`` for any trailing dims."""
-    batch_index = torch.arange(t.shape[1], device=t.device).expand_as(ancestors)
-    return t[ancestors, batch_index]
+    return _gather_flat(t, _flat_index(ancestors))
+
+
+def _flat_index(ancestors: Tensor) -> Tensor:
+    """Row ``ancestors[l, b] * B + b`` of a ``(L * B, ...)`` view, flattened to ``(L * B,)``."""
+    batch = ancestors.shape[1]
+    return (ancestors * batch + torch.arange(batch, device=ancestors.device)).flatten()
+
+
+def _gather_flat(t: Tensor, flat: Tensor) -> Tensor:
+    # One index_select on the (L * B, ...) view; a 2-D advanced index costs several ops more.
+    return t.flatten(0, 1).index_select(0, flat).view(-1, t.shape[1], *t.shape[2:])
 
 
 def resample(
@@ -65,4 +75,5 @@ def resample(
     log_w = sanitize(log_w.detach())
     ancestors = resampler(log_w)
     new_log_w = log_mean_exp(log_w, dim=0).expand_as(log_w).clone()
-    return new_log_w, {name: gather(t, ancestors) for name, t in tensors.items()}
+    flat = _flat_index(ancestors)
+    return new_log_w, {name: _gather_flat(t, flat) for name, t in tensors.items()}

@@ -21,6 +21,11 @@ def sanitize(log_w: Tensor) -> Tensor:
 
     This is the one place where NaN becomes -inf.
     """
+    # Fast path, taken at every block update: the per-dataset maximum is NaN if any
+    # weight is NaN, +inf if any is +inf and -inf only if all are, so one reduction
+    # decides that there is nothing to repair.
+    if bool(torch.isfinite(log_w.amax(dim=0)).all()):
+        return log_w
     log_w = torch.nan_to_num(log_w, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     if torch.isposinf(log_w).any():
         raise DegenerateWeightsError("a log-weight is +inf: the target density is unbounded here")
@@ -50,7 +55,8 @@ def normalized_weights(log_w: Tensor) -> Tensor:
 
 def ess(log_w: Tensor) -> Tensor:
     """Effective sample size ``(sum w)^2 / sum w^2`` per dataset, ``(B,)`` (eq. 11 times L)."""
-    return torch.exp(-torch.logsumexp(2.0 * normalize(log_w), dim=0))
+    w = normalized_weights(log_w)  # stable: the largest weight is at least 1 / L
+    return 1.0 / (w * w).sum(0)
 
 
 def ess_fraction(log_w: Tensor) -> Tensor:
