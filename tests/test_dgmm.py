@@ -392,6 +392,31 @@ def test_apg_loss_reaches_model_and_every_proposal_network():
         assert grads and any(g.abs().sum() > 0 for g in grads), name
 
 
+def test_flushing_subnormal_gradients_changes_no_gradient(monkeypatch):
+    """The log-densities flush gradient entries below ~1e-31 (apg.nn.flush_subnormal_grad,
+    for speed); the loss's gradients must be those without the flush, to float32 rounding."""
+    import apg.tasks.dgmm as dgmm
+    from apg.objectives import apg_loss
+
+    model, data = _data(num_datasets=3, num_points=60)
+    proposals = build_proposals(model, "apg")
+    params = [*model.parameters(), *proposals.parameters()]
+
+    def gradients():
+        torch.manual_seed(3)
+        result = run_apg(model, proposals, data["x"].float(), 4, 10)
+        grads = torch.autograd.grad(apg_loss(result), params, allow_unused=True)
+        smallest = min(float(s.weights[s.weights > 0].min()) for s in result.steps)
+        return [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)], smallest
+
+    flushed, smallest = gradients()
+    assert smallest < 1e-31  # some weights are small enough to be flushed
+    monkeypatch.setattr(dgmm, "flush_subnormal_grad", lambda t: t)
+    plain, _ = gradients()
+    for a, b in zip(flushed, plain, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
 def test_task_registry_and_draw():
     task = get_task("dgmm")
     assert task.name == "dgmm" and task.architectures == ("apg", "mlp", "lstm")

@@ -68,7 +68,7 @@ from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
 from apg.distributions import log_softmax_short, sample_categorical, softmax_short
-from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
+from apg.nn import PointFeatures, flush_subnormal_grad, pairwise_tanh_linear, tanh_mlp
 
 TWO_PI = 2.0 * math.pi
 DATA_DIM = 2
@@ -128,7 +128,7 @@ class DGMM(Model):
         sq = ((x - self.mean(z, shape)) ** 2).sum((-2, -1))
         size = x.shape[-2] * DATA_DIM
         s = self.cfg.noise
-        return -0.5 * sq / s**2 - size * (math.log(s) + 0.5 * math.log(TWO_PI))
+        return flush_subnormal_grad(-0.5 * sq / s**2 - size * (math.log(s) + 0.5 * math.log(TWO_PI)))
 
     def log_prior_mu(self, mu: Tensor) -> Tensor:
         """``sum_i log N(mu_i; 0, sigma0^2 I)``, ``(L, B)``."""
@@ -287,7 +287,7 @@ class LocalProposal:
         c, alpha = value["c"], value["alpha"]
         loc, k = self._component(c)
         lp_c = self.log_pi.gather(-1, c.unsqueeze(-1)).squeeze(-1)
-        return (lp_c + von_mises_log_prob(alpha, loc, k)).sum(-1)
+        return flush_subnormal_grad((lp_c + von_mises_log_prob(alpha, loc, k)).sum(-1))
 
     def _component(self, c: Tensor) -> tuple[Tensor, Tensor]:
         idx = c.unsqueeze(-1)
@@ -296,9 +296,19 @@ class LocalProposal:
         return torch.atan2(u[..., 1], u[..., 0]), F.softplus(raw) + 1e-3
 
 
-def gaussian_mu(mean: Tensor, precision: Tensor) -> Factorized:
-    """Diagonal Gaussian block distribution over ``mu`` from ``(L, B, I, 2)`` parameters."""
-    return Factorized({"mu": (Normal(mean, torch.rsqrt(precision), validate_args=False), 2)})
+class GaussianMu(Factorized):
+    """Diagonal Gaussian block distribution over ``mu`` from ``(L, B, I, 2)`` parameters;
+    ``log_prob`` is ``(L, B)`` and flushes subnormal gradients (``apg.nn.flush_subnormal_grad``)."""
+
+    def __init__(self, mean: Tensor, precision: Tensor):
+        super().__init__({"mu": (Normal(mean, torch.rsqrt(precision), validate_args=False), 2)})
+
+    def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
+        return flush_subnormal_grad(super().log_prob(value))
+
+
+def gaussian_mu(mean: Tensor, precision: Tensor) -> GaussianMu:
+    return GaussianMu(mean, precision)
 
 
 def pool_per_cluster(weights: Tensor, stat: Tensor, precision: Tensor, prior_precision: float):
