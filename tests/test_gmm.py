@@ -3,6 +3,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,34 @@ def test_simulator_is_seeded_and_shaped():
     assert a["x"].shape == (5, 17, 2) and a["c"].shape == (5, 17) and a["mu"].shape == (5, 3, 2)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["x"], simulate(cfg, 5, 17, seed=4)["x"])
+
+
+def test_log_joint_and_its_block_changes_match_a_direct_computation(f64):
+    # The model computes the likelihood from per-cluster moments and the assignment
+    # change from a per-point table; both must equal the textbook density term by term.
+    from torch.distributions import Gamma, Normal
+
+    model = GMM()
+    x = simulate(model.cfg, 3, 9, seed=7)["x"]
+    prior = model.prior_globals((4, 3), x)
+    z_old, z_new = ({**prior.sample(), "c": torch.randint(3, (4, 3, 9))} for _ in range(2))
+    z_old["c"][..., :4] = 0  # clusters 1 and 2 may be empty in some particles
+
+    def direct(z):
+        cfg = model.cfg
+        tau, mu = z["tau"], z["mu"]
+        log_prior = Gamma(cfg.alpha0, cfg.beta0).log_prob(tau) + Normal(
+            cfg.mu0, (cfg.nu0 * tau) ** -0.5
+        ).log_prob(mu)
+        idx = z["c"].unsqueeze(-1).expand(*z["c"].shape, 2)
+        lik = Normal(mu.gather(-2, idx), tau.gather(-2, idx) ** -0.5).log_prob(x)
+        return log_prior.sum((-2, -1)) + lik.sum((-2, -1)) - 9 * math.log(3)
+
+    assert torch.allclose(model.log_joint(x, z_old), direct(z_old), rtol=0, atol=1e-9)
+    for block, names in model.blocks.items():
+        moved = {**z_old, **{k: z_new[k] for k in names}}
+        change = model.log_joint_change(block, x, z_old, moved)
+        assert torch.allclose(change, direct(moved) - direct(z_old), rtol=0, atol=1e-9), block
 
 
 def test_globals_posterior_is_the_normalized_joint_including_empty_clusters(f64):
@@ -133,8 +162,8 @@ def test_evidence_estimate_is_unbiased(f64, mode):
 
 @pytest.mark.slow
 def test_short_training_lowers_inclusive_kl_and_raises_ess():
-    # About 30 s on an idle 2-core machine. Margins seen when written: KL {mu, tau} 0.63 ->
-    # 0.08, KL {c} 6.1 -> 0.8, ESS/L 0.18 -> 0.38.
+    # About 30 s on an idle 2-core machine. Margins seen (session 3): median KL {mu, tau}
+    # 1.01 -> 0.08, median KL {c} 6.8 -> 0.27, ESS/L 0.18 -> 0.55.
     model = GMM()
     train = simulate(model.cfg, 1000, 60, seed=1)["x"].float()
     test = simulate(model.cfg, 20, 60, seed=2)["x"].float()
@@ -144,8 +173,11 @@ def test_short_training_lowers_inclusive_kl_and_raises_ess():
     for _ in trainer.run():
         pass
     after = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10)
+    # Medians over the test datasets: a per-dataset KL estimate is itself self-normalized
+    # and heavy-tailed (one dataset whose particles all miss a cluster can read 10+ while
+    # the rest read 0.1), so a mean over 20 datasets can swing with float round-off.
     for block in ("globals", "c"):
-        assert after[f"kl_{block}"].mean() < 0.5 * before[f"kl_{block}"].mean(), block
+        assert np.median(after[f"kl_{block}"]) < 0.5 * np.median(before[f"kl_{block}"]), block
     assert after["ess"][-1].mean() > before["ess"][-1].mean() + 0.08
     assert after["log_joint"][-1].mean() > before["log_joint"][-1].mean()
 
