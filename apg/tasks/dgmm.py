@@ -68,6 +68,7 @@ from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
 from apg.distributions import log_softmax_short, sample_categorical, softmax_short
+from apg.kernels import call, native_function
 from apg.nn import PointFeatures, flush_subnormal_grad, pairwise_tanh_linear, tanh_mlp
 
 TWO_PI = 2.0 * math.pi
@@ -215,6 +216,25 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     k = concentration.detach().reshape(-1).clamp_min(1e-6)
     if not (torch.isfinite(k).all() and torch.isfinite(loc).all()):
         raise ValueError("von Mises parameters must be finite (the rejection loop would not end)")
+    loc = loc.detach().reshape(-1)
+    native = native_function("von_mises", loc, k)
+    if native is None:
+        return _von_mises_torch(loc, k, candidates).reshape(shape)
+    # The compiled kernel runs the first round (same uniforms as the twin's first round);
+    # the few elements it leaves take the twin's further rounds.
+    n = k.numel()
+    u = torch.rand((2, candidates, n), dtype=k.dtype)
+    alpha, accepted = torch.empty_like(k), torch.empty(n, dtype=torch.bool)
+    call(native, loc, k, u, alpha, accepted, n, candidates)
+    todo = (~accepted).nonzero().squeeze(-1)
+    if todo.numel():
+        alpha[todo] = _von_mises_torch(loc[todo], k[todo], candidates)
+    return alpha.reshape(shape)
+
+
+def _von_mises_torch(loc: Tensor, k: Tensor, candidates: int) -> Tensor:
+    """``sample_von_mises`` for flat ``loc`` and clamped ``k`` (the PyTorch twin of the
+    compiled ``von_mises`` in ``apg/kernels/rings.c``)."""
     s = torch.hypot(torch.ones_like(k), 2.0 * k)  # sqrt(1 + 4 k^2) without overflow
     tau = 1.0 + s
     root = torch.sqrt(2.0 * tau)
@@ -248,7 +268,7 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
         else:
             theta[todo[accepted]] = kept[accepted]
             todo = todo[~accepted]
-    alpha = torch.remainder(theta.reshape(shape).to(loc.dtype) + loc.detach(), TWO_PI)
+    alpha = torch.remainder(theta.to(loc.dtype) + loc, TWO_PI)
     # In float32, remainder(-1e-8, 2 pi) rounds to 2 pi itself, outside [0, 2 pi), where
     # the prior density is zero; that point of the circle is angle 0.
     return torch.where(alpha >= TWO_PI, torch.zeros_like(alpha), alpha)
@@ -272,28 +292,74 @@ class LocalProposal:
     ``softplus(raw) + 1e-3``, applied after picking the component (4x fewer elements).
     ``log_prob`` scores each angle under the component of *its own* assignment, so the
     reverse kernel of an old ``(c, alpha)`` uses the old ``c``.
+
+    The four are held side by side in ``params (L, B, N, I, 4)`` (``from_params``: the
+    local network's output as it is): on CPU, draws and log-densities run one pass per
+    point in ``apg/kernels/rings.c``; the PyTorch formulas below are their twins.
     """
 
     def __init__(self, logits: Tensor, direction: Tensor, raw_concentration: Tensor):
-        self.log_pi = log_softmax_short(logits)
-        self.direction, self.raw = direction, raw_concentration
+        self.params = torch.cat([logits.unsqueeze(-1), direction, raw_concentration.unsqueeze(-1)], -1)
+
+    @classmethod
+    def from_params(cls, params: Tensor) -> LocalProposal:
+        """From ``(logit, direction (2), raw concentration)`` along the last axis of ``params``."""
+        proposal = cls.__new__(cls)
+        proposal.params = params
+        return proposal
 
     def sample(self) -> Latents:
-        c = sample_categorical(self.log_pi)
-        loc, k = self._component(c)
+        q = self.params.detach()
+        native = native_function("local_sample", q)
+        if native is None:
+            c = sample_categorical(log_softmax_short(q[..., 0]))
+            loc, k = _component(q, c)
+        else:
+            q = q.contiguous()
+            rows = q.shape[:-2]
+            u = torch.rand(rows, dtype=q.dtype)
+            c, loc, k = torch.empty(rows, dtype=torch.long), torch.empty_like(u), torch.empty_like(u)
+            call(native, q, u, c, loc, k, u.numel(), q.shape[-2])
         return {"c": c, "alpha": sample_von_mises(loc, k)}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
         c, alpha = value["c"], value["alpha"]
-        loc, k = self._component(c)
-        lp_c = self.log_pi.gather(-1, c.unsqueeze(-1)).squeeze(-1)
-        return flush_subnormal_grad((lp_c + von_mises_log_prob(alpha, loc, k)).sum(-1))
+        native = native_function("local_log_prob", self.params, alpha)
+        if native is None or alpha.requires_grad:
+            loc, k = _component(self.params, c)
+            lp_c = log_softmax_short(self.params[..., 0]).gather(-1, c.unsqueeze(-1)).squeeze(-1)
+            per_point = lp_c + von_mises_log_prob(alpha, loc, k)
+        else:
+            backward = native_function("local_log_prob_backward", self.params)
+            per_point = _LocalLogProb.apply(self.params, c, alpha, native, backward)
+        return flush_subnormal_grad(per_point.sum(-1))
 
-    def _component(self, c: Tensor) -> tuple[Tensor, Tensor]:
-        idx = c.unsqueeze(-1)
-        u = self.direction.gather(-2, idx.unsqueeze(-1).expand(*c.shape, 1, 2)).squeeze(-2)
-        raw = self.raw.gather(-1, idx).squeeze(-1)
-        return torch.atan2(u[..., 1], u[..., 0]), F.softplus(raw) + 1e-3
+
+def _component(params: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean direction and concentration of each point's von Mises under cluster ``c``."""
+    picked = params.gather(-2, c.unsqueeze(-1).unsqueeze(-1).expand(*c.shape, 1, 4)).squeeze(-2)
+    return torch.atan2(picked[..., 2], picked[..., 1]), F.softplus(picked[..., 3]) + 1e-3
+
+
+class _LocalLogProb(torch.autograd.Function):
+    """Per-point ``log q(c_n, alpha_n)`` from ``params (..., I, 4)``, compiled forward and
+    backward; differentiable in ``params`` only (``c`` and ``alpha`` are draws)."""
+
+    @staticmethod
+    def forward(ctx, params: Tensor, c: Tensor, alpha: Tensor, forward_fn, backward_fn) -> Tensor:
+        params, c, alpha = params.contiguous(), c.contiguous(), alpha.contiguous()
+        out = alpha.new_empty(c.shape)
+        call(forward_fn, params, c, alpha, out, c.numel(), params.shape[-2])
+        ctx.save_for_backward(params, c, alpha)
+        ctx.backward_fn = backward_fn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        params, c, alpha = ctx.saved_tensors
+        grad_params = torch.empty_like(params)
+        call(ctx.backward_fn, params, c, alpha, grad, grad_params, c.numel(), params.shape[-2])
+        return grad_params, None, None, None, None
 
 
 class GaussianMu(Factorized):
@@ -405,13 +471,49 @@ class LocalNet(nn.Module):
     def forward(self, x: Tensor, mu: Tensor) -> LocalProposal:
         s0, s = self.cfg.sigma0, self.cfg.noise
         # The split first layer: point(x) - cluster(mu), broadcast over (point, cluster) pairs.
+        point, cluster = self.point(x / s0), -self.cluster(mu / s0)
+        weights = (self.out.weight, self.out.bias, self.skip.weight)
+        native = native_function("local_forward", x, mu, point, cluster, *weights)
+        if (
+            native is not None
+            and x.dim() == 3
+            and mu.dim() == 4
+            and not (x.requires_grad or mu.requires_grad)
+        ):
+            consts = x.new_tensor([0.5 / s**2, 1.0 / s**2])
+            out = _LocalNetNative.apply(x, mu, point, cluster, *weights, consts, native)
+            return LocalProposal.from_params(out)
         d = x.unsqueeze(-2) - mu.unsqueeze(-3)  # (L, B, N, I, 2)
         sq = (d**2).sum(-1, keepdim=True)
         norm = sq.clamp_min(1e-12).sqrt()
         skip_in = torch.cat([sq / (2 * s**2), norm / s**2, torch.log(norm), d / norm], -1)
-        hidden_out = pairwise_tanh_linear(self.point(x / s0), -self.cluster(mu / s0), self.out.weight.T)
+        hidden_out = pairwise_tanh_linear(point, cluster, self.out.weight.T)
         out = hidden_out + self.out.bias + self.skip(skip_in)  # (L, B, N, I, 4)
-        return LocalProposal(out[..., 0], out[..., 1:3], out[..., 3])
+        return LocalProposal.from_params(out)
+
+
+class _LocalNetNative(torch.autograd.Function):
+    """``LocalNet``'s outputs ``(L, B, N, I, 4)`` in one compiled pass (``rings.c``:
+    ``local_forward``), without the (L, B, N, I, H) hidden tensor or the skip features;
+    the backward recomputes both. ``x`` and ``mu`` take no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, mu, point, cluster, w_out, b_out, w_skip, consts, forward_fn) -> Tensor:
+        args = [t.contiguous() for t in (x, mu, point, cluster, w_out, b_out, w_skip, consts)]
+        (num_particles, batch, clusters, width), num_points = cluster.shape, x.shape[1]
+        out = x.new_empty(num_particles, batch, num_points, clusters, w_out.shape[0])
+        ctx.sizes = (num_particles, batch, num_points, clusters, width)
+        call(forward_fn, *args, out, *ctx.sizes)
+        ctx.save_for_backward(*args)
+        ctx.backward_fn = native_function("local_backward", x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, mu, point, cluster, w_out, b_out, w_skip, consts = ctx.saved_tensors
+        grads = [torch.zeros_like(t) for t in (point, cluster, w_out, b_out, w_skip)]
+        call(ctx.backward_fn, x, mu, point, cluster, w_out, consts, grad, *grads, *ctx.sizes)
+        return None, None, *grads, None, None
 
 
 class DGMMProposals(Proposals):

@@ -1,0 +1,420 @@
+/* The rings (DGMM) local proposal and its von Mises draws, one pass per row.
+ *
+ * In eager PyTorch the local kernel q(c, alpha | x, mu) is ~40 small ops per update over
+ * (L, B, N, I) rows: the skip features of d = x_n - mu_i, the pairwise tanh layer, the
+ * assignment's log-softmax, atan2, softplus, i0e (all scalar loops in this build) and the
+ * von Mises rejection sampler. Here each is one pass (apg/tasks/dgmm.py has the PyTorch
+ * twins; tests/test_dgmm.py checks both agree, values and gradients).
+ *
+ * local_forward:  Q[l,b,n,i,:] = Wt tanh(P[b,n,:] + C[l,b,i,:]) + bias + Ws f(x[b,n] - mu[l,b,i])
+ *   with the skip features f(d) = (|d|^2 c0, |d| c1, log |d|, d / |d|), |d| clamped at 1e-6,
+ *   consts = (c0, c1). Q (L, B, N, I, 4): assignment logit, direction (2), raw concentration.
+ * local_backward: gradients of P, C, Wt, bias, Ws (x and mu carry none); rows whose output
+ *   gradient is zero (particles whose weight was flushed to 0) are skipped.
+ * local_sample:   per row r of Q (R, I, 4): c[r] ~ softmax(Q[r, :, 0]) by inverse CDF with
+ *   u[r]; loc[r] = atan2(Q[r,c,2], Q[r,c,1]), k[r] = softplus(Q[r,c,3]) + 1e-3.
+ * local_log_prob: lp[r] = log_softmax(Q[r,:,0])[c] + k (cos(alpha - loc) - 1) - log i0e(k)
+ *   - log 2 pi, with cos(alpha - loc) = (d . (cos alpha, sin alpha)) / |d| (no atan2);
+ *   local_log_prob_backward writes the whole gQ (R, I, 4).
+ * von_mises:      Best & Fisher candidates as sample_von_mises (same float32-stable form),
+ *   u (2, candidates, n); alpha = (theta + loc) mod 2 pi where a candidate was accepted.
+ *
+ * i0e and i1e are Cephes' Chebyshev expansions, as in PyTorch (ATen/native/Math.h).
+ * This file includes itself once per dtype (T float, then double).
+ */
+#ifndef RINGS_BODY
+#define RINGS_BODY
+
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+static const double I0E_A[30] = {
+    -4.41534164647933937950E-18, 3.33079451882223809783E-17, -2.43127984654795469359E-16,
+    1.71539128555513303061E-15,  -1.16853328779934516808E-14, 7.67618549860493561688E-14,
+    -4.85644678311192946090E-13, 2.95505266312963983461E-12, -1.72682629144155570723E-11,
+    9.67580903537323691224E-11,  -5.18979560163526290666E-10, 2.65982372468238665035E-9,
+    -1.30002500998624804212E-8,  6.04699502254191894932E-8,  -2.67079385394061173391E-7,
+    1.11738753912010371815E-6,   -4.41673835845875056359E-6, 1.64484480707288970893E-5,
+    -5.75419501008210370398E-5,  1.88502885095841655729E-4,  -5.76375574538582365885E-4,
+    1.63947561694133579842E-3,   -4.32430999505057594430E-3, 1.05464603945949983183E-2,
+    -2.37374148058994688156E-2,  4.93052842396707084878E-2,  -9.49010970480476444210E-2,
+    1.71620901522208775349E-1,   -3.04682672343198398683E-1, 6.76795274409476084995E-1};
+static const double I0E_B[25] = {
+    -7.23318048787475395456E-18, -4.83050448594418207126E-18, 4.46562142029675999901E-17,
+    3.46122286769746109310E-17,  -2.82762398051658348494E-16, -3.42548561967721913462E-16,
+    1.77256013305652638360E-15,  3.81168066935262242075E-15,  -9.55484669882830764870E-15,
+    -4.15056934728722208663E-14, 1.54008621752140982691E-14,  3.85277838274214270114E-13,
+    7.18012445138366623367E-13,  -1.79417853150680611778E-12, -1.32158118404477131188E-11,
+    -3.14991652796324136454E-11, 1.18891471078464383424E-11,  4.94060238822496958910E-10,
+    3.39623202570838634515E-9,   2.26666899049817806459E-8,   2.04891858946906374183E-7,
+    2.89137052083475648297E-6,   6.88975834691682398426E-5,   3.36911647825569408990E-3,
+    8.04490411014108831608E-1};
+static const double I1E_A[29] = {
+    2.77791411276104639959E-18, -2.11142121435816608115E-17, 1.55363195773620046921E-16,
+    -1.10559694773538630805E-15, 7.60068429473540693410E-15, -5.04218550472791168711E-14,
+    3.22379336594557470981E-13, -1.98397439776494371520E-12, 1.17361862988909016308E-11,
+    -6.66348972350202774223E-11, 3.62559028155211703701E-10, -1.88724975172282928790E-9,
+    9.38153738649577178388E-9,  -4.44505912879632808065E-8,  2.00329475355213526229E-7,
+    -8.56872026469545474066E-7, 3.47025130813767847674E-6,  -1.32731636560394358279E-5,
+    4.78156510755005422638E-5,  -1.61760815825896745588E-4, 5.12285956168575772895E-4,
+    -1.51357245063125314899E-3, 4.15642294431288815669E-3,  -1.05640848946261981558E-2,
+    2.47264490306265168283E-2,  -5.29459812080949914269E-2, 1.02643658689847095384E-1,
+    -1.76416518357834055153E-1, 2.52587186443633654823E-1};
+static const double I1E_B[25] = {
+    7.51729631084210481353E-18,  4.41434832307170791151E-18,  -4.65030536848935832153E-17,
+    -3.20952592199342395980E-17, 2.96262899764595013876E-16,  3.30820231092092828324E-16,
+    -1.88035477551078244854E-15, -3.81440307243700780478E-15, 1.04202769841288027642E-14,
+    4.27244001671195135429E-14,  -2.10154184277266431302E-14, -4.08355111109219731823E-13,
+    -7.19855177624590851209E-13, 2.03562854414708950722E-12,  1.41258074366137813316E-11,
+    3.25260358301548823856E-11,  -1.89749581235054123450E-11, -5.58974346219658380687E-10,
+    -3.83538038596423702205E-9,  -2.63146884688951950684E-8,  -2.51223623787020892529E-7,
+    -3.88256480887769039346E-6,  -1.10588938762623716291E-4,  -9.76109749136146840777E-3,
+    7.78576235018280120474E-1};
+
+#define RINGS_CAT_(a, b) a##b
+#define RINGS_CAT(a, b) RINGS_CAT_(a, b)
+#define S(name) RINGS_CAT(name, SUFFIX)
+#define SKIP 5 /* skip features */
+#define OUT 4  /* outputs per (point, cluster) pair */
+
+#define T float
+#define SUFFIX _f32
+#define M(fn) fn##f
+#define EXP_FLOOR -87.0f /* exp of less is subnormal or 0 */
+#include __FILE__
+#undef T
+#undef SUFFIX
+#undef M
+#undef EXP_FLOOR
+
+#define T double
+#define SUFFIX _f64
+#define M(fn) fn
+#define EXP_FLOOR -708.0
+#include __FILE__
+
+#else /* the body, once per dtype */
+
+static inline T S(chbevl)(T x, const double *a, int len) {
+    T b0 = (T)a[0], b1 = 0, b2 = 0;
+#pragma GCC unroll 32 /* straight-line code, so that loops over rows vectorize */
+    for (int i = 1; i < len; ++i) {
+        b2 = b1;
+        b1 = b0;
+        b0 = x * b1 - b2 + (T)a[i];
+    }
+    return (T)0.5 * (b0 - b2);
+}
+
+/* exp(-k) I0(k) and exp(-k) I1(k) for k > 0. Both expansions are evaluated, each on its own
+ * interval's clamped argument, and one is selected: branch-free, so loops over rows vectorize. */
+static inline T S(i0e)(T k) {
+    const T low = k < 8 ? k : 8, high = k > 8 ? k : 8;
+    const T a = S(chbevl)(low / 2 - 2, I0E_A, 30);
+    const T b = S(chbevl)(32 / high - 2, I0E_B, 25) / M(sqrt)(high);
+    return k <= 8 ? a : b;
+}
+
+static inline T S(i1e)(T k) {
+    const T low = k < 8 ? k : 8, high = k > 8 ? k : 8;
+    const T a = S(chbevl)(low / 2 - 2, I1E_A, 29) * low;
+    const T b = S(chbevl)(32 / high - 2, I1E_B, 25) / M(sqrt)(high);
+    return k <= 8 ? a : b;
+}
+
+/* exp(d) for d <= 0, with results below the smallest normal number set to 0: glibc's
+ * underflow path is ~20x slower, and such terms vanish beside the row maximum's exp(0). */
+static inline T S(exp_nonpositive)(T d) { return d < EXP_FLOOR ? 0 : M(exp)(d); }
+
+static inline T S(softplus)(T x) { return x > 20 ? x : M(log1p)(M(exp)(x < 20 ? x : 20)); }
+
+static inline T S(softplus_grad)(T x) {
+    const T z = M(exp)(x < 20 ? x : 20);
+    return x > 20 ? 1 : z / (z + 1);
+}
+
+static inline void S(skip_features)(T dx, T dy, const T *consts, T *f) {
+    const T sq = dx * dx + dy * dy;
+    const T norm = M(sqrt)(sq > (T)1e-12 ? sq : (T)1e-12);
+    f[0] = sq * consts[0];
+    f[1] = norm * consts[1];
+    f[2] = M(log)(norm);
+    f[3] = dx / norm;
+    f[4] = dy / norm;
+}
+
+void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *Wt, const T *bias,
+                      const T *Ws, const T *consts, T *Q, long L, long B, long N, long I, long H) {
+#pragma omp parallel for collapse(2) schedule(static)
+    for (long l = 0; l < L; ++l)
+        for (long b = 0; b < B; ++b) {
+            T t[H], f[SKIP];
+            for (long n = 0; n < N; ++n) {
+                const T *p = P + (b * N + n) * H, *x = X + (b * N + n) * 2;
+                for (long i = 0; i < I; ++i) {
+                    const long li = (l * B + b) * I + i;
+                    const T *c = C + li * H, *mu = MU + li * 2;
+                    S(skip_features)(x[0] - mu[0], x[1] - mu[1], consts, f);
+                    for (long h = 0; h < H; ++h) t[h] = M(tanh)(p[h] + c[h]);
+                    T *q = Q + (((l * B + b) * N + n) * I + i) * OUT;
+                    for (long o = 0; o < OUT; ++o) {
+                        const T *w = Wt + o * H;
+                        T s = 0, s_skip = 0;
+                        for (long h = 0; h < H; ++h) s += w[h] * t[h];
+                        for (long j = 0; j < SKIP; ++j) s_skip += Ws[o * SKIP + j] * f[j];
+                        q[o] = s + bias[o] + s_skip;
+                    }
+                }
+            }
+        }
+}
+
+void S(local_backward)(const T *X, const T *MU, const T *P, const T *C, const T *Wt,
+                       const T *consts, const T *G, T *gP, T *gC, T *gWt, T *gbias, T *gWs, long L,
+                       long B, long N, long I, long H) {
+#pragma omp parallel
+    {
+        T t[H], a[H], gp[H], gwt[OUT * H], gb[OUT], gws[OUT * SKIP], f[SKIP];
+        memset(gwt, 0, sizeof(gwt));
+        memset(gb, 0, sizeof(gb));
+        memset(gws, 0, sizeof(gws));
+        /* Threads split the datasets b: the gP and gC rows they write are their own. */
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; ++b)
+            for (long l = 0; l < L; ++l)
+                for (long n = 0; n < N; ++n) {
+                    const T *p = P + (b * N + n) * H, *x = X + (b * N + n) * 2;
+                    int any = 0;
+                    for (long i = 0; i < I; ++i) {
+                        const long li = (l * B + b) * I + i;
+                        const T *g = G + (((l * B + b) * N + n) * I + i) * OUT;
+                        if (g[0] == 0 && g[1] == 0 && g[2] == 0 && g[3] == 0) continue;
+                        if (!any) memset(gp, 0, sizeof(gp));
+                        any = 1;
+                        const T *c = C + li * H, *mu = MU + li * 2;
+                        T *gc = gC + li * H;
+                        S(skip_features)(x[0] - mu[0], x[1] - mu[1], consts, f);
+                        for (long h = 0; h < H; ++h) t[h] = M(tanh)(p[h] + c[h]);
+                        for (long h = 0; h < H; ++h) a[h] = 0;
+                        for (long o = 0; o < OUT; ++o) {
+                            const T go = g[o];
+                            const T *w = Wt + o * H;
+                            T *gw = gwt + o * H;
+                            for (long h = 0; h < H; ++h) {
+                                a[h] += w[h] * go;
+                                gw[h] += t[h] * go;
+                            }
+                            gb[o] += go;
+                            for (long j = 0; j < SKIP; ++j) gws[o * SKIP + j] += go * f[j];
+                        }
+                        for (long h = 0; h < H; ++h) {
+                            a[h] *= 1 - t[h] * t[h];
+                            gp[h] += a[h];
+                            gc[h] += a[h];
+                        }
+                    }
+                    if (any) {
+                        T *gpr = gP + (b * N + n) * H;
+                        for (long h = 0; h < H; ++h) gpr[h] += gp[h];
+                    }
+                }
+#pragma omp critical
+        {
+            for (long k = 0; k < OUT * H; ++k) gWt[k] += gwt[k];
+            for (long k = 0; k < OUT; ++k) gbias[k] += gb[k];
+            for (long k = 0; k < OUT * SKIP; ++k) gWs[k] += gws[k];
+        }
+    }
+}
+
+/* Rows are taken CHUNK at a time: a scalar pass gathers each row's chosen component, then
+ * branch-free loops over the chunk run the transcendental functions SIMD-wide (libmvec). */
+#define CHUNK 64
+
+/* Per row of the chunk: m[r] the max of the logits Q[r, :, 0], e[i * CHUNK + r] =
+ * exp(logit - max), total[r] = sum_i e. */
+static inline void S(softmax_terms)(const T *Q, long r0, long n, long I, T *m, T *e, T *total) {
+    for (long r = 0; r < n; ++r) {
+        const T *q = Q + (r0 + r) * I * OUT;
+        T v = q[0];
+        for (long i = 1; i < I; ++i) v = q[i * OUT] > v ? q[i * OUT] : v;
+        m[r] = v;
+        total[r] = 0;
+    }
+    for (long i = 0; i < I; ++i)
+        for (long r = 0; r < n; ++r) {
+            const T v = S(exp_nonpositive)(Q[((r0 + r) * I + i) * OUT] - m[r]);
+            e[i * CHUNK + r] = v;
+            total[r] += v;
+        }
+}
+
+void S(local_sample)(const T *Q, const T *u, long *c, T *loc, T *k, long R, long I) {
+#pragma omp parallel for schedule(static)
+    for (long r0 = 0; r0 < R; r0 += CHUNK) {
+        const long n = R - r0 < CHUNK ? R - r0 : CHUNK;
+        T m[CHUNK], e[I * CHUNK], total[CHUNK], dx[CHUNK], dy[CHUNK], raw[CHUNK];
+        S(softmax_terms)(Q, r0, n, I, m, e, total);
+        for (long r = 0; r < n; ++r) {
+            /* scaled by the row's own total, so round-off can never step past the end */
+            const T target = u[r0 + r] * total[r];
+            T cum = 0;
+            long pick = I - 1;
+            for (long i = 0; i < I - 1; ++i) {
+                cum += e[i * CHUNK + r];
+                if (cum > target) {
+                    pick = i;
+                    break;
+                }
+            }
+            const T *qc = Q + ((r0 + r) * I + pick) * OUT;
+            c[r0 + r] = pick;
+            dx[r] = qc[1];
+            dy[r] = qc[2];
+            raw[r] = qc[3];
+        }
+        for (long r = 0; r < n; ++r) {
+            loc[r0 + r] = M(atan2)(dy[r], dx[r]);
+            k[r0 + r] = S(softplus)(raw[r]) + (T)1e-3;
+        }
+    }
+}
+
+/* The chunk's rows under their own component: logit - lse, and the von Mises pieces
+ * cos and sin of (alpha - atan2(dy, dx)) (atan2(0, 0) = 0), 1 / |d|^2 (0 where d = 0), k. */
+static inline void S(chosen_terms)(const T *Q, const long *c, const T *alpha, long r0, long n, long I,
+                                   T *lp_c, T *cos_d, T *sin_d, T *inv_rho2, T *k, T *raw) {
+    T m[CHUNK], e[I * CHUNK], total[CHUNK], dx[CHUNK], dy[CHUNK];
+    S(softmax_terms)(Q, r0, n, I, m, e, total);
+    for (long r = 0; r < n; ++r) {
+        const T *qc = Q + ((r0 + r) * I + c[r0 + r]) * OUT;
+        lp_c[r] = qc[0];
+        dx[r] = qc[1];
+        dy[r] = qc[2];
+        raw[r] = qc[3];
+    }
+    T ca[CHUNK], sa[CHUNK];
+    /* separate loops: cos and sin of one value would be fused into a scalar sincos call */
+    for (long r = 0; r < n; ++r) ca[r] = M(cos)(alpha[r0 + r]);
+    for (long r = 0; r < n; ++r) sa[r] = M(sin)(alpha[r0 + r]);
+    for (long r = 0; r < n; ++r) {
+        const T rho2 = dx[r] * dx[r] + dy[r] * dy[r];
+        const T inv = rho2 > 0 ? 1 / M(sqrt)(rho2 > 0 ? rho2 : 1) : 0;
+        cos_d[r] = rho2 > 0 ? (dx[r] * ca[r] + dy[r] * sa[r]) * inv : ca[r];
+        sin_d[r] = rho2 > 0 ? (dx[r] * sa[r] - dy[r] * ca[r]) * inv : sa[r];
+        inv_rho2[r] = inv * inv;
+        lp_c[r] -= m[r] + M(log)(total[r]);
+        k[r] = S(softplus)(raw[r]) + (T)1e-3;
+    }
+}
+
+void S(local_log_prob)(const T *Q, const long *c, const T *alpha, T *lp, long R, long I) {
+    const T log_two_pi = (T)1.8378770664093453;
+#pragma omp parallel for schedule(static)
+    for (long r0 = 0; r0 < R; r0 += CHUNK) {
+        const long n = R - r0 < CHUNK ? R - r0 : CHUNK;
+        T lp_c[CHUNK], cos_d[CHUNK], sin_d[CHUNK], inv_rho2[CHUNK], k[CHUNK], raw[CHUNK];
+        S(chosen_terms)(Q, c, alpha, r0, n, I, lp_c, cos_d, sin_d, inv_rho2, k, raw);
+        for (long r = 0; r < n; ++r)
+            lp[r0 + r] = lp_c[r] + k[r] * (cos_d[r] - 1) - M(log)(S(i0e)(k[r])) - log_two_pi;
+    }
+}
+
+void S(local_log_prob_backward)(const T *Q, const long *c, const T *alpha, const T *g, T *gQ,
+                                long R, long I) {
+#pragma omp parallel for schedule(static)
+    for (long r0 = 0; r0 < R; r0 += CHUNK) {
+        const long n = R - r0 < CHUNK ? R - r0 : CHUNK;
+        memset(gQ + r0 * I * OUT, 0, sizeof(T) * n * I * OUT);
+        int any = 0;
+        for (long r = 0; r < n; ++r) any |= g[r0 + r] != 0;
+        if (!any) continue; /* particles whose weight was flushed to 0 */
+        T lp_c[CHUNK], cos_d[CHUNK], sin_d[CHUNK], inv_rho2[CHUNK], k[CHUNK], raw[CHUNK];
+        T g_dir[CHUNK], g_raw[CHUNK];
+        S(chosen_terms)(Q, c, alpha, r0, n, I, lp_c, cos_d, sin_d, inv_rho2, k, raw);
+        for (long r = 0; r < n; ++r) {
+            const T gr = g[r0 + r];
+            /* d cos(alpha - loc) / d loc = sin(alpha - loc); d loc / d d = (-dy, dx) / |d|^2 */
+            g_dir[r] = gr * k[r] * sin_d[r] * inv_rho2[r];
+            /* d/dk [k (cos - 1) - log i0e(k)] = cos - i1e(k) / i0e(k) */
+            g_raw[r] = gr * (cos_d[r] - S(i1e)(k[r]) / S(i0e)(k[r])) * S(softplus_grad)(raw[r]);
+        }
+        for (long r = 0; r < n; ++r) {
+            const T gr = g[r0 + r];
+            if (gr == 0) continue;
+            const T *q = Q + (r0 + r) * I * OUT;
+            T *gq = gQ + (r0 + r) * I * OUT;
+            const T lse = q[c[r0 + r] * OUT] - lp_c[r];
+            for (long i = 0; i < I; ++i) gq[i * OUT] = -gr * S(exp_nonpositive)(q[i * OUT] - lse);
+            T *gc = gq + c[r0 + r] * OUT;
+            const T *qc = q + c[r0 + r] * OUT;
+            gc[0] += gr;
+            gc[1] = -g_dir[r] * qc[2];
+            gc[2] = g_dir[r] * qc[1];
+            gc[3] = g_raw[r];
+        }
+    }
+}
+
+void S(von_mises)(const T *loc, const T *conc, const T *u, T *alpha, unsigned char *accepted, long n,
+                  long candidates) {
+    const T two_pi = (T)6.283185307179586, half_pi = (T)1.5707963267948966;
+#pragma omp parallel for schedule(static)
+    for (long e0 = 0; e0 < n; e0 += CHUNK) {
+        const long m = n - e0 < CHUNK ? n - e0 : CHUNK;
+        T rm1[CHUNK], scale[CHUNK], draw[CHUNK], theta[CHUNK];
+        unsigned char ok[CHUNK], done[CHUNK];
+        for (long e = 0; e < m; ++e) {
+            const T k = conc[e0 + e] > (T)1e-6 ? conc[e0 + e] : (T)1e-6;
+            const T s = M(hypot)(1, 2 * k); /* sqrt(1 + 4 k^2) without overflow */
+            const T tau = 1 + s, root = M(sqrt)(2 * tau);
+            const T rho = 2 * k / (tau + root);
+            const T one_minus_rho = (1 + 1 / (s + 2 * k) + root) / (tau + root);
+            rm1[e] = one_minus_rho * one_minus_rho / (2 * rho);
+            scale[e] = k * rm1[e] * (rm1[e] + 2);
+            done[e] = 0;
+            theta[e] = 0;
+        }
+        for (long j = 0; j < candidates; ++j) {
+            const T *u0 = u + j * n + e0, *u1 = u + (candidates + j) * n + e0;
+            T half[CHUNK], ch[CHUNK], sh[CHUNK];
+            for (long e = 0; e < m; ++e) half[e] = half_pi * (u0[e] < (T)0.5 ? 2 * u0[e] : 2 * u0[e] - 1);
+            /* separate loops: cos and sin of one value would be fused into a scalar sincos call */
+            for (long e = 0; e < m; ++e) ch[e] = M(cos)(half[e]);
+            for (long e = 0; e < m; ++e) sh[e] = M(sin)(half[e]);
+            for (long e = 0; e < m; ++e) {
+                const T r_plus_z = rm1[e] + 2 * ch[e] * ch[e];
+                const T cc = scale[e] / r_plus_z;
+                ok[e] = (cc * (2 - cc) > u1[e]) | (M(log)(cc / u1[e]) + 1 >= cc);
+                T gap = (T)0.5 * rm1[e] * (2 * sh[e] * sh[e]) / r_plus_z;
+                gap = gap < 0 ? 0 : (gap > 1 ? 1 : gap);
+                const T magnitude = 2 * M(asin)(M(sqrt)(gap));
+                draw[e] = u0[e] < (T)0.5 ? -magnitude : magnitude;
+            }
+            for (long e = 0; e < m; ++e) {
+                theta[e] = (ok[e] && !done[e]) ? draw[e] : theta[e];
+                done[e] |= ok[e];
+            }
+        }
+        /* (theta + loc) mod 2 pi as torch.remainder (fmod, then + 2 pi if negative). For
+         * -2 pi < a < 4 pi, fmod(a, 2 pi) is a or a - 2 pi, both exact; fmod itself compiles to
+         * a slow x87 loop, so only the rare others (|loc| > pi) take it. */
+        for (long e = 0; e < m; ++e) {
+            T a = theta[e] + loc[e0 + e];
+            a = a >= two_pi ? a - two_pi : a;
+            a = a < 0 ? a + two_pi : a;
+            alpha[e0 + e] = a >= two_pi ? 0 : a;
+            accepted[e0 + e] = done[e];
+        }
+        for (long e = 0; e < m; ++e) {
+            T a = theta[e] + loc[e0 + e];
+            if (a > -two_pi && a < 2 * two_pi) continue;
+            a = M(fmod)(a, two_pi);
+            a = a < 0 ? a + two_pi : a;
+            alpha[e0 + e] = a >= two_pi ? 0 : a;
+        }
+    }
+}
+
+#endif
