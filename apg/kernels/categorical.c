@@ -5,58 +5,111 @@
  * memory, some looping one scalar row at a time); here each is one pass. Logits are
  * (R, K) contiguous; indices are int64.
  *
+ * Rows are processed in blocks of ROWS, transposed into a (K, ROWS) buffer, so that every
+ * exp and log runs across rows in SIMD lanes (glibc's vector expf/logf): a row of 3 or 4
+ * values alone would not vectorize. -inf logits (impossible categories) are fine: only
+ * exp(-inf) = 0 is ever taken of them; a row needs one finite logit.
+ *
  * sample:   out[r] = first k with cumsum(softmax(logits[r]))[k] > u[r]
  * log_prob: out[r] = logits[r, idx[r]] - lse[r], and lse[r] = logsumexp(logits[r]) saved
  * log_prob_backward: glogits[r, k] = g[r] ((k == idx[r]) - exp(logits[r, k] - lse[r]))
  */
 #include <math.h>
 
-/* Logits may be -inf (an impossible category): keep IEEE infinities despite -ffast-math. */
-#pragma GCC optimize("no-finite-math-only")
+#define ROWS 64
+#define MAX_K 64 /* larger K falls back to one row at a time */
+
+/* e[k][j] = exp(l[j, k] - max_k l[j, k]) for the rows of one block; returns via tot[j]
+ * the row sums and via m[j] the maxima. */
+#define DEFINE_BLOCK_EXP(T, EXP, SUFFIX)                                                       \
+static inline void block_exp_##SUFFIX(const T *logits, long r0, long n, long K,               \
+                                      T e[][ROWS], T *m, T *tot) {                             \
+    for (long k = 0; k < K; ++k)                                                               \
+        for (long j = 0; j < n; ++j) e[k][j] = logits[(r0 + j) * K + k];                       \
+    for (long j = 0; j < n; ++j) m[j] = e[0][j];                                               \
+    for (long k = 1; k < K; ++k)                                                               \
+        for (long j = 0; j < n; ++j) m[j] = e[k][j] > m[j] ? e[k][j] : m[j];                   \
+    for (long j = 0; j < n; ++j) tot[j] = 0;                                                   \
+    for (long k = 0; k < K; ++k)                                                               \
+        for (long j = 0; j < n; ++j) {                                                         \
+            e[k][j] = EXP(e[k][j] - m[j]);                                                     \
+            tot[j] += e[k][j];                                                                 \
+        }                                                                                      \
+}
 
 #define DEFINE_CATEGORICAL(T, EXP, LOG, SUFFIX)                                                \
+DEFINE_BLOCK_EXP(T, EXP, SUFFIX)                                                               \
+                                                                                               \
 void categorical_sample_##SUFFIX(const T *logits, const T *u, long *out, long R, long K) {     \
     _Pragma("omp parallel for schedule(static)")                                               \
-    for (long r = 0; r < R; ++r) {                                                             \
-        const T *l = logits + r * K;                                                           \
-        T m = l[0];                                                                            \
-        for (long k = 1; k < K; ++k) m = l[k] > m ? l[k] : m;                                  \
-        T total = 0;                                                                           \
-        for (long k = 0; k < K; ++k) total += EXP(l[k] - m);                                   \
-        /* scaled by the row's own total, so round-off can never step past the end */         \
-        const T target = u[r] * total;                                                         \
-        T cum = 0;                                                                             \
-        long pick = K - 1;                                                                     \
-        for (long k = 0; k < K - 1; ++k) {                                                     \
-            cum += EXP(l[k] - m);                                                              \
-            if (cum > target) { pick = k; break; }                                             \
+    for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
+        const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
+        T e[MAX_K][ROWS], m[ROWS], tot[ROWS], cum[ROWS];                                       \
+        if (K > MAX_K) {                                                                       \
+            for (long j = 0; j < n; ++j) {                                                     \
+                const T *l = logits + (r0 + j) * K;                                            \
+                T mx = l[0], total = 0, c = 0;                                                 \
+                for (long k = 1; k < K; ++k) mx = l[k] > mx ? l[k] : mx;                       \
+                for (long k = 0; k < K; ++k) total += EXP(l[k] - mx);                          \
+                long pick = K - 1;                                                             \
+                for (long k = 0; k < K - 1; ++k) {                                             \
+                    c += EXP(l[k] - mx);                                                       \
+                    if (c > u[r0 + j] * total) { pick = k; break; }                            \
+                }                                                                              \
+                out[r0 + j] = pick;                                                            \
+            }                                                                                  \
+            continue;                                                                          \
         }                                                                                      \
-        out[r] = pick;                                                                         \
+        block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                       \
+        /* scaled by the row's own total, so round-off can never step past the end */         \
+        for (long j = 0; j < n; ++j) {                                                         \
+            tot[j] *= u[r0 + j];                                                               \
+            cum[j] = 0;                                                                        \
+            out[r0 + j] = 0;                                                                   \
+        }                                                                                      \
+        for (long k = 0; k < K - 1; ++k)                                                       \
+            for (long j = 0; j < n; ++j) {                                                     \
+                cum[j] += e[k][j];                                                             \
+                out[r0 + j] += cum[j] <= tot[j];                                               \
+            }                                                                                  \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
 void categorical_log_prob_##SUFFIX(const T *logits, const long *idx, T *out, T *lse, long R,   \
                                    long K) {                                                   \
     _Pragma("omp parallel for schedule(static)")                                               \
-    for (long r = 0; r < R; ++r) {                                                             \
-        const T *l = logits + r * K;                                                           \
-        T m = l[0];                                                                            \
-        for (long k = 1; k < K; ++k) m = l[k] > m ? l[k] : m;                                  \
-        T total = 0;                                                                           \
-        for (long k = 0; k < K; ++k) total += EXP(l[k] - m);                                   \
-        lse[r] = m + LOG(total);                                                               \
-        out[r] = l[idx[r]] - lse[r];                                                           \
+    for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
+        const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
+        if (K > MAX_K) {                                                                       \
+            for (long j = 0; j < n; ++j) {                                                     \
+                const T *l = logits + (r0 + j) * K;                                            \
+                T mx = l[0], total = 0;                                                        \
+                for (long k = 1; k < K; ++k) mx = l[k] > mx ? l[k] : mx;                       \
+                for (long k = 0; k < K; ++k) total += EXP(l[k] - mx);                          \
+                lse[r0 + j] = mx + LOG(total);                                                 \
+                out[r0 + j] = l[idx[r0 + j]] - lse[r0 + j];                                    \
+            }                                                                                  \
+            continue;                                                                          \
+        }                                                                                      \
+        T e[MAX_K][ROWS], m[ROWS], tot[ROWS];                                                  \
+        block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                       \
+        for (long j = 0; j < n; ++j) lse[r0 + j] = m[j] + LOG(tot[j]);                         \
+        for (long j = 0; j < n; ++j)                                                           \
+            out[r0 + j] = logits[(r0 + j) * K + idx[r0 + j]] - lse[r0 + j];                    \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
 void categorical_log_prob_backward_##SUFFIX(const T *logits, const long *idx, const T *lse,    \
                                             const T *g, T *glogits, long R, long K) {          \
     _Pragma("omp parallel for schedule(static)")                                               \
-    for (long r = 0; r < R; ++r) {                                                             \
-        const T *l = logits + r * K;                                                           \
-        T *gl = glogits + r * K;                                                               \
-        for (long k = 0; k < K; ++k) gl[k] = -g[r] * EXP(l[k] - lse[r]);                       \
-        gl[idx[r]] += g[r];                                                                    \
+    for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
+        const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
+        T p[ROWS];                                                                             \
+        for (long k = 0; k < K; ++k) {                                                         \
+            for (long j = 0; j < n; ++j) p[j] = EXP(logits[(r0 + j) * K + k] - lse[r0 + j]);   \
+            for (long j = 0; j < n; ++j) glogits[(r0 + j) * K + k] = -g[r0 + j] * p[j];        \
+        }                                                                                      \
+        for (long j = 0; j < n; ++j) glogits[(r0 + j) * K + idx[r0 + j]] += g[r0 + j];         \
     }                                                                                          \
 }
 
