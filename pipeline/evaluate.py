@@ -301,6 +301,10 @@ def mlflow_run_ids(summary: dict[str, Any]) -> dict[str, str]:
                 info["experiment_id"],
                 {tracking.TAG_PARENT: info["parent_run_id"], tracking.TAG_CELL: cell["cell_id"]},
             )
+            if run is None:
+                # A cell this sweep reused (trained by an earlier sweep, same cell id: the
+                # same training config) keeps the run that trained it.
+                run = tracking.find_run(client, info["experiment_id"], {tracking.TAG_CELL: cell["cell_id"]})
             if run is not None:
                 out[cell["cell_id"]] = run.info.run_id
         return out

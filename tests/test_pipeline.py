@@ -340,3 +340,22 @@ def test_unsatisfiable_gpu_request_fails_before_trials(tmp_path):
         == "apg-pipeline: error: sweep.gpus_per_trial=1 but the Ray cluster has 0 GPUs"
     )
     assert not (root / "results" / "sweeps" / "gmm" / "cells").exists()
+
+
+def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
+    # A sweep whose grid changed gets a new parent run; its cells trained by the earlier
+    # sweep are reused, and the report must still trace them to their training runs.
+    from pipeline.evaluate import mlflow_run_ids
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = tracking.client(uri)
+    exp = tracking.experiment_id(client, "apg-test", None)
+    old_parent = tracking.open_parent(client, exp, "grid-1", "gmm sweep", {})
+    trained = tracking.open_child(client, exp, old_parent, "apg-K2-L3-s0-abc", "gmm/apg", {})
+    new_parent = tracking.open_parent(client, exp, "grid-2", "gmm sweep", {})
+    fresh = tracking.open_child(client, exp, new_parent, "rws-K2-L3-s0-def", "gmm/rws", {})
+    summary = {
+        "mlflow": {"tracking_uri": uri, "experiment_id": exp, "parent_run_id": new_parent},
+        "cells": [{"cell_id": "apg-K2-L3-s0-abc"}, {"cell_id": "rws-K2-L3-s0-def"}, {"cell_id": "none"}],
+    }
+    assert mlflow_run_ids(summary) == {"apg-K2-L3-s0-abc": trained, "rws-K2-L3-s0-def": fresh}
