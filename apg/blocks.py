@@ -158,6 +158,8 @@ class TaskSpec(NamedTuple):
     simulate: ``(model, num_datasets, generator, **sizes) -> {"x": (M, ...), ...}``; extra
         keys hold the true latents when known.
     architectures: the architecture names ``build_proposals`` accepts.
+    data_dims: names of one dataset's dims, e.g. ``("N", "D")`` for points or ``("T",
+        "H", "W")`` for a video; files of data are checked against this rank.
     exact_gibbs: optional ``(model) -> Proposals`` whose kernels are the exact Gibbs
         conditionals (conjugate models); enables the inclusive-KL metric (eq. 4).
     reconstruct: optional ``(model, x, z) -> (L, B, ...)`` mean of ``p(x | z)`` shaped
@@ -174,6 +176,7 @@ class TaskSpec(NamedTuple):
     build_proposals: Callable[..., Proposals]
     simulate: Callable[..., dict[str, Tensor]]
     architectures: tuple[str, ...]
+    data_dims: tuple[str, ...]
     exact_gibbs: Callable[[Model], Proposals] | None = None
     reconstruct: Callable[..., Tensor] | None = None
     draw: Callable[..., None] | None = None

@@ -51,9 +51,8 @@ def load_task_data(task: str, path: str | Path, model_hparams: dict[str, Any] | 
     # Files may store x in a compact dtype (``data.x_dtype``, e.g. float16): cast back.
     x = torch.from_numpy(load_dataset(path)["x"]).to(torch.get_default_dtype())
     model = spec.build_model(**(model_hparams or {}))
-    example = _example_x(task, model_hparams or {})
-    if x.dim() != example.dim():
-        want = ", ".join(["M", *map(str, example.shape[1:])])
+    if x.dim() != 1 + len(spec.data_dims):
+        want = ", ".join(["M", *spec.data_dims])
         raise DatasetError(
             f"dataset file {path}: 'x' must be shaped like ({want}) for task {task}, got {tuple(x.shape)}"
         )
@@ -65,10 +64,20 @@ def load_task_data(task: str, path: str | Path, model_hparams: dict[str, Any] | 
             method.run(model, proposals, x[:1], 1, 2)
     except (RuntimeError, ValueError, IndexError) as err:
         raise DatasetError(
-            f"dataset file {path}: 'x' shaped {tuple(x.shape)} does not fit task {task} "
-            f"(a simulated one is {tuple(example.shape)}): {_first_line(err)}"
+            f"dataset file {path}: 'x' shaped {tuple(x.shape)} does not fit task {task}"
+            f"{_example_note(task, model_hparams or {})}: {_first_line(err)}"
         ) from None
     return x
+
+
+def _example_note(task: str, model_hparams: dict[str, Any]) -> str:
+    """`` (a simulated one is (1, ...))`` for an error message, or nothing where the
+    simulator cannot run here (Bouncing MNIST without the MNIST files): a file that fits
+    is loaded without ever simulating."""
+    try:
+        return f" (a simulated one is {tuple(_example_x(task, model_hparams).shape)})"
+    except Exception:  # noqa: BLE001 - only decorates an error already being raised
+        return ""
 
 
 _EXAMPLES: dict[str, Tensor] = {}

@@ -227,3 +227,20 @@ def test_figure_samples_carry_reconstructions_only_for_small_data():
     long_video = torch.zeros(1, 30, 96, 96)  # 276,480 numbers: above RECON_MAX_ELEMENTS
     best = best_particles(cfg, model, proposals, long_video, [2], 2)
     assert "recon" not in best[2] and best[2]["z_where_30"].shape == (1, 1, 2)
+
+
+def test_video_files_load_without_mnist(tmp_path, monkeypatch):
+    # Evaluating a trained Bouncing MNIST model reads videos from files; only simulating
+    # new ones needs the MNIST digits, so a file that fits must load without them.
+    from pipeline.common import DatasetError, load_task_data
+
+    monkeypatch.setenv("APG_MNIST_DIR", str(tmp_path / "no-mnist-here"))
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/apg/mnist either
+    videos = tmp_path / "videos.npz"
+    np.savez(videos, x=np.random.default_rng(0).random((2, 3, 96, 96), dtype=np.float32))
+    assert tuple(load_task_data("bmnist", videos).shape) == (2, 3, 96, 96)
+
+    frames = tmp_path / "frames.npz"
+    np.savez(frames, x=np.zeros((2, 96, 96), dtype=np.float32))
+    with pytest.raises(DatasetError, match=r"must be shaped like \(M, T, H, W\)"):
+        load_task_data("bmnist", frames)

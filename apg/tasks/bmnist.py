@@ -971,6 +971,7 @@ TASK = TaskSpec(
     build_proposals,
     simulate,
     ("apg", "mlp"),
+    ("T", "H", "W"),
     reconstruct=reconstruct,
     draw=draw,
     animate=animate,

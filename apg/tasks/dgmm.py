@@ -625,5 +625,12 @@ def draw(ax, x: np.ndarray, z: Mapping[str, np.ndarray], model: DGMM | None = No
 
 
 TASK = TaskSpec(
-    "dgmm", build_model, build_proposals, simulate, ("apg", "mlp", "lstm"), reconstruct=reconstruct, draw=draw
+    "dgmm",
+    build_model,
+    build_proposals,
+    simulate,
+    ("apg", "mlp", "lstm"),
+    ("N", "2"),
+    reconstruct=reconstruct,
+    draw=draw,
 )

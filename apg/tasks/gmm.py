@@ -409,5 +409,12 @@ def draw(ax, x, z) -> None:
 
 
 TASK = TaskSpec(
-    "gmm", build_model, build_proposals, simulate, ("apg", "mlp", "lstm"), exact_gibbs=ExactGibbs, draw=draw
+    "gmm",
+    build_model,
+    build_proposals,
+    simulate,
+    ("apg", "mlp", "lstm"),
+    ("N", "D"),
+    exact_gibbs=ExactGibbs,
+    draw=draw,
 )
