@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
-from apg.distributions import log_softmax_short, sample_categorical, softmax_short
+from apg.distributions import categorical_log_prob, categorical_sample, softmax_short
 from apg.kernels import call, native_function
 from apg.nn import PointFeatures, flush_subnormal_grad, pairwise_tanh_linear, tanh_mlp
 
@@ -312,7 +312,7 @@ class LocalProposal:
         q = self.params.detach()
         native = native_function("local_sample", q)
         if native is None:
-            c = sample_categorical(log_softmax_short(q[..., 0]))
+            c = categorical_sample(q[..., 0])
             loc, k = _component(q, c)
         else:
             q = q.contiguous()
@@ -327,7 +327,7 @@ class LocalProposal:
         native = native_function("local_log_prob", self.params, alpha)
         if native is None or alpha.requires_grad:
             loc, k = _component(self.params, c)
-            lp_c = log_softmax_short(self.params[..., 0]).gather(-1, c.unsqueeze(-1)).squeeze(-1)
+            lp_c = categorical_log_prob(self.params[..., 0], c)
             per_point = lp_c + von_mises_log_prob(alpha, loc, k)
         else:
             backward = native_function("local_log_prob_backward", self.params)

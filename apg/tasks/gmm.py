@@ -128,6 +128,12 @@ def assignment_logits(x: Tensor, mu: Tensor, tau: Tensor) -> Tensor:
     return out.transpose(-1, -2)
 
 
+def one_hot_points_last(c: Tensor, num_clusters: int, dtype: torch.dtype) -> Tensor:
+    """One-hot assignments ``c (..., N)`` laid out ``(..., I, N)`` (see ``assignment_logits``)."""
+    clusters = torch.arange(num_clusters, device=c.device).unsqueeze(-1)
+    return (c.unsqueeze(-2) == clusters).to(dtype)
+
+
 class GMM(Model):
     """``p(x, mu, tau, c)`` of the module docstring; it has no learnable parameters."""
 
@@ -179,8 +185,7 @@ class GMM(Model):
     def assignment_moments(self, x: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``cluster_moments`` of the data ``x (B, N, D)`` under hard assignments ``c (L, B, N)``."""
         # One-hot as (L, B, I, N), the layout the matrix product reads (``assignment_logits``).
-        clusters = torch.arange(self.cfg.num_clusters, device=c.device).unsqueeze(-1)
-        return cluster_moments((c.unsqueeze(-2) == clusters).to(x.dtype).transpose(-1, -2), x)
+        return cluster_moments(one_hot_points_last(c, self.cfg.num_clusters, x.dtype).transpose(-1, -2), x)
 
     def _log_globals(
         self, mu: Tensor, tau: Tensor, moments: tuple[Tensor, Tensor, Tensor], prior: bool = True
@@ -369,8 +374,7 @@ class GMMProposals(Proposals):
         if block == "globals" and self.architecture == "apg":
             # Inputs [x_n, one-hot(c_n)], built point-axis-last (see GlobalsProposal.forward).
             c = z["c"]
-            clusters = torch.arange(self.cfg.num_clusters, device=c.device).unsqueeze(-1)
-            one_hot_t = (c.unsqueeze(-2) == clusters).to(x.dtype)  # (L, B, I, N)
+            one_hot_t = one_hot_points_last(c, self.cfg.num_clusters, x.dtype)
             x_t = x.transpose(-1, -2).expand(c.shape[0], *x.shape[:-2], x.shape[-1], x.shape[-2])
             return self.globals_kernel(torch.cat([x_t, one_hot_t], -2).transpose(-1, -2))
         return super().kernel(block, x, z)
