@@ -18,6 +18,7 @@ from apg.tasks.dgmm import (
     LocalProposal,
     build_model,
     build_proposals,
+    pool_assigned,
     pool_per_cluster,
     reconstruct,
     sample_von_mises,
@@ -365,6 +366,24 @@ def test_pooling_sharpens_with_count_and_leaves_empty_clusters_at_the_prior():
     assert torch.allclose(prec[:, 0], torch.tensor([0.1 + 40, 0.1 + 160, 0.1]))
     assert torch.allclose(mean[2], torch.zeros(2)) and torch.allclose(prec[2], torch.full((2,), 0.1))
     assert torch.allclose(mean[0], 40 * stat[:10].mean(0) / 40.1)
+
+
+def test_centre_kernel_pooling_matches_the_one_hot_formula_and_passes_gradcheck(kernel_path):
+    torch.set_default_dtype(torch.float64)
+    per_point = torch.randn(3, 2, 9, 4, requires_grad=True)
+    x = torch.randn(2, 9, 2)
+    c = torch.randint(3, (3, 2, 9))
+    c[0, 0] = 0  # clusters 1 and 2 of this dataset are empty: the prior comes back
+    mean, prec = pool_assigned(per_point, x, c, 4, 0.1)
+    one_hot = torch.nn.functional.one_hot(c, 4).double()
+    offset, raw = per_point[..., :2], per_point[..., 2:]
+    want_mean, want_prec = pool_per_cluster(one_hot, x - offset, raw.exp(), 0.1)
+    assert torch.allclose(mean, want_mean, atol=1e-12) and torch.allclose(prec, want_prec, atol=1e-12)
+    assert torch.equal(prec[0, 0, 1:], torch.full((3, 2), 0.1))
+    # transposed: the backward receives a non-contiguous gradient
+    assert torch.autograd.gradcheck(
+        lambda q: torch.cat(pool_assigned(q, x, c, 4, 0.1), -1).transpose(-1, -2), (per_point,)
+    )
 
 
 # --------------------------------------------------------------------------- sampler identities

@@ -16,6 +16,10 @@
  * local_log_prob: lp[r] = log_softmax(Q[r,:,0])[c] + k (cos(alpha - loc) - 1) - log i0e(k)
  *   - log 2 pi, with cos(alpha - loc) = (d . (cos alpha, sin alpha)) / |d| (no atan2);
  *   local_log_prob_backward writes the whole gQ (R, I, 4).
+ * centre_pool:    the centre kernel's statistics pooled over each cluster's points: with
+ *   Q (L, B, N, 4) = (offset (2), raw log-precision (2)) per point, x (B, N, 2) and c (L, B, N),
+ *   S[l,b,c_n,:2] += lambda_n = exp(raw_n), S[l,b,c_n,2:] += lambda_n (x_n - offset_n); S (L, B, I, 4)
+ *   zeroed by the caller. centre_pool_backward writes the whole gQ (L, B, N, 4) from gS.
  * von_mises:      Best & Fisher candidates as sample_von_mises (same float32-stable form),
  *   u (2, candidates, n); alpha = (theta + loc) mod 2 pi where a candidate was accepted.
  *
@@ -413,6 +417,41 @@ void S(von_mises)(const T *loc, const T *conc, const T *u, T *alpha, unsigned ch
             a = M(fmod)(a, two_pi);
             a = a < 0 ? a + two_pi : a;
             alpha[e0 + e] = a >= two_pi ? 0 : a;
+        }
+    }
+}
+
+void S(centre_pool)(const T *Q, const T *X, const long *c, T *Sums, long L, long B, long N, long I) {
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *x = X + (lb % B) * N * 2;
+        T *s = Sums + lb * I * 4;
+        for (long n = 0; n < N; ++n) {
+            const T *q = Q + (lb * N + n) * 4;
+            T *si = s + c[lb * N + n] * 4;
+            for (long d = 0; d < 2; ++d) {
+                const T lam = M(exp)(q[2 + d]);
+                si[d] += lam;
+                si[2 + d] += lam * (x[n * 2 + d] - q[d]);
+            }
+        }
+    }
+}
+
+void S(centre_pool_backward)(const T *Q, const T *X, const long *c, const T *gS, T *gQ, long L, long B,
+                             long N, long I) {
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *x = X + (lb % B) * N * 2;
+        for (long n = 0; n < N; ++n) {
+            const T *q = Q + (lb * N + n) * 4;
+            const T *g = gS + (lb * I + c[lb * N + n]) * 4;
+            T *gq = gQ + (lb * N + n) * 4;
+            for (long d = 0; d < 2; ++d) {
+                const T lam = M(exp)(q[2 + d]);
+                gq[d] = -g[2 + d] * lam;
+                gq[2 + d] = (g[d] + g[2 + d] * (x[n * 2 + d] - q[d])) * lam;
+            }
         }
     }
 }

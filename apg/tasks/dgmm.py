@@ -391,6 +391,47 @@ def pool_per_cluster(weights: Tensor, stat: Tensor, precision: Tensor, prior_pre
     return mean, prec
 
 
+def pool_assigned(per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int, prior_precision: float):
+    """``pool_per_cluster`` of the hard assignments ``c (L, B, N)`` with statistics
+    ``x_n - offset_n`` and precisions ``exp(raw_n)``, where ``per_point (L, B, N, 4)`` holds
+    ``(offset (2), raw (2))`` and ``x`` is ``(B, N, 2)``; returns ``(mean, precision)``
+    ``(L, B, I, 2)``. On CPU one compiled pass (``rings.c``: ``centre_pool``) replaces the
+    one-hot products and the elementwise ops on strided halves of ``per_point``.
+    """
+    native = native_function("centre_pool", per_point, x)
+    if native is None or per_point.dim() != 4 or x.dim() != 3 or x.requires_grad:
+        offset, raw = per_point.chunk(2, -1)
+        weights = F.one_hot(c, num_clusters).to(per_point.dtype)
+        return pool_per_cluster(weights, x - offset, torch.exp(raw), prior_precision)
+    backward = native_function("centre_pool_backward", per_point)
+    sums = _CentrePool.apply(per_point, x, c, num_clusters, native, backward)
+    precision = prior_precision + sums[..., :DATA_DIM]
+    return sums[..., DATA_DIM:] / precision, precision
+
+
+class _CentrePool(torch.autograd.Function):
+    """Per-cluster sums ``(sum lambda_n, sum lambda_n (x_n - offset_n))`` ``(L, B, I, 4)``,
+    compiled forward and backward; differentiable in ``per_point`` only."""
+
+    @staticmethod
+    def forward(ctx, per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int, forward_fn, backward_fn):
+        per_point, x, c = per_point.contiguous(), x.contiguous(), c.contiguous()
+        (num_particles, batch, num_points, _) = per_point.shape
+        sums = per_point.new_zeros(num_particles, batch, num_clusters, 4)
+        ctx.sizes = (num_particles, batch, num_points, num_clusters)
+        call(forward_fn, per_point, x, c, sums, *ctx.sizes)
+        ctx.save_for_backward(per_point, x, c)
+        ctx.backward_fn = backward_fn
+        return sums
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        per_point, x, c = ctx.saved_tensors
+        grad_per_point = torch.empty_like(per_point)
+        call(ctx.backward_fn, per_point, x, c, grad.contiguous(), grad_per_point, *ctx.sizes)
+        return grad_per_point, None, None, None, None, None
+
+
 # --------------------------------------------------------------------------- networks
 
 
@@ -417,25 +458,26 @@ class CentreKernel(nn.Module):
     """``q(mu | x, c, alpha)``: each point's statistic ``s_n = x_n - h(alpha_n)`` and
     precision ``lambda_n(alpha_n)`` pooled over the points assigned to each cluster. The
     precision starts at ``1 / sigma_eps^2``, the exact conditional's, so training starts
-    from sensible scales instead of crawling to them."""
+    from sensible scales instead of crawling to them.
+
+    ``h`` and ``log lambda`` come from one tanh layer of the angle's ``(cos, sin)``: the
+    same class of function as ``g_theta`` (``DGMM.g``), which is all the exact conditional
+    needs (its statistic is ``x_n - g_theta(alpha_n)``). A second 32 x 32 layer made this
+    kernel most of a training step's arithmetic: it runs on every point of every particle.
+    """
 
     def __init__(self, cfg: DGMMConfig, hidden: int):
         super().__init__()
         self.cfg = cfg
-        self.net = nn.Sequential(
-            nn.Linear(2, hidden),
-            nn.Tanh(),
-            nn.Linear(hidden, hidden),
-            nn.Tanh(),
-            nn.Linear(hidden, 2 * DATA_DIM),
-        )
+        self.hidden = nn.Linear(2, hidden)
+        self.out = nn.Linear(hidden, 2 * DATA_DIM)
         with torch.no_grad():
-            self.net[-1].bias[DATA_DIM:] = -2.0 * math.log(cfg.noise)
+            self.out.bias[DATA_DIM:] = -2.0 * math.log(cfg.noise)
 
     def forward(self, x: Tensor, c: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
-        offset, raw = self.net(angle_features(alpha)).chunk(2, -1)  # (L, B, N, 2) each
-        one_hot = F.one_hot(c, self.cfg.num_clusters).to(x.dtype)
-        return pool_per_cluster(one_hot, x - offset, torch.exp(raw), self.cfg.sigma0**-2)
+        h = self.hidden
+        per_point = tanh_mlp(angle_features(alpha), h.weight, h.bias, self.out.weight) + self.out.bias
+        return pool_assigned(per_point, x, c, self.cfg.num_clusters, self.cfg.sigma0**-2)
 
 
 class LocalNet(nn.Module):
