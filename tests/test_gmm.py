@@ -30,9 +30,10 @@ def test_simulator_is_seeded_and_shaped():
     assert not torch.equal(a["x"], simulate(cfg, 5, 17, seed=4)["x"])
 
 
-def test_log_joint_and_its_block_changes_match_a_direct_computation(f64):
+def test_log_joint_and_its_block_changes_match_a_direct_computation(f64, kernel_path):
     # The model computes the likelihood from per-cluster moments and the assignment
-    # change from a per-point table; both must equal the textbook density term by term.
+    # change from a per-point table (or their compiled forms, apg/kernels/gmm.c); both
+    # must equal the textbook density term by term.
     from torch.distributions import Gamma, Normal
 
     model = GMM()
@@ -180,6 +181,33 @@ def test_short_training_lowers_inclusive_kl_and_raises_ess():
         assert np.median(after[f"kl_{block}"]) < 0.5 * np.median(before[f"kl_{block}"]), block
     assert after["ess"][-1].mean() > before["ess"][-1].mean() + 0.08
     assert after["log_joint"][-1].mean() > before["log_joint"][-1].mean()
+
+
+def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(f64, kernel_path):
+    # The kernel computes its statistics without forming [x_n, one-hot(c_n)] (on CPU, in
+    # apg/kernels/gmm.c); it must be GlobalsProposal applied to exactly those inputs.
+    model = GMM()
+    proposals = GMMProposals(model.cfg, "apg")
+    net = proposals.globals_kernel
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.3 * torch.randn_like(p))  # away from the conjugate initialization
+    x = simulate(model.cfg, 3, 11)["x"]
+    c = torch.randint(3, (4, 3, 11))
+    c[0, 0] = 1  # every point in one cluster: the others get only soft weight
+    z = {"c": c, **model.prior_globals((4, 3), x).sample()}
+    params = list(net.parameters())
+
+    def log_q(kernel):
+        lp = kernel.log_prob(z)
+        return lp, torch.autograd.grad(lp.sum(), params)
+
+    lp, grads = log_q(proposals.kernel("globals", x, z))
+    u = torch.cat([x.expand(4, *x.shape), F.one_hot(c, 3).double()], -1)
+    want_lp, want_grads = log_q(net(u))
+    assert torch.allclose(lp, want_lp, rtol=0, atol=1e-10)
+    for got, want in zip(grads, want_grads, strict=True):
+        assert torch.allclose(got, want, rtol=0, atol=1e-9)
 
 
 def test_proposals_accept_datasets_of_any_size():

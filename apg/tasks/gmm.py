@@ -26,6 +26,7 @@ from torch.distributions import Gamma, Normal
 
 from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.distributions import CategoricalBlock
+from apg.kernels import call, native_function
 from apg.nn import PointFeatures, pairwise_tanh_linear
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -87,8 +88,12 @@ def cluster_moments(resp: Tensor, stats: Tensor) -> tuple[Tensor, Tensor, Tensor
     stats_t = stats.transpose(-1, -2)  # (..., D, N)
     ones = stats_t.new_ones(()).expand(*stats_t.shape[:-2], 1, stats_t.shape[-1])
     moments_t = torch.cat([ones, stats_t, stats_t * stats_t], -2)  # (..., 1 + 2D, N)
-    sums = resp.transpose(-1, -2) @ moments_t.transpose(-1, -2)  # (..., I, 1 + 2D)
-    dim = stats.shape[-1]
+    return moments_from_sums(resp.transpose(-1, -2) @ moments_t.transpose(-1, -2))
+
+
+def moments_from_sums(sums: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``cluster_moments`` from the sums ``(sum r, sum r t, sum r t^2)`` ``(..., I, 1 + 2D)``."""
+    dim = (sums.shape[-1] - 1) // 2
     count, s1, s2 = sums[..., :1], sums[..., 1 : 1 + dim], sums[..., 1 + dim :]
     mean = s1 / count.clamp_min(1e-12)
     return count, mean, (s2 - s1 * mean).clamp_min(0.0)
@@ -104,7 +109,11 @@ def normal_gamma_posterior(cfg: GMMConfig, resp: Tensor, stats: Tensor) -> Norma
     ``beta0``. Written from the standard NormalGamma formulas (not the authors' code, whose
     mean term used the prior's nu in place of its mu).
     """
-    count, mean, scatter = cluster_moments(resp, stats)
+    return normal_gamma_from_moments(cfg, *cluster_moments(resp, stats))
+
+
+def normal_gamma_from_moments(cfg: GMMConfig, count: Tensor, mean: Tensor, scatter: Tensor) -> NormalGamma:
+    """``normal_gamma_posterior`` from the (soft) ``cluster_moments``."""
     nu = cfg.nu0 + count
     mu = (cfg.nu0 * cfg.mu0 + count * mean) / nu
     alpha = cfg.alpha0 + 0.5 * count
@@ -155,8 +164,8 @@ class GMM(Model):
 
     def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         log_pi = -math.log(self.cfg.num_clusters) * x.shape[-2]
-        moments = self.assignment_moments(x, z["c"])
-        return self._log_globals(z["mu"], z["tau"], moments) + log_pi - self._log_const(x)
+        (log_globals,) = self._log_globals_under(x, z["c"], (z["mu"], z["tau"]))
+        return log_globals + log_pi - self._log_const(x)
 
     def log_blanket(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         if block == "c":  # the uniform prior on c is constant
@@ -169,6 +178,11 @@ class GMM(Model):
         if block == "c":
             # Same globals on both sides: one table of every point's log-density under
             # every cluster, read at the new and the old assignments.
+            native = self._native("gmm_assignment_change", x, z_new["mu"], z_new["tau"])
+            if native is not None:
+                out = x.new_empty(z_new["c"].shape[:2])
+                call(native, x, z_new["mu"], z_new["tau"], z_new["c"], z_old["c"], out, *self._sizes(x, out))
+                return out
             table = assignment_logits(x, z_new["mu"], z_new["tau"]).transpose(-1, -2)  # (L, B, I, N)
             # Two gathers from the contiguous layout; one gather with a stacked (..., 2)
             # index takes a path 5x slower.
@@ -177,10 +191,39 @@ class GMM(Model):
         if block == "globals":
             # Same assignments on both sides: the data enter only through each cluster's
             # count, mean and scatter, computed once.
-            moments = self.assignment_moments(x, z_new["c"])
-            new = self._log_globals(z_new["mu"], z_new["tau"], moments)
-            return new - self._log_globals(z_old["mu"], z_old["tau"], moments)
+            new, old = self._log_globals_under(
+                x, z_new["c"], (z_new["mu"], z_new["tau"]), (z_old["mu"], z_old["tau"])
+            )
+            return new - old
         return super().log_joint_change(block, x, z_old, z_new)
+
+    def _log_globals_under(self, x: Tensor, c: Tensor, *globals_: tuple[Tensor, Tensor]) -> list[Tensor]:
+        """``_log_globals`` (prior included) of each ``(mu, tau)`` pair under the same
+        assignments ``c``; the assignments' moments are computed once."""
+        mu, tau = (torch.stack(t) for t in zip(*globals_, strict=True))  # (P, L, B, I, D)
+        native = self._native("gmm_log_globals", x, mu[0], tau[0])
+        if native is None:
+            moments = self.assignment_moments(x, c)
+            return [self._log_globals(m, t, moments) for m, t in globals_]
+        out = x.new_empty(mu.shape[:3])
+        c_ = self.cfg
+        consts = x.new_tensor([c_.alpha0, c_.beta0, c_.nu0, c_.mu0])
+        call(native, x, c, mu, tau, consts, out, len(globals_), *self._sizes(x, out[0]))
+        return list((out + self._prior_const(mu.shape[-2:])).unbind(0))
+
+    def _native(self, name: str, x: Tensor, mu: Tensor, tau: Tensor):
+        """The compiled kernel ``name`` (``apg/kernels/gmm.c``) where it applies: unbatched
+        data ``(B, N, D)``, latents ``(L, B, I, D)`` and nothing asking for a gradient (the
+        model has no parameters, but HMC differentiates in the latents)."""
+        if x.dim() != 3 or mu.dim() != 4 or self.cfg.num_clusters * self.cfg.data_dim > 256:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or mu.requires_grad or tau.requires_grad):
+            return None
+        return native_function(name, x, mu, tau)
+
+    def _sizes(self, x: Tensor, out: Tensor) -> tuple[int, ...]:
+        """``(L, B, N, I, D)`` for the compiled kernels, from data ``x`` and an ``(L, B)`` output."""
+        return (*out.shape, x.shape[1], self.cfg.num_clusters, self.cfg.data_dim)
 
     def assignment_moments(self, x: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``cluster_moments`` of the data ``x (B, N, D)`` under hard assignments ``c (L, B, N)``."""
@@ -200,17 +243,16 @@ class GMM(Model):
         squares = scatter + count * (mean - mu) ** 2
         if not prior:
             return 0.5 * (count * torch.log(tau) - tau * squares).sum((-2, -1))
-        # The NormalGamma prior's constant, per cluster and dimension.
-        const = (
-            cfg.alpha0 * math.log(cfg.beta0)
-            - math.lgamma(cfg.alpha0)
-            + 0.5 * math.log(cfg.nu0)
-            - _HALF_LOG_2PI
-        )
         log_density = (cfg.alpha0 - 0.5 + 0.5 * count) * torch.log(tau) - tau * (
             cfg.beta0 + 0.5 * cfg.nu0 * (mu - cfg.mu0) ** 2 + 0.5 * squares
         )
-        return log_density.sum((-2, -1)) + const * mu.shape[-2] * mu.shape[-1]
+        return log_density.sum((-2, -1)) + self._prior_const(mu.shape[-2:])
+
+    def _prior_const(self, cells: tuple[int, int]) -> float:
+        """The NormalGamma prior's constant, summed over ``cells = (I, D)``."""
+        cfg = self.cfg
+        const = cfg.alpha0 * math.log(cfg.beta0) - math.lgamma(cfg.alpha0) + 0.5 * math.log(cfg.nu0)
+        return (const - _HALF_LOG_2PI) * cells[0] * cells[1]
 
     def _log_const(self, x: Tensor) -> float:
         return _HALF_LOG_2PI * x.shape[-2] * x.shape[-1]
@@ -298,6 +340,11 @@ class GlobalsProposal(nn.Module):
                     # the exact update does, so training starts near the conjugate form.
                     self.resp.weight[:, cfg.data_dim :].copy_(2.0 * torch.eye(cfg.num_clusters))
 
+    def heads(self) -> tuple[Tensor, Tensor]:
+        """Both heads as one layer: weight ``(I + D, F_in)`` and bias ``(I + D,)``."""
+        weight = torch.cat([self.resp.weight, self.stat.weight])
+        return weight, torch.cat([self.resp.bias, self.stat.bias])
+
     def forward(self, u: Tensor) -> NormalGamma:
         """The proposal from point inputs ``u (..., N, F_in)`` (for speed, ideally a
         transposed view of a point-axis-last ``(..., F_in, N)`` tensor)."""
@@ -305,9 +352,8 @@ class GlobalsProposal(nn.Module):
         # Both heads in one product, point axis last: this build multiplies (F, N) blocks
         # several times faster than (N, F) rows of a handful of features, and the softmax
         # over clusters then runs along contiguous rows of N.
-        weight = torch.cat([self.resp.weight, self.stat.weight])
-        bias = torch.cat([self.resp.bias, self.stat.bias]).unsqueeze(-1)
-        out = torch.matmul(weight, h_t) + bias  # (..., I + D, N)
+        weight, bias = self.heads()
+        out = torch.matmul(weight, h_t) + bias.unsqueeze(-1)  # (..., I + D, N)
         num_clusters = self.cfg.num_clusters
         resp_t = torch.softmax(out[..., :num_clusters, :], dim=-2)
         return normal_gamma_posterior(
@@ -372,12 +418,50 @@ class GMMProposals(Proposals):
         if block == "c":
             return assignment_posterior(self.assign(x, z["mu"], z["tau"]))
         if block == "globals" and self.architecture == "apg":
-            # Inputs [x_n, one-hot(c_n)], built point-axis-last (see GlobalsProposal.forward).
             c = z["c"]
+            weight, bias = self.globals_kernel.heads()
+            native = _native_soft_moments(x, c, weight)
+            if native is not None:
+                sums = _SoftMoments.apply(x, c, weight, bias, self.cfg.num_clusters, *native)
+                return normal_gamma_from_moments(self.cfg, *moments_from_sums(sums))
+            # Inputs [x_n, one-hot(c_n)], built point-axis-last (see GlobalsProposal.forward).
             one_hot_t = one_hot_points_last(c, self.cfg.num_clusters, x.dtype)
             x_t = x.transpose(-1, -2).expand(c.shape[0], *x.shape[:-2], x.shape[-1], x.shape[-2])
             return self.globals_kernel(torch.cat([x_t, one_hot_t], -2).transpose(-1, -2))
         return super().kernel(block, x, z)
+
+
+def _native_soft_moments(x: Tensor, c: Tensor, weight: Tensor):
+    """The compiled globals-kernel statistics ``(forward, backward)`` (``apg/kernels/gmm.c``)
+    where they apply: data ``(B, N, D)`` without a gradient, assignments ``(L, B, N)``."""
+    if x.dim() != 3 or c.dim() != 3 or weight.shape[0] > 16 or x.requires_grad:
+        return None
+    forward = native_function("gmm_soft_moments", x, weight)
+    return None if forward is None else (forward, native_function("gmm_soft_moments_backward", x))
+
+
+class _SoftMoments(torch.autograd.Function):
+    """The globals kernel's per-cluster sums ``(sum r, sum r t, sum r t^2)`` ``(L, B, I, 1 + 2D)``
+    from inputs ``[x_n, one-hot(c_n)]`` (``GlobalsProposal`` with linear features), in one
+    compiled pass: no one-hot, no (L, B, I + D, N) outputs. Differentiable in the heads."""
+
+    @staticmethod
+    def forward(ctx, x, c, weight, bias, num_clusters, forward_fn, backward_fn):
+        x, c, weight, bias = (t.contiguous() for t in (x, c, weight, bias))
+        (num_particles, batch, num_points), dim = c.shape, x.shape[-1]
+        sums = x.new_zeros(num_particles, batch, num_clusters, 1 + 2 * dim)
+        ctx.sizes = (num_particles, batch, num_points, num_clusters, dim)
+        call(forward_fn, x, c, weight, bias, sums, *ctx.sizes)
+        ctx.save_for_backward(x, c, weight, bias)
+        ctx.backward_fn = backward_fn
+        return sums
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, c, weight, bias = ctx.saved_tensors
+        grad_weight, grad_bias = torch.zeros_like(weight), torch.zeros_like(bias)
+        call(ctx.backward_fn, x, c, weight, bias, grad.contiguous(), grad_weight, grad_bias, *ctx.sizes)
+        return None, None, grad_weight, grad_bias, None, None, None
 
 
 # --------------------------------------------------------------------------- task spec

@@ -1,0 +1,227 @@
+/* The Gaussian mixture model's log-density terms, one pass per (particle, dataset).
+ *
+ * In eager PyTorch each is ~15 small ops on (L, B, I, D) or (L, B, I, N) tensors (a
+ * one-hot, a matrix product of moments, broadcasts over a cluster axis of 3), and a GMM
+ * training step evaluates them at every block update. The model has no parameters, so
+ * these run only where nothing asks for a gradient (apg/tasks/gmm.py keeps the PyTorch
+ * twins for the rest; tests/test_gmm.py checks both agree).
+ *
+ * Shapes: x (B, N, D); mu, tau (L, B, I, D); c (L, B, N) cluster indices.
+ *
+ * gmm_assignment_change: out[l,b] = sum_n ll(x_n; c_new_n) - ll(x_n; c_old_n) with
+ *   ll(x; i) = sum_d (log tau_id - tau_id (x_d - mu_id)^2) / 2: the change of the log joint
+ *   when the assignments change and the globals stay (the uniform prior on c cancels).
+ * gmm_log_globals: for P sets of globals mu, tau (P, L, B, I, D) under the same assignments,
+ *   out[p,l,b] = sum_{i,d} (a0 - 1/2 + n_i / 2) log tau - tau (b0 + nu0 (mu - m0)^2 / 2
+ *   + (S_id + n_i (xbar_id - mu)^2) / 2), with each cluster's count n_i, mean xbar and
+ *   scatter S from one pass over the points; consts = (a0, b0, nu0, m0). This is the
+ *   NormalGamma prior plus the likelihood without their constants (GMM._log_globals).
+ *
+ * gmm_soft_moments: the globals kernel's neural sufficient statistics (GlobalsProposal on
+ *   u_n = [x_n, one-hot(c_n)]): o = W u_n + bias with W (I + D, D + I), resp = softmax(o[:I]),
+ *   t = o[I:]; sums[l,b,i,:] += (resp_i, resp_i t, resp_i t^2), sums (L, B, I, 1 + 2D) zeroed
+ *   by the caller. gmm_soft_moments_backward accumulates gW, gbias (zeroed) from gsums.
+ *
+ * This file includes itself once per dtype (T float, then double).
+ */
+#ifndef GMM_BODY
+#define GMM_BODY
+
+#include <math.h>
+#include <stddef.h>
+#include <string.h>
+
+#define GMM_CAT_(a, b) a##b
+#define GMM_CAT(a, b) GMM_CAT_(a, b)
+#define S(name) GMM_CAT(name, SUFFIX)
+#define MAX_CELLS 256  /* I * D per dataset on the stack; larger falls back to PyTorch */
+#define MAX_OUTPUTS 16 /* I + D of the globals kernel, likewise */
+
+#define T float
+#define SUFFIX _f32
+#define M(fn) fn##f
+#include __FILE__
+#undef T
+#undef SUFFIX
+#undef M
+
+#define T double
+#define SUFFIX _f64
+#define M(fn) fn
+#include __FILE__
+
+#else /* the body, once per dtype */
+
+void S(gmm_assignment_change)(const T *X, const T *MU, const T *TAU, const long *c_new,
+                              const long *c_old, T *out, long L, long B, long N, long I, long D) {
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *x = X + (lb % B) * N * D, *mu = MU + lb * I * D, *tau = TAU + lb * I * D;
+        const long *cn = c_new + lb * N, *co = c_old + lb * N;
+        T log_tau[MAX_CELLS];
+        for (long k = 0; k < I * D; ++k) log_tau[k] = M(log)(tau[k]);
+        T total = 0;
+        for (long n = 0; n < N; ++n) {
+            const long a = cn[n] * D, b = co[n] * D;
+            if (a == b) continue;
+            for (long d = 0; d < D; ++d) {
+                const T ea = x[n * D + d] - mu[a + d], eb = x[n * D + d] - mu[b + d];
+                total += log_tau[a + d] - tau[a + d] * ea * ea - log_tau[b + d] + tau[b + d] * eb * eb;
+            }
+        }
+        out[lb] = total / 2;
+    }
+}
+
+void S(gmm_log_globals)(const T *X, const long *C, const T *MU, const T *TAU, const T *consts,
+                        T *out, long P, long L, long B, long N, long I, long D) {
+    const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *x = X + (lb % B) * N * D;
+        const long *c = C + lb * N;
+        T count[MAX_CELLS], mean[MAX_CELLS], scatter[MAX_CELLS];
+        memset(count, 0, sizeof(T) * I);
+        memset(mean, 0, sizeof(T) * I * D);
+        memset(scatter, 0, sizeof(T) * I * D);
+        for (long n = 0; n < N; ++n) count[c[n]] += 1;
+        for (long n = 0; n < N; ++n)
+            for (long d = 0; d < D; ++d) mean[c[n] * D + d] += x[n * D + d];
+        for (long k = 0; k < I * D; ++k) mean[k] = count[k / D] > 0 ? mean[k] / count[k / D] : 0;
+        /* centred second pass: no cancellation, and an empty cluster's scatter is exactly 0 */
+        for (long n = 0; n < N; ++n)
+            for (long d = 0; d < D; ++d) {
+                const T e = x[n * D + d] - mean[c[n] * D + d];
+                scatter[c[n] * D + d] += e * e;
+            }
+        for (long p = 0; p < P; ++p) {
+            const T *mu = MU + (p * L * B + lb) * I * D, *tau = TAU + (p * L * B + lb) * I * D;
+            T total = 0;
+            for (long k = 0; k < I * D; ++k) {
+                const T n_i = count[k / D], dm = mean[k] - mu[k], d0 = mu[k] - m0;
+                total += (a0 - (T)0.5 + n_i / 2) * M(log)(tau[k]) -
+                         tau[k] * (b0 + nu0 * d0 * d0 / 2 + (scatter[k] + n_i * dm * dm) / 2);
+            }
+            out[p * L * B + lb] = total;
+        }
+    }
+}
+
+/* The kernel works on blocks of BLOCK points, point axis innermost, so that every loop
+ * over points vectorizes (loops over I = 3 clusters or D = 2 dims do not). */
+#define BLOCK 64
+
+/* For points n0 .. n0 + m of one (l, b): o[k][j] = bias + W[k, :D] x + W[k, D + c], then
+ * o[:I] replaced by its softmax over k (resp); o[I:] is t. */
+static inline void S(soft_outputs)(const T *W, const T *bias, const T *x, const long *c, T (*o)[BLOCK],
+                                   long m, long I, long D) {
+    const long F = D + I;
+    for (long k = 0; k < I + D; ++k) {
+        const T *w = W + k * F;
+        for (long j = 0; j < m; ++j) o[k][j] = bias[k] + w[D + c[j]];
+        for (long d = 0; d < D; ++d)
+            for (long j = 0; j < m; ++j) o[k][j] += w[d] * x[j * D + d];
+    }
+    T top[BLOCK], total[BLOCK];
+    for (long j = 0; j < m; ++j) top[j] = o[0][j];
+    for (long i = 1; i < I; ++i)
+        for (long j = 0; j < m; ++j) top[j] = o[i][j] > top[j] ? o[i][j] : top[j];
+    for (long j = 0; j < m; ++j) total[j] = 0;
+    for (long i = 0; i < I; ++i)
+        for (long j = 0; j < m; ++j) {
+            o[i][j] = M(exp)(o[i][j] - top[j]);
+            total[j] += o[i][j];
+        }
+    for (long j = 0; j < m; ++j) total[j] = 1 / total[j];
+    for (long i = 0; i < I; ++i)
+        for (long j = 0; j < m; ++j) o[i][j] *= total[j];
+}
+
+void S(gmm_soft_moments)(const T *X, const long *C, const T *W, const T *bias, T *sums, long L, long B,
+                         long N, long I, long D) {
+    const long width = 1 + 2 * D;
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        T o[MAX_OUTPUTS][BLOCK];
+        T *s = sums + lb * I * width;
+        for (long n0 = 0; n0 < N; n0 += BLOCK) {
+            const long m = N - n0 < BLOCK ? N - n0 : BLOCK;
+            S(soft_outputs)(W, bias, X + ((lb % B) * N + n0) * D, C + lb * N + n0, o, m, I, D);
+            for (long i = 0; i < I; ++i) {
+                T *si = s + i * width, r_sum = 0;
+                for (long j = 0; j < m; ++j) r_sum += o[i][j];
+                si[0] += r_sum;
+                for (long d = 0; d < D; ++d) {
+                    const T *t = o[I + d];
+                    T s1 = 0, s2 = 0;
+                    for (long j = 0; j < m; ++j) {
+                        s1 += o[i][j] * t[j];
+                        s2 += o[i][j] * t[j] * t[j];
+                    }
+                    si[1 + d] += s1;
+                    si[1 + D + d] += s2;
+                }
+            }
+        }
+    }
+}
+
+void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T *bias, const T *gsums,
+                                  T *gW, T *gbias, long L, long B, long N, long I, long D) {
+    const long width = 1 + 2 * D, F = D + I, K = I + D;
+#pragma omp parallel
+    {
+        T gw[MAX_OUTPUTS * MAX_OUTPUTS], gb[MAX_OUTPUTS], o[MAX_OUTPUTS][BLOCK], go[MAX_OUTPUTS][BLOCK];
+        memset(gw, 0, sizeof(T) * K * F);
+        memset(gb, 0, sizeof(T) * K);
+#pragma omp for schedule(static)
+        for (long lb = 0; lb < L * B; ++lb) {
+            const T *g = gsums + lb * I * width;
+            for (long n0 = 0; n0 < N; n0 += BLOCK) {
+                const long m = N - n0 < BLOCK ? N - n0 : BLOCK;
+                const T *x = X + ((lb % B) * N + n0) * D;
+                const long *c = C + lb * N + n0;
+                S(soft_outputs)(W, bias, x, c, o, m, I, D);
+                /* d/d resp_i and d/d t_d of sum_i g_i . (r_i, r_i t, r_i t^2) */
+                T mean_gr[BLOCK];
+                for (long j = 0; j < m; ++j) mean_gr[j] = 0;
+                for (long d = 0; d < D; ++d)
+                    for (long j = 0; j < m; ++j) go[I + d][j] = 0;
+                for (long i = 0; i < I; ++i) {
+                    const T *gi = g + i * width;
+                    for (long j = 0; j < m; ++j) go[i][j] = gi[0];
+                    for (long d = 0; d < D; ++d) {
+                        const T g1 = gi[1 + d], g2 = gi[1 + D + d];
+                        for (long j = 0; j < m; ++j) {
+                            const T t = o[I + d][j];
+                            go[i][j] += (g1 + g2 * t) * t;
+                            go[I + d][j] += o[i][j] * (g1 + 2 * g2 * t);
+                        }
+                    }
+                    for (long j = 0; j < m; ++j) mean_gr[j] += o[i][j] * go[i][j];
+                }
+                /* softmax backward */
+                for (long i = 0; i < I; ++i)
+                    for (long j = 0; j < m; ++j) go[i][j] = o[i][j] * (go[i][j] - mean_gr[j]);
+                for (long k = 0; k < K; ++k) {
+                    T sb = 0;
+                    for (long j = 0; j < m; ++j) sb += go[k][j];
+                    gb[k] += sb;
+                    for (long d = 0; d < D; ++d) {
+                        T sw = 0;
+                        for (long j = 0; j < m; ++j) sw += go[k][j] * x[j * D + d];
+                        gw[k * F + d] += sw;
+                    }
+                    for (long j = 0; j < m; ++j) gw[k * F + D + c[j]] += go[k][j];
+                }
+            }
+        }
+#pragma omp critical
+        {
+            for (long k = 0; k < K * F; ++k) gW[k] += gw[k];
+            for (long k = 0; k < K; ++k) gbias[k] += gb[k];
+        }
+    }
+}
+
+#endif
