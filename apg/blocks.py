@@ -114,6 +114,21 @@ class Model(nn.Module):
         """
         return self.log_blanket(block, x, z_new) - self.log_blanket(block, x, z_old)
 
+    def log_joint_step(
+        self, block: str, x: Tensor, z_old: Mapping[str, Tensor], z_new: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Latents]:
+        """What ``run_apg`` calls at a block update: ``log_joint_change`` and per-particle
+        caches for ``z_new``.
+
+        Caches are values the model derives from the latents and would otherwise
+        recompute at every block update (the rings' ``g_theta(alpha)``), named with a
+        leading ``"_"``. The sampler keeps them with the particles, through resampling,
+        and passes them back in ``z_old`` at the next block update; they never reach
+        proposals or results, and a cache not returned again is dropped. The default
+        keeps none.
+        """
+        return self.log_joint_change(block, x, z_old, z_new), {}
+
 
 class Proposals(nn.Module):
     """Base class of a task's inference networks for one architecture.

@@ -510,6 +510,40 @@ def test_rws_architectures_have_no_kernels():
         proposals.kernel("mu", data["x"].float(), z)
 
 
+def test_cached_shapes_change_nothing_but_how_often_g_runs(f64):
+    # The particles carry g_theta(alpha) through resampling (DGMM.log_joint_step); a
+    # model that recomputes it everywhere must give the same run, values and gradients.
+    from apg.blocks import Model
+    from apg.objectives import apg_loss
+
+    class Recomputing(DGMM):
+        log_joint_step = Model.log_joint_step  # the default: no caches
+
+    model, data = _data(num_datasets=2, num_points=15)
+    plain = Recomputing(model.cfg)
+    plain.load_state_dict(model.state_dict())
+    proposals = build_proposals(model, "apg")
+    runs = []
+    for m in (model, plain):
+        calls = []
+        g = m.g
+        m.g = lambda alpha, g=g, calls=calls: calls.append(1) or g(alpha)
+        torch.manual_seed(3)
+        result = run_apg(m, proposals, data["x"], num_sweeps=4, num_particles=5)
+        params = [*m.parameters(), *proposals.parameters()]
+        grads = torch.autograd.grad(apg_loss(result), params, allow_unused=True)
+        runs.append((result, grads, len(calls)))
+    (cached, cached_grads, cached_calls), (recomputed, grads, calls) = runs
+    assert set(cached.z) == {"mu", "c", "alpha"}
+    assert torch.equal(cached.z["c"], recomputed.z["c"])
+    assert torch.allclose(cached.log_weights, recomputed.log_weights, rtol=0, atol=1e-9)
+    assert torch.allclose(cached.log_joint, recomputed.log_joint, rtol=0, atol=1e-9)
+    for a, b in zip(cached_grads, grads, strict=True):
+        assert (a is None and b is None) or torch.allclose(a, b, rtol=1e-9, atol=1e-9)
+    # initial joint, first centre update, one per local update; against 1 + 3 per sweep
+    assert (cached_calls, calls) == (1 + 1 + 3, 1 + 3 * 3)
+
+
 def test_apg_loss_reaches_model_and_every_proposal_network():
     from apg.objectives import apg_loss
 

@@ -23,8 +23,15 @@ from apg.smc.weights import ess_fraction, log_evidence, normalized_weights, sani
 
 RESAMPLE_MODES = ("block", "sweep", "none")
 
-# Key under which the running log joint travels with the particles through resampling.
+# State entries whose names start with "_" travel with the particles through resampling
+# but are not latents: the running log joint, and values a model caches per particle
+# (``Model.log_joint_step``). Proposals, collectors and results never see them.
 _LOG_JOINT = "__log_joint__"
+
+
+def _latents(state: dict[str, Tensor]) -> Latents:
+    return {k: v for k, v in state.items() if not k.startswith("_")}
+
 
 # Called after every sweep with (sweep number from 1, particles, log-weights).
 Collector = Callable[[int, Latents, Tensor], None]
@@ -147,31 +154,33 @@ def run_apg(
         for i, block in enumerate(block_names):
             if resample_mode == "block" or (resample_mode == "sweep" and i == 0):
                 log_w, state = resample(log_w, state, resample_fn)
-            z = {k: v for k, v in state.items() if k != _LOG_JOINT}
-            kernel = proposals.kernel(block, x, z)
+            z = {k: v for k, v in state.items() if k != _LOG_JOINT}  # with the model's caches
+            latents = _latents(z)
+            kernel = proposals.kernel(block, x, latents)
             proposed = kernel.sample()
             log_q_new = kernel.log_prob(proposed)
             old = {name: z[name] for name in model_blocks[block]}
             with torch.no_grad():  # the reverse kernel enters only the (detached) weight
                 log_q_old = kernel.log_prob(old)
-            z_new = {**z, **proposed}
-            # The joint changes only in the block's blanket (Model.log_joint_change).
-            change = model.log_joint_change(block, x, z, z_new)
+            z_new = {**latents, **proposed}
+            # The joint changes only in the block's blanket (Model.log_joint_step).
+            change, caches = model.log_joint_step(block, x, z, z_new)
+            if any(not name.startswith("_") for name in caches):
+                raise ValueError(f"model caches must be named with a leading '_', got {sorted(caches)}")
             # eq. 9: incremental weight p(x, z_b', z_-b) q(z_b | .) / (p(x, z_b, z_-b) q(z_b' | .))
             log_v = (change + log_q_old - log_q_new).detach()
             log_w = sanitize(log_w + log_v)
             # Keep the running joint exact and differentiable in theta.
             log_joint = state[_LOG_JOINT] + change
-            state = {**z_new, _LOG_JOINT: log_joint}
+            state = {**z_new, **caches, _LOG_JOINT: log_joint}
             steps.append(Step(normalized_weights(log_w), log_q_new, log_joint))
             ess_blocks[block] = ess_fraction(log_w)
             increments[block] = log_v
         sweeps.append(sweep_stats(log_w, state[_LOG_JOINT], ess_blocks, increments))
         for collect in collectors:
-            collect(len(sweeps), {k: v for k, v in state.items() if k != _LOG_JOINT}, log_w)
+            collect(len(sweeps), _latents(state), log_w)
 
-    final_log_joint = state.pop(_LOG_JOINT)
-    return APGResult(state, log_w, final_log_joint, sweeps, steps)
+    return APGResult(_latents(state), log_w, state[_LOG_JOINT], sweeps, steps)
 
 
 def sweep_stats(

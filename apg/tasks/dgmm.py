@@ -160,12 +160,30 @@ class DGMM(Model):
     def log_joint_change(
         self, block: str, x: Tensor, z_old: Mapping[str, Tensor], z_new: Mapping[str, Tensor]
     ) -> Tensor:
-        if block != "mu":
-            return super().log_joint_change(block, x, z_old, z_new)
-        # Moving the centres leaves the angles alone: one g_theta(alpha) serves both sides.
-        shape = self.g(z_old["alpha"])
-        new = self.log_prior_mu(z_new["mu"]) + self.log_likelihood(x, z_new, shape)
-        return new - (self.log_prior_mu(z_old["mu"]) + self.log_likelihood(x, z_old, shape))
+        return self._change_and_shape(block, x, z_old, z_new)[0]
+
+    def log_joint_step(
+        self, block: str, x: Tensor, z_old: Mapping[str, Tensor], z_new: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Latents]:
+        return self._change_and_shape(block, x, z_old, z_new)
+
+    def _change_and_shape(
+        self, block: str, x: Tensor, z_old: Mapping[str, Tensor], z_new: Mapping[str, Tensor]
+    ) -> tuple[Tensor, Latents]:
+        # The particles carry g_theta(alpha) as the cache "_shape" (Model.log_joint_step):
+        # each angle's shape is computed once, when it is drawn, instead of again at every
+        # later block update that scores it.
+        shape_old = z_old["_shape"] if "_shape" in z_old else self.g(z_old["alpha"])
+        if block == "mu":  # the angles stay: one shape serves both sides
+            new = self.log_prior_mu(z_new["mu"]) + self.log_likelihood(x, z_new, shape_old)
+            old = self.log_prior_mu(z_old["mu"]) + self.log_likelihood(x, z_old, shape_old)
+            return new - old, {"_shape": shape_old}
+        if block == "local":
+            shape_new = self.g(z_new["alpha"])
+            new = self.log_prior_local(x, z_new) + self.log_likelihood(x, z_new, shape_new)
+            old = self.log_prior_local(x, z_old) + self.log_likelihood(x, z_old, shape_old)
+            return new - old, {"_shape": shape_new}
+        raise ValueError(f"unknown block {block!r}; the model has {list(self.blocks)}")
 
 
 def simulate_rings(
