@@ -8,6 +8,7 @@ gradients.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from apg.smc.sampler import APGResult
@@ -21,13 +22,23 @@ def weighted_nll(weights: Tensor, log_density: Tensor) -> Tensor:
 def phi_loss(result: APGResult) -> Tensor:
     """eq. 5: the gradient of this is minus the inclusive-KL gradient estimate for every
     proposal, accumulated at the initial step and after every block update."""
-    return sum((weighted_nll(s.weights, s.log_q) for s in result.steps), start=_zero(result))
+    return _summed_over_steps(result, [s.log_q for s in result.steps])
 
 
 def theta_loss(result: APGResult) -> Tensor:
     """eq. 6: the gradient of this is minus the self-normalized estimate of
     ``grad_theta log p_theta(x)``, accumulated like ``phi_loss``."""
-    return sum((weighted_nll(s.weights, s.log_joint) for s in result.steps), start=_zero(result))
+    return _summed_over_steps(result, [s.log_joint for s in result.steps])
+
+
+def _summed_over_steps(result: APGResult, log_densities: list[Tensor]) -> Tensor:
+    """``sum_steps weighted_nll(step.weights, log_density)``, as one product over the steps
+    stacked along the particle axis (a run has dozens of steps; one small graph each
+    cost more than the arithmetic)."""
+    if not log_densities:
+        return _zero(result)
+    weights = torch.cat([s.weights for s in result.steps])
+    return weighted_nll(weights, torch.cat(log_densities))
 
 
 def apg_loss(result: APGResult) -> Tensor:

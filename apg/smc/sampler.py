@@ -19,7 +19,7 @@ from torch import Tensor
 
 from apg.blocks import Latents, Model, Proposals, check_particles
 from apg.smc.resampling import get_resampler, resample
-from apg.smc.weights import ess_fraction, log_evidence, normalized_weights, sanitize
+from apg.smc.weights import ess_fraction_of, log_evidence, normalized_weights, sanitize
 
 RESAMPLE_MODES = ("block", "sweep", "none")
 
@@ -173,8 +173,9 @@ def run_apg(
             # Keep the running joint exact and differentiable in theta.
             log_joint = state[_LOG_JOINT] + change
             state = {**z_new, **caches, _LOG_JOINT: log_joint}
-            steps.append(Step(normalized_weights(log_w), log_q_new, log_joint))
-            ess_blocks[block] = ess_fraction(log_w)
+            weights = normalized_weights(log_w)
+            steps.append(Step(weights, log_q_new, log_joint))
+            ess_blocks[block] = ess_fraction_of(weights)
             increments[block] = log_v
         sweeps.append(sweep_stats(log_w, state[_LOG_JOINT], ess_blocks, increments))
         for collect in collectors:
@@ -192,7 +193,8 @@ def sweep_stats(
     """``SweepStats`` of particles with log-weights ``log_w`` and log joints ``log_joint``
     (both ``(L, B)``); also used by the baselines that report in the sampler's terms."""
     with torch.no_grad():
-        weighted = (normalized_weights(log_w) * log_joint.detach()).sum(0)
+        weights = normalized_weights(log_w)
+        weighted = (weights * log_joint.detach()).sum(0)
         return SweepStats(
-            weighted, ess_fraction(log_w), ess_blocks or {}, log_evidence(log_w), increments or {}
+            weighted, ess_fraction_of(weights), ess_blocks or {}, log_evidence(log_w), increments or {}
         )

@@ -22,9 +22,10 @@ def sanitize(log_w: Tensor) -> Tensor:
     This is the one place where NaN becomes -inf.
     """
     # Fast path, taken at every block update: the per-dataset maximum is NaN if any
-    # weight is NaN, +inf if any is +inf and -inf only if all are, so one reduction
-    # decides that there is nothing to repair.
-    if bool(torch.isfinite(log_w.amax(dim=0)).all()):
+    # weight is NaN, +inf if any is +inf and -inf only if all are, so the sum of the
+    # maxima is finite exactly when there is nothing to repair (an overflow of that sum
+    # only sends it down the full check).
+    if math.isfinite(log_w.amax(dim=0).sum()):
         return log_w
     log_w = torch.nan_to_num(log_w, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     if torch.isposinf(log_w).any():
@@ -55,13 +56,18 @@ def normalized_weights(log_w: Tensor) -> Tensor:
 
 def ess(log_w: Tensor) -> Tensor:
     """Effective sample size ``(sum w)^2 / sum w^2`` per dataset, ``(B,)`` (eq. 11 times L)."""
-    w = normalized_weights(log_w)  # stable: the largest weight is at least 1 / L
-    return 1.0 / (w * w).sum(0)
+    # stable: the largest normalized weight is at least 1 / L
+    return ess_fraction_of(normalized_weights(log_w)) * log_w.shape[0]
 
 
 def ess_fraction(log_w: Tensor) -> Tensor:
     """ESS/L per dataset, ``(B,)`` (eq. 11)."""
-    return ess(log_w) / log_w.shape[0]
+    return ess_fraction_of(normalized_weights(log_w))
+
+
+def ess_fraction_of(weights: Tensor) -> Tensor:
+    """ESS/L per dataset from self-normalized weights ``(L, B)``: ``1 / (L sum w^2)``."""
+    return 1.0 / (weights.shape[0] * (weights * weights).sum(0))
 
 
 def log_evidence(log_w: Tensor) -> Tensor:
