@@ -228,3 +228,118 @@ def test_rws_encoders_propose_without_kernels(architecture):
     assert len(result.sweeps) == 1 and result.z["mu"].shape == (6, 3, 3, 2)
     with pytest.raises(NotImplementedError):
         proposals.kernel("globals", x, result.z)
+
+
+def _normal_gamma_cases(dtype=torch.float64):
+    """Parameters (L, B, I, D) = (2, 3, 3, 2) spanning alpha near 1 and large, beta small,
+    and values drawn from them."""
+    gen = torch.Generator().manual_seed(11)
+    shape = (2, 3, 3, 2)
+    m = torch.randn(shape, generator=gen, dtype=torch.float64)
+    nu = 0.1 + 5 * torch.rand(shape, generator=gen, dtype=torch.float64)
+    alpha = torch.tensor([1.0 + 1e-3, 1.7, 40.0, 250.0, 3.0, 1.1], dtype=torch.float64).repeat(6).view(shape)
+    beta = torch.tensor([1e-3, 0.05, 2.0, 30.0, 0.2, 7.0], dtype=torch.float64).repeat(6).view(shape).flip(-1)
+    tau = torch._standard_gamma(alpha, generator=gen) / beta
+    mu = m + torch.randn(shape, generator=gen, dtype=torch.float64) / torch.sqrt(nu * tau)
+    return [t.to(dtype) for t in (m, nu, alpha, beta, mu, tau)]
+
+
+def test_normal_gamma_log_prob_is_the_textbook_density_with_its_gradients(f64, kernel_path):
+    # On CPU the log-density and its backward are one compiled pass (apg/kernels/gmm.c,
+    # with its own digamma); both paths must give the Gamma x Normal density and exact
+    # gradients in the parameters and the values.
+    from torch.distributions import Gamma, Normal
+
+    from apg.tasks.gmm import NormalGamma, _native_log_prob
+
+    m, nu, alpha, beta, mu, tau = _normal_gamma_cases()
+    assert (_native_log_prob(m, nu, alpha, beta, mu, tau) is not None) == (kernel_path == "native")
+    got = NormalGamma(m, nu, alpha, beta).log_prob({"mu": mu, "tau": tau})
+    want = Gamma(alpha, beta).log_prob(tau) + Normal(m, (nu * tau) ** -0.5).log_prob(mu)
+    assert torch.allclose(got, want.sum((-2, -1)), rtol=1e-12, atol=0)
+
+    def log_prob(m, nu, alpha, beta, mu, tau):
+        return NormalGamma(m, nu, alpha, beta).log_prob({"mu": mu, "tau": tau})
+
+    inputs = [t.clone().requires_grad_() for t in (m, nu, alpha, beta, mu, tau)]
+    assert torch.autograd.gradcheck(log_prob, inputs)
+    # parameters broadcast from (B, I, 1), as the conjugate update and the encoder give them
+    shared = [t[0, :, :, :1].clone().requires_grad_() for t in (nu, alpha)]
+    assert torch.autograd.gradcheck(lambda n, a: log_prob(m, n, a, beta, mu, tau), shared)
+    # float32 agrees with float64
+    single = log_prob(*_normal_gamma_cases(torch.float32))
+    assert single.dtype == torch.float32
+    assert torch.allclose(single.double(), got, rtol=1e-5, atol=1e-3)
+
+
+def test_digamma_of_the_compiled_backward_matches_torch():
+    import apg.kernels
+    from apg.kernels import call, native_function
+
+    if apg.kernels.native_library() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    x = torch.cat([torch.logspace(-3, 4, 2000, dtype=torch.float64), torch.linspace(0.5, 12, 2000).double()])
+    out = torch.empty_like(x)
+    call(native_function("gmm_digamma", x), x, out, x.numel())
+    want = torch.digamma(x)
+    away_from_root = (x - 1.4616321449683622).abs() > 0.01  # psi's zero: relative error is moot
+    assert ((out - want).abs() / want.abs())[away_from_root].max() < 1e-12
+    assert ((out - want).abs() / want.abs().clamp_min(1)).max() < 1e-13
+
+
+def test_normal_gamma_from_sums_is_the_conjugate_update_of_its_moments(f64, kernel_path):
+    # The globals proposals build their NormalGamma from per-cluster sums; on CPU the
+    # update, the draws and the log-density (with its backward into the sums) are compiled
+    # passes. They must be normal_gamma_from_moments followed by NormalGamma, draws
+    # included (same generator, same order), for per-particle sums and for an encoder's
+    # sums shared by all particles; an empty cluster is the prior.
+    from apg.tasks.gmm import (
+        NormalGamma,
+        NormalGammaFromSums,
+        cluster_sums,
+        moments_from_sums,
+        normal_gamma_from_moments,
+        normal_gamma_from_sums,
+    )
+
+    cfg = GMMConfig()
+    resp = torch.softmax(2 * torch.randn(4, 3, 9, 3), -1)
+    resp[0, 0, :, 2] = 0  # an empty cluster
+    sums = cluster_sums(resp, torch.randn(4, 3, 9, 2)).requires_grad_()
+    for shared in (False, True):
+        s = sums[0].detach().clone().requires_grad_() if shared else sums
+        q = normal_gamma_from_sums(cfg, s)
+        twin = normal_gamma_from_moments(cfg, *moments_from_sums(s))
+        assert isinstance(q, NormalGammaFromSums if kernel_path == "native" else NormalGamma)
+        if shared:
+            q, twin = q.expand(4), twin.expand(4)
+        torch.manual_seed(5)
+        z = q.sample()
+        torch.manual_seed(5)
+        z_twin = twin.sample()
+        for k in ("mu", "tau"):
+            assert z[k].shape == (4, 3, 3, 2) and torch.allclose(z[k], z_twin[k], rtol=1e-12, atol=0)
+        z_old = twin.sample()
+        for value in (z, z_old):
+            lp, want = q.log_prob(value), twin.log_prob(value)
+            assert torch.allclose(lp, want, rtol=1e-12, atol=0)
+            (grad,) = torch.autograd.grad(lp.sum(), s, retain_graph=True)
+            (grad_want,) = torch.autograd.grad(want.sum(), s, retain_graph=True)
+            assert torch.allclose(grad, grad_want, rtol=1e-10, atol=1e-12)
+
+    # exact gradients in the sums and the values away from the empty cluster's kink
+    full = cluster_sums(torch.softmax(torch.randn(4, 3, 9, 3), -1), torch.randn(4, 3, 9, 2))
+    value = normal_gamma_from_sums(cfg, full).sample()
+
+    def log_prob(s, mu, tau):
+        return normal_gamma_from_sums(cfg, s).log_prob({"mu": mu, "tau": tau})
+
+    inputs = [t.clone().requires_grad_() for t in (full, value["mu"], value["tau"])]
+    assert torch.autograd.gradcheck(log_prob, inputs)
+    shared = full[0].clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda s: normal_gamma_from_sums(cfg, s).expand(4).log_prob(value), [shared]
+    )
+    # float32 agrees with float64
+    single = normal_gamma_from_sums(cfg, full.float()).log_prob({k: v.float() for k, v in value.items()})
+    assert torch.allclose(single.double(), log_prob(full, value["mu"], value["tau"]), rtol=1e-5, atol=1e-3)

@@ -22,11 +22,22 @@
  *   t = o[I:]; sums[l,b,i,:] += (resp_i, resp_i t, resp_i t^2), sums (L, B, I, 1 + 2D) zeroed
  *   by the caller. gmm_soft_moments_backward accumulates gW, gbias (zeroed) from gsums.
  *
+ * The globals proposals' NormalGamma (apg/tasks/gmm.py: NormalGamma, NormalGammaFromSums):
+ *   in eager PyTorch its conjugate update is ~20 small ops on (L, B, I, D) tensors and its
+ *   log-density ~20 more (lgamma alone ~140 us), with as many again in the backward, at
+ *   every globals update. gmm_ng_log_prob (and _backward, into all six inputs) scores values
+ *   under given parameters; gmm_ng_sums_params, gmm_ng_sample (draws from torch's standard
+ *   gamma and normal draws) and gmm_ng_sums_log_prob (and _backward, into the sums and the
+ *   values) start from the per-cluster sums. lgamma is the reentrant lgamma_r (OpenMP
+ *   threads); digamma is written here (gmm_digamma exposes it to the tests).
+ *
  * This file includes itself once per dtype (T float, then double).
  */
 #ifndef GMM_BODY
 #define GMM_BODY
 
+#define _GNU_SOURCE /* lgamma_r, lgammaf_r: plain lgamma writes the global signgam */
+#include <float.h>
 #include <math.h>
 #include <stddef.h>
 #include <string.h>
@@ -37,17 +48,25 @@
 #define MAX_CELLS 256  /* I * D per dataset on the stack; larger falls back to PyTorch */
 #define MAX_OUTPUTS 16 /* I + D of the globals kernel, likewise */
 
+#define HALF_LOG_2PI 0.91893853320467274178
+
 #define T float
 #define SUFFIX _f32
 #define M(fn) fn##f
+#define LGAMMA_R lgammaf_r
+#define TINY FLT_MIN
 #include __FILE__
 #undef T
 #undef SUFFIX
 #undef M
+#undef LGAMMA_R
+#undef TINY
 
 #define T double
 #define SUFFIX _f64
 #define M(fn) fn
+#define LGAMMA_R lgamma_r
+#define TINY DBL_MIN
 #include __FILE__
 
 #else /* the body, once per dtype */
@@ -212,7 +231,13 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T
                         for (long j = 0; j < m; ++j) sw += go[k][j] * x[j * D + d];
                         gw[k * F + d] += sw;
                     }
-                    for (long j = 0; j < m; ++j) gw[k * F + D + c[j]] += go[k][j];
+                    /* the one-hot inputs' columns as masked sums: a scatter by c[j] would
+                     * chain every add through memory */
+                    for (long i = 0; i < I; ++i) {
+                        T sc = 0;
+                        for (long j = 0; j < m; ++j) sc += c[j] == i ? go[k][j] : 0;
+                        gw[k * F + D + i] += sc;
+                    }
                 }
             }
         }
@@ -223,5 +248,170 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T
         }
     }
 }
+
+/* ---- The NormalGamma proposal: its conjugate update, draws and log-density ------------ */
+
+/* digamma(x), x > 0: the recurrence psi(x) = psi(x + 1) - 1/x up to x >= 10 (at most 10
+ * steps, a bound that also ends the loop for invalid x), then the asymptotic series
+ * ln x - 1/(2x) - sum_k B_2k / (2k x^2k) through x^-14 (truncation error below 1e-16). */
+static inline T S(ng_digamma)(T x) {
+    T shift = 0;
+    for (int k = 0; k < 10 && x < 10; ++k, x += 1) shift -= 1 / x;
+    const T f = 1 / (x * x);
+    const T series =
+        f * ((T)(-1.0 / 12) +
+             f * ((T)(1.0 / 120) +
+                  f * ((T)(-1.0 / 252) +
+                       f * ((T)(1.0 / 240) + f * ((T)(-1.0 / 132) + f * ((T)(691.0 / 32760) + f * (T)(-1.0 / 12)))))));
+    return shift + M(log)(x) - (T)0.5 / x + series;
+}
+
+void S(gmm_digamma)(const T *x, T *out, long n) {
+    for (long k = 0; k < n; ++k) out[k] = S(ng_digamma)(x[k]);
+}
+
+/* log NormalGamma, per cell: Gamma(tau; alpha, rate beta) Normal(x; m, 1 / (nu tau)), summed
+ * over the K = I D cells of each of R rows. All six (R, K) contiguous. */
+void S(gmm_ng_log_prob)(const T *m, const T *nu, const T *alpha, const T *beta, const T *x, const T *tau, T *out,
+                        long R, long K) {
+#pragma omp parallel for schedule(static)
+    for (long r = 0; r < R; ++r) {
+        T total = 0;
+        for (long k = r * K; k < (r + 1) * K; ++k) {
+            int sign;
+            const T e = x[k] - m[k];
+            total += alpha[k] * M(log)(beta[k]) - LGAMMA_R(alpha[k], &sign) + (T)0.5 * M(log)(nu[k]) +
+                     (alpha[k] - (T)0.5) * M(log)(tau[k]) - tau[k] * (beta[k] + (T)0.5 * nu[k] * e * e);
+        }
+        out[r] = total - (T)HALF_LOG_2PI * K;
+    }
+}
+
+/* Its gradients in all six, from g (R,) = d loss / d out. */
+void S(gmm_ng_log_prob_backward)(const T *m, const T *nu, const T *alpha, const T *beta, const T *x, const T *tau,
+                                 const T *g, T *gm, T *gnu, T *galpha, T *gbeta, T *gx, T *gtau, long R, long K) {
+#pragma omp parallel for schedule(static)
+    for (long k = 0; k < R * K; ++k) {
+        const T gk = g[k / K], e = x[k] - m[k], half_e2 = (T)0.5 * e * e;
+        gm[k] = gk * tau[k] * nu[k] * e;
+        gnu[k] = gk * ((T)0.5 / nu[k] - tau[k] * half_e2);
+        galpha[k] = gk * (M(log)(beta[k]) - S(ng_digamma)(alpha[k]) + M(log)(tau[k]));
+        gbeta[k] = gk * (alpha[k] / beta[k] - tau[k]);
+        gx[k] = -gm[k];
+        gtau[k] = gk * ((alpha[k] - (T)0.5) / tau[k] - beta[k] - nu[k] * half_e2);
+    }
+}
+
+/* The same from the per-cluster sums s = (sum r, sum r t, sum r t^2) (I, W = 1 + 2D) that
+ * the conjugate update reads (normal_gamma_from_moments of moments_from_sums): count c,
+ * mean = s1 / max(c, 1e-12), scatter = max(s2 - s1 mean, 0); nu = nu0 + c, alpha = a0 + c/2,
+ * m = (nu0 m0 + c mean) / nu, beta = b0 + scatter / 2 + nu0 c (mean - m0)^2 / (2 nu);
+ * consts = (a0, b0, nu0, m0). Sums are (L, B, I, W), or (B, I, W) shared by the L particles
+ * when per_particle is 0. Values x, tau and out are per particle. */
+#define NG_CLUSTER                                                                                 \
+    const T c = si[0], cc = c > (T)1e-12 ? c : (T)1e-12, nu = nu0 + c, alpha = a0 + (T)0.5 * c
+#define NG_CELL                                                                                    \
+    const T s1 = si[1 + d], mean = s1 / cc, raw = si[1 + D + d] - s1 * mean, dm0 = mean - m0;     \
+    const T m = (nu0 * m0 + c * mean) / nu,                                                        \
+            beta = b0 + (T)0.5 * (raw > 0 ? raw : 0) + (T)0.5 * nu0 * c * dm0 * dm0 / nu
+
+void S(gmm_ng_sums_params)(const T *sums, const T *consts, T *params, long L, long B, long I, long D,
+                           long per_particle) {
+    const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
+    const long W = 1 + 2 * D, n = L * B * I * D;
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *s = sums + (per_particle ? lb : lb % B) * I * W;
+        for (long i = 0; i < I; ++i) {
+            const T *si = s + i * W;
+            NG_CLUSTER;
+            for (long d = 0; d < D; ++d) {
+                NG_CELL;
+                const long k = (lb * I + i) * D + d;
+                params[k] = m;
+                params[n + k] = nu;
+                params[2 * n + k] = alpha;
+                params[3 * n + k] = beta;
+            }
+        }
+    }
+}
+
+/* Draws from standard draws, in place: tau holds Gamma(alpha, 1) draws, mu standard normal
+ * ones; tau = max(tau / beta, tiny) (torch's Gamma), mu = m + mu / sqrt(nu tau). */
+void S(gmm_ng_sample)(const T *params, T *mu, T *tau, long n) {
+#pragma omp parallel for schedule(static)
+    for (long k = 0; k < n; ++k) {
+        T t = tau[k] / params[3 * n + k];
+        t = t > TINY ? t : TINY;
+        tau[k] = t;
+        mu[k] = params[k] + mu[k] / M(sqrt)(params[n + k] * t);
+    }
+}
+
+void S(gmm_ng_sums_log_prob)(const T *sums, const T *consts, const T *X, const T *TAU, T *out, long L, long B,
+                             long I, long D, long per_particle) {
+    const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
+    const long W = 1 + 2 * D;
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *s = sums + (per_particle ? lb : lb % B) * I * W, *x = X + lb * I * D, *tau = TAU + lb * I * D;
+        T total = 0;
+        for (long i = 0; i < I; ++i) {
+            const T *si = s + i * W;
+            NG_CLUSTER;
+            int sign;
+            total += D * ((T)0.5 * M(log)(nu) - LGAMMA_R(alpha, &sign));
+            for (long d = 0; d < D; ++d) {
+                NG_CELL;
+                const T t = tau[i * D + d], e = x[i * D + d] - m;
+                total += alpha * M(log)(beta) + (alpha - (T)0.5) * M(log)(t) - t * (beta + (T)0.5 * nu * e * e);
+            }
+        }
+        out[lb] = total - (T)HALF_LOG_2PI * I * D;
+    }
+}
+
+/* Gradients in the sums (accumulated into gsums, zeroed by the caller, shaped as sums) and in
+ * the values, from g (L, B). Parallel over datasets, so shared sums never race. */
+void S(gmm_ng_sums_log_prob_backward)(const T *sums, const T *consts, const T *X, const T *TAU, const T *g,
+                                      T *gsums, T *gX, T *gTAU, long L, long B, long I, long D,
+                                      long per_particle) {
+    const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
+    const long W = 1 + 2 * D;
+#pragma omp parallel for schedule(static)
+    for (long b = 0; b < B; ++b)
+        for (long l = 0; l < L; ++l) {
+            const long lb = l * B + b, row = (per_particle ? lb : b) * I * W;
+            const T gl = g[lb];
+            for (long i = 0; i < I; ++i) {
+                const T *si = sums + row + i * W;
+                T *gs = gsums + row + i * W;
+                NG_CLUSTER;
+                const T psi = S(ng_digamma)(alpha), dmean_dcc = c >= (T)1e-12 ? -1 / cc : 0;
+                T gcount = 0;
+                for (long d = 0; d < D; ++d) {
+                    NG_CELL;
+                    const long k = (lb * I + i) * D + d;
+                    const T t = TAU[k], e = X[k] - m, half_e2 = (T)0.5 * e * e;
+                    /* the cell's partials in m, nu, alpha, beta */
+                    const T pm = t * nu * e, pnu = (T)0.5 / nu - t * half_e2;
+                    const T palpha = M(log)(beta) - psi + M(log)(t), pbeta = alpha / beta - t;
+                    gX[k] = -gl * pm;
+                    gTAU[k] = gl * ((alpha - (T)0.5) / t - beta - nu * half_e2);
+                    /* to the moments (count, mean, scatter), then to the sums */
+                    const T gscatter = raw >= 0 ? (T)0.5 * pbeta : 0;
+                    const T gmean = pm * c / nu + pbeta * nu0 * c * dm0 / nu - gscatter * s1;
+                    gcount += pnu + pm * (mean - m) / nu + (T)0.5 * palpha +
+                              pbeta * (T)0.5 * nu0 * nu0 * dm0 * dm0 / (nu * nu) + gmean * mean * dmean_dcc;
+                    gs[1 + d] += gl * (gmean / cc - gscatter * mean);
+                    gs[1 + D + d] += gl * gscatter;
+                }
+                gs[0] += gl * gcount;
+            }
+        }
+}
+#undef NG_CLUSTER
+#undef NG_CELL
 
 #endif

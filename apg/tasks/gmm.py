@@ -15,6 +15,7 @@ Data ``x``: ``(B, N, D)``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,12 @@ class NormalGamma:
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
         mu, tau = value["mu"], value["tau"]
+        params = (self.mu, self.nu, self.alpha, self.beta)
+        native = _native_log_prob(*params, mu, tau)
+        if native is not None:
+            shape = torch.broadcast_shapes(*(t.shape for t in (*params, mu, tau)))
+            args = (t if t.shape == shape else t.expand(shape) for t in (*params, mu, tau))
+            return _NormalGammaLogProb.apply(*args, *native)
         # Gamma(tau; alpha, beta) Normal(mu; m, 1 / (nu tau)), with the log tau terms merged
         log_density = (
             self.alpha * torch.log(self.beta)
@@ -73,6 +80,130 @@ class NormalGamma:
         return NormalGamma(*(p.expand(shape) for p in (self.mu, self.nu, self.alpha, self.beta)))
 
 
+def _native_log_prob(*tensors: Tensor):
+    """The compiled ``NormalGamma.log_prob`` ``(forward, backward)`` where it applies: CPU
+    tensors of one floating dtype with at least the ``(I, D)`` event dims."""
+    if any(t.dim() < 2 for t in tensors):
+        return None
+    forward = native_function("gmm_ng_log_prob", *tensors)
+    return None if forward is None else (forward, native_function("gmm_ng_log_prob_backward", *tensors))
+
+
+class _NormalGammaLogProb(torch.autograd.Function):
+    """``NormalGamma.log_prob`` in one compiled pass, differentiable in the parameters
+    ``(m, nu, alpha, beta)`` and the values ``(mu, tau)``, all shaped ``(..., I, D)``."""
+
+    @staticmethod
+    def forward(ctx, m, nu, alpha, beta, mu, tau, forward_fn, backward_fn):
+        inputs = tuple(t.contiguous() for t in (m, nu, alpha, beta, mu, tau))
+        cells = mu.shape[-2] * mu.shape[-1]
+        out = mu.new_empty(mu.shape[:-2])
+        ctx.sizes = (out.numel(), cells)
+        call(forward_fn, *inputs, out, *ctx.sizes)
+        ctx.save_for_backward(*inputs)
+        ctx.backward_fn = backward_fn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = ctx.saved_tensors
+        grads = [torch.empty_like(t) for t in inputs]
+        call(ctx.backward_fn, *inputs, grad.contiguous(), *grads, *ctx.sizes)
+        return (*grads, None, None)
+
+
+class NormalGammaFromSums:
+    """``normal_gamma_from_moments(cfg, *moments_from_sums(sums))`` with the conjugate update,
+    the draws and the log-density each one compiled pass (``apg/kernels/gmm.c``).
+
+    ``sums``: per-cluster ``(sum r, sum r t, sum r t^2)``, ``(L, B, I, 1 + 2D)``, or
+    ``(B, I, 1 + 2D)`` before ``expand``. In eager PyTorch the update and the log-density
+    are ~40 small ops on ``(L, B, I, D)`` tensors, and as many in the backward, at every
+    globals update; here the log-density's backward goes straight to the sums. Where the
+    shapes do not fit, ``twin()`` (the PyTorch formulas) runs instead.
+    """
+
+    def __init__(self, cfg: GMMConfig, sums: Tensor, num_particles: int | None = None):
+        self.cfg, self.sums, self.num_particles = cfg, sums, num_particles
+
+    def twin(self) -> NormalGamma:
+        """The same distribution as a ``NormalGamma`` of PyTorch-computed parameters."""
+        q = normal_gamma_from_moments(self.cfg, *moments_from_sums(self.sums))
+        return q if self.num_particles is None else q.expand(self.num_particles)
+
+    mu = property(lambda self: self.twin().mu)
+    nu = property(lambda self: self.twin().nu)
+    alpha = property(lambda self: self.twin().alpha)
+    beta = property(lambda self: self.twin().beta)
+
+    def expand(self, num_particles: int) -> NormalGammaFromSums:
+        """Add a leading particle dim to sums shaped ``(B, I, 1 + 2D)``."""
+        if self.num_particles is not None:
+            raise ValueError("already expanded")
+        return NormalGammaFromSums(self.cfg, self.sums, num_particles)
+
+    def _sizes(self) -> tuple[int, ...] | None:
+        """``(L, B, I, D, per_particle)`` for the compiled passes, or ``None`` for the twin."""
+        sums = self.sums
+        per_particle = self.num_particles is None
+        if sums.dim() != (4 if per_particle else 3):
+            return None
+        (*grid, clusters, width) = sums.shape if per_particle else (self.num_particles, *sums.shape)
+        return (*grid, clusters, (width - 1) // 2, int(per_particle))
+
+    def sample(self) -> Latents:
+        sizes, sums = self._sizes(), self.sums.detach()
+        native = None if sizes is None else native_function("gmm_ng_sums_params", sums)
+        if native is None:
+            return self.twin().sample()
+        params = sums.new_empty(4, *sizes[:4])
+        call(native, sums, _consts(self.cfg, sums.dtype), params, *sizes)
+        # torch's generator, in the order and shapes NormalGamma.sample draws
+        tau = torch._standard_gamma(params[2])
+        mu = torch.randn_like(tau)
+        call(native_function("gmm_ng_sample", sums), params, mu, tau, mu.numel())
+        return {"mu": mu, "tau": tau}
+
+    def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
+        mu, tau = value["mu"], value["tau"]
+        sizes = self._sizes()
+        native = None if sizes is None else native_function("gmm_ng_sums_log_prob", self.sums, mu, tau)
+        if native is None or mu.shape != tau.shape or mu.shape != sizes[:4]:
+            return self.twin().log_prob(value)
+        backward = native_function("gmm_ng_sums_log_prob_backward", mu)
+        consts = _consts(self.cfg, mu.dtype)
+        return _NormalGammaSumsLogProb.apply(self.sums, mu, tau, consts, sizes, native, backward)
+
+
+@functools.cache
+def _consts(cfg: GMMConfig, dtype: torch.dtype) -> Tensor:
+    """The prior's ``(alpha0, beta0, nu0, mu0)`` for the compiled kernels (CPU, read-only)."""
+    return torch.tensor([cfg.alpha0, cfg.beta0, cfg.nu0, cfg.mu0], dtype=dtype)
+
+
+class _NormalGammaSumsLogProb(torch.autograd.Function):
+    """``NormalGammaFromSums.log_prob``: one compiled pass from the sums and values to
+    ``(L, B)``, differentiable in the sums and the values."""
+
+    @staticmethod
+    def forward(ctx, sums, mu, tau, consts, sizes, forward_fn, backward_fn):
+        sums, mu, tau = (t.contiguous() for t in (sums, mu, tau))
+        out = mu.new_empty(sizes[:2])
+        call(forward_fn, sums, consts, mu, tau, out, *sizes)
+        ctx.save_for_backward(sums, mu, tau, consts)
+        ctx.sizes, ctx.backward_fn = sizes, backward_fn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        sums, mu, tau, consts = ctx.saved_tensors
+        grad_sums = torch.zeros_like(sums)
+        grad_mu, grad_tau = torch.empty_like(mu), torch.empty_like(tau)
+        inputs = (sums, consts, mu, tau, grad.contiguous())
+        call(ctx.backward_fn, *inputs, grad_sums, grad_mu, grad_tau, *ctx.sizes)
+        return grad_sums, grad_mu, grad_tau, None, None, None, None
+
+
 def cluster_moments(resp: Tensor, stats: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Per-cluster (soft) count ``(..., I, 1)``, mean and within-cluster scatter ``(..., I, D)``.
 
@@ -85,10 +216,15 @@ def cluster_moments(resp: Tensor, stats: Tensor) -> tuple[Tensor, Tensor, Tensor
     Works point-axis-last (``(..., I, N)``, ``(..., D, N)``): callers that hold those
     layouts pass transposed views and nothing is copied (see ``assignment_logits``).
     """
+    return moments_from_sums(cluster_sums(resp, stats))
+
+
+def cluster_sums(resp: Tensor, stats: Tensor) -> Tensor:
+    """Per-cluster ``(sum r, sum r t, sum r t^2)`` ``(..., I, 1 + 2D)`` (see ``cluster_moments``)."""
     stats_t = stats.transpose(-1, -2)  # (..., D, N)
     ones = stats_t.new_ones(()).expand(*stats_t.shape[:-2], 1, stats_t.shape[-1])
     moments_t = torch.cat([ones, stats_t, stats_t * stats_t], -2)  # (..., 1 + 2D, N)
-    return moments_from_sums(resp.transpose(-1, -2) @ moments_t.transpose(-1, -2))
+    return resp.transpose(-1, -2) @ moments_t.transpose(-1, -2)
 
 
 def moments_from_sums(sums: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -99,7 +235,7 @@ def moments_from_sums(sums: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return count, mean, (s2 - s1 * mean).clamp_min(0.0)
 
 
-def normal_gamma_posterior(cfg: GMMConfig, resp: Tensor, stats: Tensor) -> NormalGamma:
+def normal_gamma_posterior(cfg: GMMConfig, resp: Tensor, stats: Tensor) -> NormalGamma | NormalGammaFromSums:
     """Conjugate NormalGamma update from (soft) assignments and point statistics.
 
     ``resp``: ``(..., N, I)`` assignment weights (one-hot for the exact conditional);
@@ -109,7 +245,15 @@ def normal_gamma_posterior(cfg: GMMConfig, resp: Tensor, stats: Tensor) -> Norma
     ``beta0``. Written from the standard NormalGamma formulas (not the authors' code, whose
     mean term used the prior's nu in place of its mu).
     """
-    return normal_gamma_from_moments(cfg, *cluster_moments(resp, stats))
+    return normal_gamma_from_sums(cfg, cluster_sums(resp, stats))
+
+
+def normal_gamma_from_sums(cfg: GMMConfig, sums: Tensor) -> NormalGamma | NormalGammaFromSums:
+    """``normal_gamma_posterior`` from the per-cluster sums ``(..., I, 1 + 2D)``: compiled
+    (``NormalGammaFromSums``) where the kernels apply, else the PyTorch formulas."""
+    if sums.dim() in (3, 4) and native_function("gmm_ng_sums_log_prob", sums) is not None:
+        return NormalGammaFromSums(cfg, sums)
+    return normal_gamma_from_moments(cfg, *moments_from_sums(sums))
 
 
 def normal_gamma_from_moments(cfg: GMMConfig, count: Tensor, mean: Tensor, scatter: Tensor) -> NormalGamma:
@@ -345,7 +489,7 @@ class GlobalsProposal(nn.Module):
         weight = torch.cat([self.resp.weight, self.stat.weight])
         return weight, torch.cat([self.resp.bias, self.stat.bias])
 
-    def forward(self, u: Tensor) -> NormalGamma:
+    def forward(self, u: Tensor) -> NormalGamma | NormalGammaFromSums:
         """The proposal from point inputs ``u (..., N, F_in)`` (for speed, ideally a
         transposed view of a point-axis-last ``(..., F_in, N)`` tensor)."""
         h_t = self.features(u).transpose(-1, -2)  # (..., F, N)
@@ -423,7 +567,7 @@ class GMMProposals(Proposals):
             native = _native_soft_moments(x, c, weight)
             if native is not None:
                 sums = _SoftMoments.apply(x, c, weight, bias, self.cfg.num_clusters, *native)
-                return normal_gamma_from_moments(self.cfg, *moments_from_sums(sums))
+                return normal_gamma_from_sums(self.cfg, sums)
             # Inputs [x_n, one-hot(c_n)], built point-axis-last (see GlobalsProposal.forward).
             one_hot_t = one_hot_points_last(c, self.cfg.num_clusters, x.dtype)
             x_t = x.transpose(-1, -2).expand(c.shape[0], *x.shape[:-2], x.shape[-1], x.shape[-2])
