@@ -9,13 +9,13 @@
  * local_forward:  Q[l,b,n,i,:] = Wt tanh(P[b,n,:] + C[l,b,i,:]) + bias + Ws f(x[b,n] - mu[l,b,i])
  *   with the skip features f(d) = (|d|^2 c0, |d| c1, log |d|, d / |d|), |d| clamped at 1e-6,
  *   consts = (c0, c1). Q (L, B, N, I, 4): assignment logit, direction (2), raw concentration.
- * local_backward: gradients of P, C, Wt, bias, Ws (x and mu carry none); blocks whose output
- *   gradient is zero (particles whose weight was flushed to 0) are skipped.
- *   Both run point-axis-innermost, as tanh_layers.c's pairwise kernels: a block of up to
+ *   It runs point-axis-innermost, as tanh_layers.c's pairwise kernels: a block of up to
  *   BLOCK points of P (and x) is transposed once to (H, BLOCK) on the stack and reused for
  *   every (particle, cluster) row, so the tanh layer, the skip features (sqrt, log and
  *   divisions, through libmvec) and the four outputs are vertical vector ops over the
  *   block's points, with no horizontal sum per pair.
+ * local_backward: gradients of P, C, Wt, bias, Ws (x and mu carry none); rows whose output
+ *   gradient is zero (particles whose weight was flushed to 0) are skipped.
  * local_sample:   per row r of Q (R, I, 4): c[r] ~ softmax(Q[r, :, 0]) by inverse CDF with
  *   u[r]; loc[r] = atan2(Q[r,c,2], Q[r,c,1]), k[r] = softplus(Q[r,c,3]) + 1e-3.
  * local_log_prob: lp[r] = log_softmax(Q[r,:,0])[c] + k (cos(alpha - loc) - 1) - log i0e(k)
@@ -144,9 +144,6 @@ static inline T S(softplus_grad)(T x) {
     return x > 20 ? 1 : z / (z + 1);
 }
 
-/* One vector register of T: lanes of the per-thread weight-gradient accumulators. */
-#define LANES (64 / (long)sizeof(T))
-
 /* The block's points n0 .. n0 + nb: pt[h][n] = P[b, n0 + n, h], xs[d][n] = X[b, n0 + n, d],
  * 0 past nb, so whole blocks are computed (and the padding ignored) without branches. */
 static inline void S(local_load_block)(const T *p, const T *x, long nb, long H, T (*pt)[BLOCK],
@@ -216,87 +213,76 @@ void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *
     }
 }
 
+/* Row by row, as before the blocked forward: in training ~90% of the rows' output gradients
+ * are zero, scattered within blocks of points (particles flushed to weight 0, clusters whose
+ * softmax share underflowed), and skipping them one by one beats any blocked form measured. */
+static inline void S(skip_features)(T dx, T dy, const T *consts, T *f) {
+    const T sq = dx * dx + dy * dy;
+    const T norm = M(sqrt)(sq > (T)1e-12 ? sq : (T)1e-12);
+    f[0] = sq * consts[0];
+    f[1] = norm * consts[1];
+    f[2] = M(log)(norm);
+    f[3] = dx / norm;
+    f[4] = dy / norm;
+}
+
 void S(local_backward)(const T *X, const T *MU, const T *P, const T *C, const T *Wt,
                        const T *consts, const T *G, T *gP, T *gC, T *gWt, T *gbias, T *gWs, long L,
                        long B, long N, long I, long H) {
 #pragma omp parallel
     {
-        T pt[H][BLOCK], gpt[H][BLOCK], xs[2][BLOCK];
-        T gwt[OUT * H][LANES], gb[OUT][LANES], gws[OUT * SKIP][LANES];
+        T t[H], a[H], gp[H], gwt[OUT * H], gb[OUT], gws[OUT * SKIP], f[SKIP];
         memset(gwt, 0, sizeof(gwt));
         memset(gb, 0, sizeof(gb));
         memset(gws, 0, sizeof(gws));
         /* Threads split the datasets b: the gP and gC rows they write are their own. */
 #pragma omp for schedule(static)
         for (long b = 0; b < B; ++b)
-            for (long n0 = 0; n0 < N; n0 += BLOCK) {
-                const long nb = N - n0 < BLOCK ? N - n0 : BLOCK;
-                S(local_load_block)(P + (b * N + n0) * H, X + (b * N + n0) * 2, nb, H, pt, xs);
-                memset(gpt, 0, sizeof(gpt));
-                for (long l = 0; l < L; ++l)
+            for (long l = 0; l < L; ++l)
+                for (long n = 0; n < N; ++n) {
+                    const T *p = P + (b * N + n) * H, *x = X + (b * N + n) * 2;
+                    int any = 0;
                     for (long i = 0; i < I; ++i) {
                         const long li = (l * B + b) * I + i;
-                        const T *g = G + (((l * B + b) * N + n0) * I + i) * OUT;
-                        T gg[OUT][BLOCK];
-                        int any = 0;
+                        const T *g = G + (((l * B + b) * N + n) * I + i) * OUT;
+                        if (g[0] == 0 && g[1] == 0 && g[2] == 0 && g[3] == 0) continue;
+                        if (!any) memset(gp, 0, sizeof(gp));
+                        any = 1;
+                        const T *c = C + li * H, *mu = MU + li * 2;
+                        T *gc = gC + li * H;
+                        S(skip_features)(x[0] - mu[0], x[1] - mu[1], consts, f);
+                        for (long h = 0; h < H; ++h) t[h] = M(tanh)(p[h] + c[h]);
+                        for (long h = 0; h < H; ++h) a[h] = 0;
                         for (long o = 0; o < OUT; ++o) {
-                            for (long n = 0; n < nb; ++n) {
-                                gg[o][n] = g[n * I * OUT + o];
-                                any |= gg[o][n] != 0;
+                            const T go = g[o];
+                            const T *w = Wt + o * H;
+                            T *gw = gwt + o * H;
+                            for (long h = 0; h < H; ++h) {
+                                a[h] += w[h] * go;
+                                gw[h] += t[h] * go;
                             }
-                            for (long n = nb; n < BLOCK; ++n) gg[o][n] = 0;
+                            gb[o] += go;
+                            for (long j = 0; j < SKIP; ++j) gws[o * SKIP + j] += go * f[j];
                         }
-                        if (!any) continue;
-                        const T *c = C + li * H;
-                        T *gc = gC + li * H, f[SKIP][BLOCK];
-                        S(skip_block)(xs, MU + li * 2, consts, f);
-                        for (long o = 0; o < OUT; ++o)
-                            for (long k = 0; k < BLOCK; k += LANES)
-                                for (long j = 0; j < LANES; ++j) {
-                                    const T go = gg[o][k + j];
-                                    gb[o][j] += go;
-                                    for (long s = 0; s < SKIP; ++s) gws[o * SKIP + s][j] += go * f[s][k + j];
-                                }
                         for (long h = 0; h < H; ++h) {
-                            const T ch = c[h];
-                            T t[BLOCK], a[BLOCK];
-                            for (long n = 0; n < BLOCK; ++n) {
-                                t[n] = M(tanh)(pt[h][n] + ch);
-                                a[n] = 0;
-                            }
-                            for (long o = 0; o < OUT; ++o) {
-                                const T w = Wt[o * H + h];
-                                T *lane = gwt[o * H + h];
-                                for (long n = 0; n < BLOCK; ++n) a[n] += w * gg[o][n];
-                                for (long k = 0; k < BLOCK; k += LANES)
-                                    for (long j = 0; j < LANES; ++j) lane[j] += t[k + j] * gg[o][k + j];
-                            }
-                            T sum = 0;
-                            for (long n = 0; n < BLOCK; ++n) {
-                                a[n] *= 1 - t[n] * t[n];
-                                gpt[h][n] += a[n];
-                                sum += a[n];
-                            }
-                            gc[h] += sum;
+                            a[h] *= 1 - t[h] * t[h];
+                            gp[h] += a[h];
+                            gc[h] += a[h];
                         }
                     }
-                T *gpr = gP + (b * N + n0) * H;
-                for (long n = 0; n < nb; ++n)
-                    for (long h = 0; h < H; ++h) gpr[n * H + h] += gpt[h][n];
-            }
+                    if (any) {
+                        T *gpr = gP + (b * N + n) * H;
+                        for (long h = 0; h < H; ++h) gpr[h] += gp[h];
+                    }
+                }
 #pragma omp critical
         {
-            for (long k = 0; k < OUT * H; ++k)
-                for (long j = 0; j < LANES; ++j) gWt[k] += gwt[k][j];
-            for (long o = 0; o < OUT; ++o)
-                for (long j = 0; j < LANES; ++j) gbias[o] += gb[o][j];
-            for (long k = 0; k < OUT * SKIP; ++k)
-                for (long j = 0; j < LANES; ++j) gWs[k] += gws[k][j];
+            for (long k = 0; k < OUT * H; ++k) gWt[k] += gwt[k];
+            for (long k = 0; k < OUT; ++k) gbias[k] += gb[k];
+            for (long k = 0; k < OUT * SKIP; ++k) gWs[k] += gws[k];
         }
     }
 }
-
-#undef LANES
 
 /* Rows are taken CHUNK at a time: a scalar pass gathers each row's chosen component, then
  * branch-free loops over the chunk run the transcendental functions SIMD-wide (libmvec). */
