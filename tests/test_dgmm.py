@@ -23,6 +23,7 @@ from apg.tasks.dgmm import (
     reconstruct,
     sample_von_mises,
     simulate,
+    squared_residuals,
     von_mises_log_prob,
 )
 
@@ -113,6 +114,15 @@ def test_likelihood_and_joint_by_hand(f64):
     # An angle outside [0, 2 pi) has zero prior density.
     bad = {**z, "alpha": torch.tensor([[[0.0, 7.0]]])}
     assert torch.isneginf(model.log_joint(x, bad)).all()
+
+
+def test_squared_residuals_match_the_plain_formula_and_pass_gradcheck(f64, kernel_path):
+    model, data = _data(num_datasets=2, num_points=7)
+    z = _random_latents(model, data["x"], 3)
+    shape = model.g(z["alpha"]).detach().requires_grad_()
+    got = squared_residuals(data["x"], z["mu"], z["c"], shape)
+    assert torch.allclose(got, ((data["x"] - model.mean(z, shape)) ** 2).sum((-2, -1)), rtol=0, atol=1e-10)
+    assert torch.autograd.gradcheck(lambda s: squared_residuals(data["x"], z["mu"], z["c"], s), (shape,))
 
 
 @pytest.mark.parametrize("block", ["mu", "local"])
@@ -623,7 +633,9 @@ def test_config_validation():
 def test_short_training_improves_inference_and_learns_a_ring():
     """A short CPU run of APG (about a minute) trains g_theta and the proposals jointly.
 
-    Held-out log joint and ESS/L of the mu block must improve over the untrained model, and
+    Held-out log joint and ESS/L of the mu block must improve over the untrained model (the
+    ESS per dataset, paired: mean gain > 0.1 and > 3 standard errors; on 10 held-out sets the
+    trained ESS swung between 0.19 and 0.6 with float round-off, on 30 it is 0.6-0.7), and
     the learned shape must be a ring of the simulator's radius 2: reconstructions lie at
     2 +- 0.25 from their centres (0.25 is a bit more than the noise sd 0.2; the maximum-
     likelihood ring of noisy points is itself sqrt(r^2 + 2 sigma^2) - r ~ 0.02 wider) and
@@ -634,7 +646,7 @@ def test_short_training_improves_inference_and_learns_a_ring():
     torch.set_num_threads(1)
     model = build_model()
     train = simulate(model, 200, torch.Generator().manual_seed(1), num_points=60)["x"].float()
-    test = simulate(model, 10, torch.Generator().manual_seed(2), num_points=60)["x"].float()
+    test = simulate(model, 30, torch.Generator().manual_seed(2), num_points=60)["x"].float()
     cfg = TrainConfig(
         task="dgmm", method="apg", sweeps=5, particles=10, batch_size=10, iterations=200, lr=3e-3
     )
@@ -643,14 +655,16 @@ def test_short_training_improves_inference_and_learns_a_ring():
     def held_out():
         torch.manual_seed(5)
         out = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10, batch_size=10)
-        return out["log_joint"][-1].mean(), out["ess_mu"][-1].mean()
+        return out["log_joint"][-1].mean(), out["ess_mu"][-1]
 
     lj0, ess0 = held_out()
     for _ in trainer.run():
         pass
     lj1, ess1 = held_out()
     assert lj1 > lj0 + 0.5 * abs(lj0), (lj0, lj1)
-    assert ess1 > ess0 + 0.1, (ess0, ess1)
+    gain = ess1 - ess0
+    standard_error = gain.std(ddof=1) / len(gain) ** 0.5
+    assert gain.mean() > max(0.1, 3 * standard_error), (ess0.mean(), ess1.mean(), standard_error)
 
     torch.manual_seed(6)
     with torch.no_grad():

@@ -25,6 +25,8 @@
  *   Q (L, B, N, 4) = (offset (2), raw log-precision (2)) per point, x (B, N, 2) and c (L, B, N),
  *   S[l,b,c_n,:2] += lambda_n = exp(raw_n), S[l,b,c_n,2:] += lambda_n (x_n - offset_n); S (L, B, I, 4)
  *   zeroed by the caller. centre_pool_backward writes the whole gQ (L, B, N, 4) from gS.
+ * ring_residuals: out[l,b] = sum_n |x_n - mu[l,b,c_n] - shape[l,b,n]|^2, the likelihood's squared
+ *   residuals with shape = g_theta(alpha); ring_residuals_backward: the gradient in shape only.
  * von_mises:      Best & Fisher candidates as sample_von_mises (same float32-stable form),
  *   u (2, candidates, n); alpha = (theta + loc) mod 2 pi where a candidate was accepted.
  *
@@ -504,6 +506,41 @@ void S(centre_pool_backward)(const T *Q, const T *X, const long *c, const T *gS,
                 gq[d] = -g[2 + d] * lam;
                 gq[2 + d] = (g[d] + g[2 + d] * (x[n * 2 + d] - q[d])) * lam;
             }
+        }
+    }
+}
+
+/* ring_residuals: out[l,b] = sum_n |x_n - mu[l,b,c_n] - shape[l,b,n]|^2, the likelihood's
+ * squared residuals (x (B, N, 2), mu (L, B, I, 2), c (L, B, N), shape (L, B, N, 2));
+ * ring_residuals_backward: gshape[l,b,n] = -2 g[l,b] (x_n - mu[l,b,c_n] - shape[l,b,n]). */
+void S(ring_residuals)(const T *X, const T *MU, const long *c, const T *shape, T *out, long L, long B,
+                       long N, long I) {
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *x = X + (lb % B) * N * 2, *mu = MU + lb * I * 2, *s = shape + lb * N * 2;
+        const long *cn = c + lb * N;
+        T total = 0;
+        for (long n = 0; n < N; ++n) {
+            const T *m = mu + cn[n] * 2;
+            const T e0 = x[2 * n] - m[0] - s[2 * n], e1 = x[2 * n + 1] - m[1] - s[2 * n + 1];
+            total += e0 * e0 + e1 * e1;
+        }
+        out[lb] = total;
+    }
+}
+
+void S(ring_residuals_backward)(const T *X, const T *MU, const long *c, const T *shape, const T *g,
+                                T *gshape, long L, long B, long N, long I) {
+#pragma omp parallel for schedule(static)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *x = X + (lb % B) * N * 2, *mu = MU + lb * I * 2, *s = shape + lb * N * 2;
+        const long *cn = c + lb * N;
+        const T scale = -2 * g[lb];
+        T *gs = gshape + lb * N * 2;
+        for (long n = 0; n < N; ++n) {
+            const T *m = mu + cn[n] * 2;
+            gs[2 * n] = scale * (x[2 * n] - m[0] - s[2 * n]);
+            gs[2 * n + 1] = scale * (x[2 * n + 1] - m[1] - s[2 * n + 1]);
         }
     }
 }

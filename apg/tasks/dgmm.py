@@ -126,7 +126,7 @@ class DGMM(Model):
         """``sum_n log N(x_n; mu_{c_n} + g(alpha_n), sigma_eps^2 I)``, ``(L, B)``."""
         if x.dim() != 3 or x.shape[-1] != DATA_DIM:
             raise ValueError(f"x must be shaped (B, N, 2), got {tuple(x.shape)}")
-        sq = ((x - self.mean(z, shape)) ** 2).sum((-2, -1))
+        sq = squared_residuals(x, z["mu"], z["c"], self.g(z["alpha"]) if shape is None else shape)
         size = x.shape[-2] * DATA_DIM
         s = self.cfg.noise
         return flush_subnormal_grad(-0.5 * sq / s**2 - size * (math.log(s) + 0.5 * math.log(TWO_PI)))
@@ -184,6 +184,42 @@ class DGMM(Model):
             old = self.log_prior_local(x, z_old) + self.log_likelihood(x, z_old, shape_old)
             return new - old, {"_shape": shape_new}
         raise ValueError(f"unknown block {block!r}; the model has {list(self.blocks)}")
+
+
+def squared_residuals(x: Tensor, mu: Tensor, c: Tensor, shape: Tensor) -> Tensor:
+    """``sum_n |x_n - mu_{c_n} - shape_n|^2`` ``(L, B)``: the likelihood's residuals, with
+    ``x (B, N, 2)``, ``mu (L, B, I, 2)``, ``c (L, B, N)`` and ``shape = g_theta(alpha)``
+    ``(L, B, N, 2)``. On CPU one compiled pass (``rings.c``: ``ring_residuals``),
+    differentiable in ``shape`` (theta's path); where the data or the centres need a
+    gradient (HMC), the PyTorch formula.
+    """
+    native = native_function("ring_residuals", x, mu, shape)
+    plain = native is None or x.dim() != 3 or mu.dim() != 4 or shape.shape != (*c.shape, DATA_DIM)
+    if plain or (torch.is_grad_enabled() and (x.requires_grad or mu.requires_grad)):
+        index = c.unsqueeze(-1).expand(*c.shape, DATA_DIM)
+        return ((x - mu.gather(-2, index) - shape) ** 2).sum((-2, -1))
+    return _RingResiduals.apply(x, mu, c, shape, native, native_function("ring_residuals_backward", x))
+
+
+class _RingResiduals(torch.autograd.Function):
+    """``squared_residuals`` compiled, forward and backward (in ``shape`` only)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mu: Tensor, c: Tensor, shape: Tensor, forward_fn, backward_fn) -> Tensor:
+        x, mu, c, shape = (t.contiguous() for t in (x, mu, c, shape))
+        out = x.new_empty(c.shape[:2])
+        ctx.sizes = (*c.shape, mu.shape[-2])
+        call(forward_fn, x, mu, c, shape, out, *ctx.sizes)
+        ctx.save_for_backward(x, mu, c, shape)
+        ctx.backward_fn = backward_fn
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, mu, c, shape = ctx.saved_tensors
+        grad_shape = torch.empty_like(shape)
+        call(ctx.backward_fn, x, mu, c, shape, grad.contiguous(), grad_shape, *ctx.sizes)
+        return None, None, None, grad_shape, None, None
 
 
 def simulate_rings(
