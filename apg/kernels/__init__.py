@@ -2,7 +2,8 @@
 
 Only hot loops that PyTorch's eager ops cannot fuse live here (``tanh_layers.c``: fused tanh
 networks; ``categorical.c``: draws and log-probabilities over a short last axis; ``gmm.c``
-and ``rings.c``: one task's block-update arithmetic each). Each has
+and ``rings.c``: one task's block-update arithmetic each; ``smc.c``: systematic
+resampling). Each has
 a pure-PyTorch twin that runs on GPUs, on machines without a compiler, and when the
 environment sets ``APG_NATIVE_KERNELS=0``; tests check the two agree.
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from apg.kernels import call, native_function
 from apg.smc.weights import log_mean_exp, normalized_weights, sanitize
 
 Resampler = Callable[[Tensor], Tensor]
@@ -27,6 +28,9 @@ def multinomial(log_w: Tensor) -> Tensor:
 
 def systematic(log_w: Tensor) -> Tensor:
     """Systematic resampling: one uniform offset per dataset, L evenly spaced points."""
+    native = _native_systematic(log_w)
+    if native is not None:
+        return native[0]
     num_particles, batch = log_w.shape
     w = normalized_weights(log_w).T  # (B, L)
     cdf = torch.cumsum(w, dim=1)
@@ -35,6 +39,22 @@ def systematic(log_w: Tensor) -> Tensor:
     # Clamp: float round-off can leave cdf[-1] slightly below the last point.
     idx = torch.searchsorted(cdf.contiguous(), points).clamp_(max=num_particles - 1)
     return idx.T.contiguous()
+
+
+def _native_systematic(log_w: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Systematic resampling in one compiled pass (``apg/kernels/smc.c``), where it applies:
+    ancestors ``(L, B)``, their flat rows ``(L * B,)`` (see ``_flat_index``) and the
+    outgoing log-weights ``(L, B)``; the same offsets ``u`` as the PyTorch path draws."""
+    native = native_function("systematic_resample", log_w) if log_w.dim() == 2 else None
+    if native is None:
+        return None
+    num_particles, batch = log_w.shape
+    offset = torch.rand(batch, 1, dtype=log_w.dtype, device=log_w.device)
+    ancestors = torch.empty(num_particles, batch, dtype=torch.long)
+    flat = torch.empty(num_particles * batch, dtype=torch.long)
+    out_log_w = torch.empty_like(log_w)
+    call(native, log_w, offset, ancestors, flat, out_log_w, num_particles, batch)
+    return ancestors, flat, out_log_w
 
 
 RESAMPLERS: dict[str, Resampler] = {"multinomial": multinomial, "systematic": systematic}
@@ -73,7 +93,11 @@ def resample(
     incoming ones (shape ``(L, B)``), and the tensors gathered by ancestor.
     """
     log_w = sanitize(log_w.detach())
-    ancestors = resampler(log_w)
-    new_log_w = log_mean_exp(log_w, dim=0).expand_as(log_w).clone()
-    flat = _flat_index(ancestors)
+    native = _native_systematic(log_w) if resampler is systematic else None
+    if native is not None:
+        _, flat, new_log_w = native
+    else:
+        ancestors = resampler(log_w)
+        new_log_w = log_mean_exp(log_w, dim=0).expand_as(log_w).clone()
+        flat = _flat_index(ancestors)
     return new_log_w, {name: _gather_flat(t, flat) for name, t in tensors.items()}
