@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 _SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the cache key, not compiled alone
 # -ffast-math only when compiling: linking a shared object with it (GCC < 13) would add
 # crtfastmath.o, which flushes denormals to zero for the whole process on load.
 _COMPILE_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC"]
@@ -77,7 +78,7 @@ def native_library() -> ctypes.CDLL | None:
     key = hashlib.sha256(
         b"\0".join(
             [
-                *(source.read_bytes() for source in _SOURCES),
+                *(source.read_bytes() for source in (*_SOURCES, *_HEADERS)),
                 " ".join(_COMPILE_FLAGS).encode(),
                 compiler.encode(),
                 _cpu_id().encode(),

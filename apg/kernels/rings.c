@@ -40,6 +40,8 @@
 #include <stddef.h>
 #include <string.h>
 
+#include "fast_tanh.h" /* the tanh layer's float32 tanh, as in tanh_layers.c */
+
 static const double I0E_A[30] = {
     -4.41534164647933937950E-18, 3.33079451882223809783E-17, -2.43127984654795469359E-16,
     1.71539128555513303061E-15,  -1.16853328779934516808E-14, 7.67618549860493561688E-14,
@@ -93,16 +95,19 @@ static const double I1E_B[25] = {
 #define T float
 #define SUFFIX _f32
 #define M(fn) fn##f
+#define TANH fast_tanhf
 #define EXP_FLOOR -87.0f /* exp of less is subnormal or 0 */
 #include __FILE__
 #undef T
 #undef SUFFIX
 #undef M
 #undef EXP_FLOOR
+#undef TANH
 
 #define T double
 #define SUFFIX _f64
 #define M(fn) fn
+#define TANH tanh
 #define EXP_FLOOR -708.0
 #include __FILE__
 
@@ -213,7 +218,7 @@ void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *
                 for (long h = 0; h < H; ++h) {
                     const T ch = c[h];
                     T t[BLOCK];
-                    for (long n = 0; n < BLOCK; ++n) t[n] = M(tanh)(pt[h][n] + ch);
+                    for (long n = 0; n < BLOCK; ++n) t[n] = TANH(pt[h][n] + ch);
                     for (long o = 0; o < OUT; ++o) {
                         const T w = Wt[o * H + h];
                         for (long n = 0; n < BLOCK; ++n) acc[o][n] += w * t[n];
@@ -264,7 +269,7 @@ void S(local_backward)(const T *X, const T *MU, const T *P, const T *C, const T 
                         const T *c = C + li * H, *mu = MU + li * 2;
                         T *gc = gC + li * H;
                         S(skip_features)(x[0] - mu[0], x[1] - mu[1], consts, f);
-                        for (long h = 0; h < H; ++h) t[h] = M(tanh)(p[h] + c[h]);
+                        for (long h = 0; h < H; ++h) t[h] = TANH(p[h] + c[h]);
                         for (long h = 0; h < H; ++h) a[h] = 0;
                         for (long o = 0; o < OUT; ++o) {
                             const T go = g[o];

@@ -38,20 +38,8 @@
 #define BLOCK 64 /* points (rows) per block */
 #define INLINE static inline __attribute__((always_inline))
 
-/* tanh in float32 for both kernels: an odd/even [9/8] rational minimax fit on
- * [0, 9] (relative error 2e-8 in exact arithmetic; at most 3.9e-7 absolute evaluated in
- * float32 vector code, against 1.1e-7 for glibc's tanhf), the argument clamped to +-9,
- * where tanh rounds to +-1 within one ulp. Inline and branch-free, so a vector of points
- * costs ~12 fused multiply-adds and one division: about 1.4x faster than libmvec's tanhf
- * in these loops. Float64 keeps libm's tanh (the gradchecks run in float64). */
-static inline float fast_tanhf(float v) {
-    const float x = v > 9.0f ? 9.0f : (v < -9.0f ? -9.0f : v), x2 = x * x;
-    const float p = x + x * x2 * (1.338398308e-01f + x2 * (3.498999169e-03f
-                    + x2 * (2.066131310e-05f + x2 * 1.341989186e-08f)));
-    const float q = 1 + x2 * (4.671730399e-01f + x2 * (2.589021809e-02f
-                    + x2 * (3.291043395e-04f + x2 * 7.804757729e-07f)));
-    return p / q;
-}
+/* float32 tanh: fast_tanh.h's rational fit; float64: libm's tanh. */
+#include "fast_tanh.h"
 
 #define T float
 #define SUFFIX _f32
