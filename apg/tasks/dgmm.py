@@ -118,9 +118,7 @@ class DGMM(Model):
     def mean(self, z: Mapping[str, Tensor], shape: Tensor | None = None) -> Tensor:
         """Mean of ``p(x_n | ...)``: ``mu_{c_n} + g_theta(alpha_n)``, ``(L, B, N, 2)``;
         ``shape`` is ``g_theta(alpha)`` when the caller already has it."""
-        mu, c = z["mu"], z["c"]
-        index = c.unsqueeze(-1).expand(*c.shape, DATA_DIM)
-        return mu.gather(-2, index) + (self.g(z["alpha"]) if shape is None else shape)
+        return assigned_centres(z["mu"], z["c"]) + (self.g(z["alpha"]) if shape is None else shape)
 
     def log_likelihood(self, x: Tensor, z: Mapping[str, Tensor], shape: Tensor | None = None) -> Tensor:
         """``sum_n log N(x_n; mu_{c_n} + g(alpha_n), sigma_eps^2 I)``, ``(L, B)``."""
@@ -186,6 +184,11 @@ class DGMM(Model):
         raise ValueError(f"unknown block {block!r}; the model has {list(self.blocks)}")
 
 
+def assigned_centres(mu: Tensor, c: Tensor) -> Tensor:
+    """Each point's centre ``mu_{c_n}``, ``(L, B, N, 2)``, from ``mu (L, B, I, 2)`` and ``c (L, B, N)``."""
+    return mu.gather(-2, c.unsqueeze(-1).expand(*c.shape, DATA_DIM))
+
+
 def squared_residuals(x: Tensor, mu: Tensor, c: Tensor, shape: Tensor) -> Tensor:
     """``sum_n |x_n - mu_{c_n} - shape_n|^2`` ``(L, B)``: the likelihood's residuals, with
     ``x (B, N, 2)``, ``mu (L, B, I, 2)``, ``c (L, B, N)`` and ``shape = g_theta(alpha)``
@@ -196,8 +199,7 @@ def squared_residuals(x: Tensor, mu: Tensor, c: Tensor, shape: Tensor) -> Tensor
     native = native_function("ring_residuals", x, mu, shape)
     plain = native is None or x.dim() != 3 or mu.dim() != 4 or shape.shape != (*c.shape, DATA_DIM)
     if plain or (torch.is_grad_enabled() and (x.requires_grad or mu.requires_grad)):
-        index = c.unsqueeze(-1).expand(*c.shape, DATA_DIM)
-        return ((x - mu.gather(-2, index) - shape) ** 2).sum((-2, -1))
+        return ((x - assigned_centres(mu, c) - shape) ** 2).sum((-2, -1))
     return _RingResiduals.apply(x, mu, c, shape, native, native_function("ring_residuals_backward", x))
 
 

@@ -344,14 +344,13 @@ class GMM(Model):
     def _log_globals_under(self, x: Tensor, c: Tensor, *globals_: tuple[Tensor, Tensor]) -> list[Tensor]:
         """``_log_globals`` (prior included) of each ``(mu, tau)`` pair under the same
         assignments ``c``; the assignments' moments are computed once."""
-        mu, tau = (torch.stack(t) for t in zip(*globals_, strict=True))  # (P, L, B, I, D)
-        native = self._native("gmm_log_globals", x, mu[0], tau[0])
+        native = self._native("gmm_log_globals", x, *globals_[0])
         if native is None:
             moments = self.assignment_moments(x, c)
             return [self._log_globals(m, t, moments) for m, t in globals_]
+        mu, tau = (torch.stack(t) for t in zip(*globals_, strict=True))  # (P, L, B, I, D)
         out = x.new_empty(mu.shape[:3])
-        c_ = self.cfg
-        consts = x.new_tensor([c_.alpha0, c_.beta0, c_.nu0, c_.mu0])
+        consts = _consts(self.cfg, x.dtype)
         call(native, x, c, mu, tau, consts, out, len(globals_), *self._sizes(x, out[0]))
         return list((out + self._prior_const(mu.shape[-2:])).unbind(0))
 
