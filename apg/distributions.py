@@ -16,6 +16,7 @@ from torch import Tensor
 
 from apg.blocks import Latents
 from apg.kernels import call, native_function
+from apg.random import uniform
 
 
 def log_softmax_short(logits: Tensor) -> Tensor:
@@ -36,7 +37,7 @@ def softmax_short(logits: Tensor) -> Tensor:
 def sample_categorical(log_probs: Tensor) -> Tensor:
     """One draw per row of normalized log-probabilities ``(..., I)`` (inverse CDF)."""
     cdf = log_probs.detach().exp().cumsum(-1)
-    u = torch.rand(cdf.shape[:-1], dtype=cdf.dtype, device=cdf.device).unsqueeze(-1)
+    u = uniform(cdf.shape[:-1], cdf.dtype, cdf.device).unsqueeze(-1)
     # Scale u by the last cdf entry so round-off can never push it past the end.
     return (cdf[..., :-1] < u * cdf[..., -1:]).sum(-1)
 
@@ -47,7 +48,7 @@ def categorical_sample(logits: Tensor) -> Tensor:
     native = native_function("categorical_sample", logits)
     if native is None:
         return sample_categorical(log_softmax_short(logits))
-    u = torch.rand(logits.shape[:-1], dtype=logits.dtype)
+    u = uniform(logits.shape[:-1], logits.dtype)
     out = torch.empty(logits.shape[:-1], dtype=torch.long)
     call(native, logits, u, out, out.numel(), logits.shape[-1])
     return out

@@ -27,8 +27,9 @@
  *   zeroed by the caller. centre_pool_backward writes the whole gQ (L, B, N, 4) from gS.
  * ring_residuals: out[l,b] = sum_n |x_n - mu[l,b,c_n] - shape[l,b,n]|^2, the likelihood's squared
  *   residuals with shape = g_theta(alpha); ring_residuals_backward: the gradient in shape only.
- * von_mises:      Best & Fisher candidates as sample_von_mises (same float32-stable form),
- *   u (2, candidates, n); alpha = (theta + loc) mod 2 pi where a candidate was accepted.
+ * von_mises:      Best & Fisher candidates as sample_von_mises (same float32-stable form and
+ *   the same Philox draws, philox.h, under one key per call), every round until each element
+ *   has accepted a candidate; alpha = (theta + loc) mod 2 pi. todo: scratch of n longs.
  *
  * i0e and i1e are Cephes' Chebyshev expansions, as in PyTorch (ATen/native/Math.h).
  * This file includes itself once per dtype (T float, then double).
@@ -41,6 +42,7 @@
 #include <string.h>
 
 #include "fast_tanh.h" /* the tanh layer's float32 tanh, as in tanh_layers.c */
+#include "philox.h"    /* the von Mises draws' uniforms */
 
 static const double I0E_A[30] = {
     -4.41534164647933937950E-18, 3.33079451882223809783E-17, -2.43127984654795469359E-16,
@@ -96,6 +98,7 @@ static const double I1E_B[25] = {
 #define SUFFIX _f32
 #define M(fn) fn##f
 #define TANH fast_tanhf
+#define UNIFORMS philox_uniform2f_many
 #define EXP_FLOOR -87.0f /* exp of less is subnormal or 0 */
 #include __FILE__
 #undef T
@@ -103,11 +106,13 @@ static const double I1E_B[25] = {
 #undef M
 #undef EXP_FLOOR
 #undef TANH
+#undef UNIFORMS
 
 #define T double
 #define SUFFIX _f64
 #define M(fn) fn
 #define TANH tanh
+#define UNIFORMS philox_uniform2d_many
 #define EXP_FLOOR -708.0
 #include __FILE__
 
@@ -483,28 +488,32 @@ void S(local_log_prob_backward)(const T *Q, const long *c, const T *alpha, const
     }
 }
 
-void S(von_mises)(const T *loc, const T *conc, const T *u, T *alpha, unsigned char *accepted, long n,
-                  long candidates) {
+/* Best & Fisher rounds for the chunk's m elements, element numbers el[0 .. m), from round
+ * `first` until every one has accepted a candidate or `rounds` is reached: each round draws
+ * `candidates` candidates per element (Philox draw r * candidates + j, so an element's draws
+ * do not depend on which chunk or pass runs it) and keeps its first accepted one. Every
+ * element of the chunk runs every round (branch-free vector loops); those already done
+ * ignore the result. Writes alpha and accepted for the chunk's elements. */
+CHUNK_BODY S(von_mises_chunk)(const long *el, long m, const T *loc, const T *conc, uint64_t key,
+                              long candidates, long first, long rounds, T *alpha, unsigned char *accepted) {
     const T two_pi = (T)6.283185307179586, half_pi = (T)1.5707963267948966;
-#pragma omp parallel for schedule(static)
-    for (long e0 = 0; e0 < n; e0 += CHUNK) {
-        const long m = n - e0 < CHUNK ? n - e0 : CHUNK;
-        T rm1[CHUNK], scale[CHUNK], draw[CHUNK], theta[CHUNK];
-        unsigned char ok[CHUNK], done[CHUNK];
-        for (long e = 0; e < m; ++e) {
-            const T k = conc[e0 + e] > (T)1e-6 ? conc[e0 + e] : (T)1e-6;
-            const T s = M(hypot)(1, 2 * k); /* sqrt(1 + 4 k^2) without overflow */
-            const T tau = 1 + s, root = M(sqrt)(2 * tau);
-            const T rho = 2 * k / (tau + root);
-            const T one_minus_rho = (1 + 1 / (s + 2 * k) + root) / (tau + root);
-            rm1[e] = one_minus_rho * one_minus_rho / (2 * rho);
-            scale[e] = k * rm1[e] * (rm1[e] + 2);
-            done[e] = 0;
-            theta[e] = 0;
-        }
+    T rm1[CHUNK], scale[CHUNK], draw[CHUNK], theta[CHUNK];
+    unsigned char ok[CHUNK], done[CHUNK];
+    for (long e = 0; e < m; ++e) {
+        const T k = conc[el[e]] > (T)1e-6 ? conc[el[e]] : (T)1e-6;
+        const T s = M(hypot)(1, 2 * k); /* sqrt(1 + 4 k^2) without overflow */
+        const T tau = 1 + s, root = M(sqrt)(2 * tau);
+        const T rho = 2 * k / (tau + root);
+        const T one_minus_rho = (1 + 1 / (s + 2 * k) + root) / (tau + root);
+        rm1[e] = one_minus_rho * one_minus_rho / (2 * rho);
+        scale[e] = k * rm1[e] * (rm1[e] + 2);
+        done[e] = 0;
+        theta[e] = 0;
+    }
+    for (long r = first; r < rounds; ++r) {
         for (long j = 0; j < candidates; ++j) {
-            const T *u0 = u + j * n + e0, *u1 = u + (candidates + j) * n + e0;
-            T half[CHUNK], ch[CHUNK], sh[CHUNK];
+            T u0[CHUNK], u1[CHUNK], half[CHUNK], ch[CHUNK], sh[CHUNK];
+            UNIFORMS(key, el, (uint32_t)(r * candidates + j), m, u0, u1);
             for (long e = 0; e < m; ++e) half[e] = half_pi * (u0[e] < (T)0.5 ? 2 * u0[e] : 2 * u0[e] - 1);
             /* separate loops: cos and sin of one value would be fused into a scalar sincos call */
             for (long e = 0; e < m; ++e) ch[e] = M(cos)(half[e]);
@@ -523,23 +532,59 @@ void S(von_mises)(const T *loc, const T *conc, const T *u, T *alpha, unsigned ch
                 done[e] |= ok[e];
             }
         }
-        /* (theta + loc) mod 2 pi as torch.remainder (fmod, then + 2 pi if negative). For
-         * -2 pi < a < 4 pi, fmod(a, 2 pi) is a or a - 2 pi, both exact; fmod itself compiles to
-         * a slow x87 loop, so only the rare others (|loc| > pi) take it. */
+        int left = 0;
+        for (long e = 0; e < m; ++e) left |= !done[e];
+        if (!left) break;
+    }
+    /* (theta + loc) mod 2 pi as torch.remainder (fmod, then + 2 pi if negative). For
+     * -2 pi < a < 4 pi, fmod(a, 2 pi) is a or a - 2 pi, both exact; fmod itself compiles to
+     * a slow x87 loop, so only the rare others (|loc| > pi) take it. Elements not done get
+     * their alpha at a later pass. */
+    T out[CHUNK], lc[CHUNK];
+    int wild = 0;
+    for (long e = 0; e < m; ++e) lc[e] = loc[el[e]];
+    for (long e = 0; e < m; ++e) {
+        T a = theta[e] + lc[e];
+        wild |= !(a > -two_pi && a < 2 * two_pi);
+        a = a >= two_pi ? a - two_pi : a;
+        a = a < 0 ? a + two_pi : a;
+        out[e] = a >= two_pi ? 0 : a;
+    }
+    if (wild)
         for (long e = 0; e < m; ++e) {
-            T a = theta[e] + loc[e0 + e];
-            a = a >= two_pi ? a - two_pi : a;
-            a = a < 0 ? a + two_pi : a;
-            alpha[e0 + e] = a >= two_pi ? 0 : a;
-            accepted[e0 + e] = done[e];
-        }
-        for (long e = 0; e < m; ++e) {
-            T a = theta[e] + loc[e0 + e];
+            T a = theta[e] + lc[e];
             if (a > -two_pi && a < 2 * two_pi) continue;
             a = M(fmod)(a, two_pi);
             a = a < 0 ? a + two_pi : a;
-            alpha[e0 + e] = a >= two_pi ? 0 : a;
+            out[e] = a >= two_pi ? 0 : a;
         }
+    for (long e = 0; e < m; ++e) {
+        alpha[el[e]] = out[e];
+        accepted[el[e]] = done[e];
+    }
+}
+
+void S(von_mises)(const T *loc, const T *conc, long key, T *alpha, unsigned char *accepted, long *todo,
+                  long n, long candidates) {
+    /* Pass 1: one round for every element, in chunks of consecutive elements. */
+#pragma omp parallel for schedule(static)
+    for (long e0 = 0; e0 < n; e0 += CHUNK) {
+        const long m = n - e0 < CHUNK ? n - e0 : CHUNK;
+        long el[CHUNK];
+        for (long e = 0; e < m; ++e) el[e] = e0 + e;
+        S(von_mises_chunk)(el, m, loc, conc, (uint64_t)key, candidates, 0, 1, alpha, accepted);
+    }
+    /* Pass 2: the few left (each candidate is accepted with probability >= 0.65) gathered
+     * into dense chunks, so that their further rounds stay vector loops over full chunks
+     * rather than over a chunk of mostly finished elements. The cap on rounds only guards
+     * against a bug: reaching it (probability < 0.35^2000) leaves accepted = 0. */
+    long left = 0;
+    for (long e = 0; e < n; ++e)
+        if (!accepted[e]) todo[left++] = e;
+#pragma omp parallel for schedule(static)
+    for (long k0 = 0; k0 < left; k0 += CHUNK) {
+        const long m = left - k0 < CHUNK ? left - k0 : CHUNK;
+        S(von_mises_chunk)(todo + k0, m, loc, conc, (uint64_t)key, candidates, 1, 1000, alpha, accepted);
     }
 }
 

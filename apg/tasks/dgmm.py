@@ -56,6 +56,7 @@ Data ``x``: ``(B, N, 2)``.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
 from apg.distributions import categorical_log_prob, categorical_sample, softmax_short
 from apg.kernels import call, native_function
 from apg.nn import PointFeatures, flush_subnormal_grad, pairwise_tanh_linear, tanh_mlp
+from apg.random import new_key, uniform, uniform_pair
 
 TWO_PI = 2.0 * math.pi
 DATA_DIM = 2
@@ -273,24 +275,24 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     if not (torch.isfinite(k).all() and torch.isfinite(loc).all()):
         raise ValueError("von Mises parameters must be finite (the rejection loop would not end)")
     loc = loc.detach().reshape(-1)
+    key = new_key() if loc.device.type == "cpu" else None
     native = native_function("von_mises", loc, k)
     if native is None:
-        return _von_mises_torch(loc, k, candidates).reshape(shape)
-    # The compiled kernel runs the first round (same uniforms as the twin's first round);
-    # the few elements it leaves take the twin's further rounds.
+        return _von_mises_torch(loc, k, candidates, key).reshape(shape)
+    # The compiled kernel runs every round, drawing the twin's Philox uniforms.
     n = k.numel()
-    u = torch.rand((2, candidates, n), dtype=k.dtype)
     alpha, accepted = torch.empty_like(k), torch.empty(n, dtype=torch.bool)
-    call(native, loc, k, u, alpha, accepted, n, candidates)
-    todo = (~accepted).nonzero().squeeze(-1)
-    if todo.numel():
-        alpha[todo] = _von_mises_torch(loc[todo], k[todo], candidates)
+    call(native, loc, k, key, alpha, accepted, torch.empty(n, dtype=torch.long), n, candidates)
+    if not bool(accepted.all()):
+        raise RuntimeError("von Mises sampler: an element accepted no candidate in 1000 rounds")
     return alpha.reshape(shape)
 
 
-def _von_mises_torch(loc: Tensor, k: Tensor, candidates: int) -> Tensor:
+def _von_mises_torch(loc: Tensor, k: Tensor, candidates: int, key: int | None) -> Tensor:
     """``sample_von_mises`` for flat ``loc`` and clamped ``k`` (the PyTorch twin of the
-    compiled ``von_mises`` in ``apg/kernels/rings.c``)."""
+    compiled ``von_mises`` in ``apg/kernels/rings.c``). Candidate ``j`` of element ``e``'s
+    round ``r`` takes the Philox block ``(key; e, r * candidates + j)`` (``apg.random``), or
+    ``torch.rand`` where ``key`` is None (other devices)."""
     s = torch.hypot(torch.ones_like(k), 2.0 * k)  # sqrt(1 + 4 k^2) without overflow
     tau = 1.0 + s
     root = torch.sqrt(2.0 * tau)
@@ -300,9 +302,17 @@ def _von_mises_torch(loc: Tensor, k: Tensor, candidates: int) -> Tensor:
     scale = k * r_minus_1 * (r_minus_1 + 2.0)  # k (r^2 - 1)
     theta = torch.empty_like(k)
     todo = None  # every element, without indexing copies in the first round
-    while todo is None or todo.numel():
+    elements = torch.arange(k.numel()) if key is not None else None
+    for round_ in itertools.count():
+        if todo is not None and not todo.numel():
+            break
         rm1, sc = (r_minus_1, scale) if todo is None else (r_minus_1[todo], scale[todo])
-        u = torch.rand((2, candidates, rm1.numel()), dtype=k.dtype, device=k.device)
+        if key is None:
+            u = torch.rand((2, candidates, rm1.numel()), dtype=k.dtype, device=k.device)
+        else:
+            element = elements if todo is None else elements[todo]
+            draws = [uniform_pair(key, element, round_ * candidates + j, k.dtype) for j in range(candidates)]
+            u = torch.stack([torch.stack(side) for side in zip(*draws, strict=True)])
         # One uniform gives both the side (u < 1/2) and, rescaled, the angle's magnitude.
         left = u[0] < 0.5
         half = (0.5 * math.pi) * torch.where(left, 2.0 * u[0], 2.0 * u[0] - 1.0)
@@ -373,7 +383,7 @@ class LocalProposal:
         else:
             q = q.contiguous()
             rows = q.shape[:-2]
-            u = torch.rand(rows, dtype=q.dtype)
+            u = uniform(rows, q.dtype)
             c, loc, k = torch.empty(rows, dtype=torch.long), torch.empty_like(u), torch.empty_like(u)
             call(native, q, u, c, loc, k, u.numel(), q.shape[-2])
         return {"c": c, "alpha": sample_von_mises(loc, k)}

@@ -1,0 +1,25 @@
+/* Uniform draws from Philox4x32-10 (philox.h) for the Python side (apg/random.py).
+ *
+ * philox_uniform: out[2 j + s] = uniform s of block (key; j, 0), s = 0, 1; the PyTorch
+ *   twin draws the same numbers. philox_block: the four words of one block, for the tests'
+ *   known-answer vectors (in/out: c0 c1 c2 c3 k0 k1, words as uint32).
+ */
+#include <stdint.h>
+
+#include "philox.h"
+
+#define FILL(name, T, uniform2)                                             \
+    void name(long key, T *out, long n) {                                   \
+        _Pragma("omp parallel for schedule(static)")                        \
+        for (long j = 0; j < n / 2; ++j)                                    \
+            uniform2((uint64_t)key, (uint64_t)j, 0, &out[2 * j], &out[2 * j + 1]); \
+        if (n % 2) {                                                        \
+            T spare;                                                        \
+            uniform2((uint64_t)key, (uint64_t)(n / 2), 0, &out[n - 1], &spare); \
+        }                                                                   \
+    }
+
+FILL(philox_uniform_f32, float, philox_uniform2f)
+FILL(philox_uniform_f64, double, philox_uniform2d)
+
+void philox_block(uint32_t *v) { philox4x32_10(&v[0], &v[1], &v[2], &v[3], v[4], v[5]); }

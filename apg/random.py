@@ -1,0 +1,83 @@
+"""Counter-based uniform draws (Philox4x32-10) for the samplers' hot loops on CPU.
+
+``torch.rand`` on CPU runs one Mersenne Twister serially, ~5 ns per number on this
+machine's class of CPU; the rings' local kernel draws ~2 million uniforms per training
+step. Philox (Salmon et al., SC 2011; the generator of cuRAND and of PyTorch's CUDA
+backend) is a pure function of a key and a counter, so the compiled kernels draw inside
+their own loops (``apg/kernels/philox.h``), in parallel, any number of rounds, and the
+PyTorch twins below draw the very same numbers: tests compare the two paths value for
+value.
+
+Each call takes one fresh 64-bit key from torch's default generator (``new_key``), so
+draws follow ``torch.manual_seed`` and do not depend on the number of threads. Block
+``(key; element, draw)`` gives two uniforms on ``[0, 1)``: float32 keeps 24 bits of a word
+each (torch.rand's grid), float64 53 bits of two words each.
+
+On other devices ``uniform`` is ``torch.rand``: the kernels are CPU code.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from apg.kernels import call, native_function
+
+_MASK = 0xFFFFFFFF
+_MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
+_KEY_BUMPS = (0x9E3779B9, 0xBB67AE85)
+
+
+def new_key() -> int:
+    """A 64-bit key (a signed int, as the kernels take it) from torch's default generator."""
+    return int(torch.randint(-(2**63), 2**63 - 1, (), dtype=torch.int64))
+
+
+def _mulhilo(a: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """High and low words of ``a * m`` for words ``a`` (int64 holding uint32 values): the
+    product needs 64 unsigned bits, so ``m`` is split into 16-bit halves to stay in int64."""
+    p_lo, p_hi = a * (m & 0xFFFF), a * (m >> 16)  # each < 2^48
+    mid = p_lo + ((p_hi & 0xFFFF) << 16)  # a * m = (p_hi >> 16) 2^32 + mid, mid < 2^49
+    return (p_hi >> 16) + (mid >> 32), mid & _MASK
+
+
+def philox4x32_10(counter: tuple[Tensor | int, ...], key: tuple[int, int]) -> tuple[Tensor, ...]:
+    """The four output words of Philox4x32-10 for counters ``(c0, c1, c2, c3)`` (int64
+    tensors or ints holding uint32 values, broadcast) under key ``(k0, k1)``."""
+    x0, x1, x2, x3 = (torch.as_tensor(c, dtype=torch.int64) for c in counter)
+    k0, k1 = key
+    for _ in range(10):
+        hi0, lo0 = _mulhilo(x0, _MULTIPLIERS[0])
+        hi1, lo1 = _mulhilo(x2, _MULTIPLIERS[1])
+        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+        k0, k1 = (k0 + _KEY_BUMPS[0]) & _MASK, (k1 + _KEY_BUMPS[1]) & _MASK
+    return x0, x1, x2, x3
+
+
+def uniform_pair(key: int, element: Tensor, draw: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The two uniforms of blocks ``(key; element, draw)`` for int64 ``element`` numbers,
+    as ``philox_uniform2f`` / ``philox_uniform2d`` in ``apg/kernels/philox.h``."""
+    words = philox4x32_10((element & _MASK, element >> 32, draw, 0), (key & _MASK, (key >> 32) & _MASK))
+    if dtype == torch.float64:
+        a, b, c, d = words
+        return tuple(
+            ((hi >> 5).double() * 67108864.0 + (lo >> 6).double()) * 2.0**-53 for hi, lo in ((a, b), (c, d))
+        )  # type: ignore[return-value]
+    return tuple((w >> 8).to(dtype) * 2.0**-24 for w in words[:2])  # type: ignore[return-value]
+
+
+def uniform(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+    """Uniforms on ``[0, 1)`` shaped ``shape``: on CPU, element ``2 j + s`` is uniform ``s``
+    of block ``(new_key(); j, 0)``, compiled where the kernels are built."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return torch.rand(shape, dtype=dtype, device=device)
+    key = new_key()
+    out = torch.empty(shape, dtype=dtype)
+    native = native_function("philox_uniform", out)
+    if native is not None:
+        call(native, key, out, out.numel())
+        return out
+    blocks = torch.arange((out.numel() + 1) // 2)
+    pair = uniform_pair(key, blocks, 0, dtype)
+    return torch.stack(pair, -1).flatten()[: out.numel()].view(shape)
