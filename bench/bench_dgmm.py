@@ -36,7 +36,7 @@ def step_time(
     model = task.build_model()
     proposals = task.build_proposals(model, "apg")
     params = [*model.parameters(), *proposals.parameters()]
-    opt = torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.99))
+    opt = torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.99), foreach=True)  # as apg.training
     x = task.simulate(model, batch, torch.Generator().manual_seed(0), num_points=points)["x"].float()
     times, cpu = [], []
     for i in range(warmup + steps):

@@ -142,14 +142,15 @@ def run_apg(
     check_particles("log_joint", log_p, num_particles, batch)
     log_w = sanitize((log_p - log_q).detach())
     steps = [Step(normalized_weights(log_w), log_q, log_p)]
-    sweeps = [sweep_stats(log_w, log_p)]
+    # Per sweep: log-weights, log joints and log increments; the diagnostics are computed
+    # from them in one batch after the run (a few ops instead of a dozen per block update).
+    sweep_log_w, sweep_log_joint, sweep_increments = [log_w], [log_p.detach()], [{}]
     collectors = list(collectors)
     for collect in collectors:
         collect(1, z, log_w)
 
     state: dict[str, Tensor] = {**z, _LOG_JOINT: log_p}
     for _ in range(1, num_sweeps):
-        ess_blocks: dict[str, Tensor] = {}
         increments: dict[str, Tensor] = {}
         for i, block in enumerate(block_names):
             if resample_mode == "block" or (resample_mode == "sweep" and i == 0):
@@ -173,15 +174,42 @@ def run_apg(
             # Keep the running joint exact and differentiable in theta.
             log_joint = state[_LOG_JOINT] + change
             state = {**z_new, **caches, _LOG_JOINT: log_joint}
-            weights = normalized_weights(log_w)
-            steps.append(Step(weights, log_q_new, log_joint))
-            ess_blocks[block] = ess_fraction_of(weights)
+            steps.append(Step(normalized_weights(log_w), log_q_new, log_joint))
             increments[block] = log_v
-        sweeps.append(sweep_stats(log_w, state[_LOG_JOINT], ess_blocks, increments))
+        sweep_log_w.append(log_w)
+        sweep_log_joint.append(state[_LOG_JOINT].detach())
+        sweep_increments.append(increments)
         for collect in collectors:
-            collect(len(sweeps), _latents(state), log_w)
+            collect(len(sweep_log_w), _latents(state), log_w)
 
+    # Every block update's ESS, from the steps' normalized weights, in one batch.
+    block_ess = ess_fraction_of(torch.stack([s.weights for s in steps[1:]], -1)).unbind(-1) if steps[1:] else []
+    per_sweep = len(block_names)
+    ess_blocks = [{}] + [
+        dict(zip(block_names, block_ess[k : k + per_sweep], strict=True))
+        for k in range(0, len(block_ess), per_sweep)
+    ]
+    sweeps = all_sweep_stats(sweep_log_w, sweep_log_joint, ess_blocks, sweep_increments)
     return APGResult(_latents(state), log_w, state[_LOG_JOINT], sweeps, steps)
+
+
+def all_sweep_stats(
+    log_ws: list[Tensor],
+    log_joints: list[Tensor],
+    ess_blocks: list[dict[str, Tensor]],
+    increments: list[dict[str, Tensor]],
+) -> list[SweepStats]:
+    """``SweepStats`` of several sweeps at once, from each sweep's log-weights and log
+    joints (``(L, B)`` each), per-block ESS and log increments."""
+    with torch.no_grad():
+        log_w = torch.stack(log_ws, -1)  # (L, B, K): ESS and evidence reduce over dim 0
+        weights = normalized_weights(log_w)
+        weighted = (weights * torch.stack(log_joints, -1).detach()).sum(0)
+        columns = (weighted, ess_fraction_of(weights), log_evidence(log_w))
+        return [
+            SweepStats(lj, ess, blocks, ev, inc)
+            for lj, ess, ev, blocks, inc in zip(*(c.unbind(-1) for c in columns), ess_blocks, increments, strict=True)
+        ]
 
 
 def sweep_stats(
@@ -192,9 +220,4 @@ def sweep_stats(
 ) -> SweepStats:
     """``SweepStats`` of particles with log-weights ``log_w`` and log joints ``log_joint``
     (both ``(L, B)``); also used by the baselines that report in the sampler's terms."""
-    with torch.no_grad():
-        weights = normalized_weights(log_w)
-        weighted = (weights * log_joint.detach()).sum(0)
-        return SweepStats(
-            weighted, ess_fraction_of(weights), ess_blocks or {}, log_evidence(log_w), increments or {}
-        )
+    return all_sweep_stats([log_w], [log_joint], [ess_blocks or {}], [increments or {}])[0]
