@@ -36,6 +36,12 @@
 #ifndef GMM_BODY
 #define GMM_BODY
 
+/* The NormalGamma kernels run over the (L, B, I, D) cells: a few hundred at the paper's GMM
+ * sizes, microseconds of work. Below this many cells they stay on the calling thread: a
+ * parallel region costs about as much as it saves there, and on a loaded machine each one
+ * waits until the other thread gets a time slice. */
+#define PAR_MIN_CELLS 4096
+
 #define _GNU_SOURCE /* lgamma_r, lgammaf_r: plain lgamma writes the global signgam */
 #include <float.h>
 #include <math.h>
@@ -274,7 +280,7 @@ void S(gmm_digamma)(const T *x, T *out, long n) {
  * over the K = I D cells of each of R rows. All six (R, K) contiguous. */
 void S(gmm_ng_log_prob)(const T *m, const T *nu, const T *alpha, const T *beta, const T *x, const T *tau, T *out,
                         long R, long K) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * K > PAR_MIN_CELLS)
     for (long r = 0; r < R; ++r) {
         T total = 0;
         for (long k = r * K; k < (r + 1) * K; ++k) {
@@ -290,7 +296,7 @@ void S(gmm_ng_log_prob)(const T *m, const T *nu, const T *alpha, const T *beta, 
 /* Its gradients in all six, from g (R,) = d loss / d out. */
 void S(gmm_ng_log_prob_backward)(const T *m, const T *nu, const T *alpha, const T *beta, const T *x, const T *tau,
                                  const T *g, T *gm, T *gnu, T *galpha, T *gbeta, T *gx, T *gtau, long R, long K) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (R * K > PAR_MIN_CELLS)
     for (long k = 0; k < R * K; ++k) {
         const T gk = g[k / K], e = x[k] - m[k], half_e2 = (T)0.5 * e * e;
         gm[k] = gk * tau[k] * nu[k] * e;
@@ -319,7 +325,7 @@ void S(gmm_ng_sums_params)(const T *sums, const T *consts, T *params, long L, lo
                            long per_particle) {
     const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
     const long W = 1 + 2 * D, n = L * B * I * D;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (L * B * I * D > PAR_MIN_CELLS)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *s = sums + (per_particle ? lb : lb % B) * I * W;
         for (long i = 0; i < I; ++i) {
@@ -340,7 +346,7 @@ void S(gmm_ng_sums_params)(const T *sums, const T *consts, T *params, long L, lo
 /* Draws from standard draws, in place: tau holds Gamma(alpha, 1) draws, mu standard normal
  * ones; tau = max(tau / beta, tiny) (torch's Gamma), mu = m + mu / sqrt(nu tau). */
 void S(gmm_ng_sample)(const T *params, T *mu, T *tau, long n) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n > PAR_MIN_CELLS)
     for (long k = 0; k < n; ++k) {
         T t = tau[k] / params[3 * n + k];
         t = t > TINY ? t : TINY;
@@ -353,7 +359,7 @@ void S(gmm_ng_sums_log_prob)(const T *sums, const T *consts, const T *X, const T
                              long I, long D, long per_particle) {
     const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
     const long W = 1 + 2 * D;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (L * B * I * D > PAR_MIN_CELLS)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *s = sums + (per_particle ? lb : lb % B) * I * W, *x = X + lb * I * D, *tau = TAU + lb * I * D;
         T total = 0;
@@ -379,7 +385,7 @@ void S(gmm_ng_sums_log_prob_backward)(const T *sums, const T *consts, const T *X
                                       long per_particle) {
     const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
     const long W = 1 + 2 * D;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (L * B * I * D > PAR_MIN_CELLS)
     for (long b = 0; b < B; ++b)
         for (long l = 0; l < L; ++l) {
             const long lb = l * B + b, row = (per_particle ? lb : b) * I * W;

@@ -1,7 +1,8 @@
 /* Uniform draws from Philox4x32-10 (philox.h) for the Python side (apg/random.py).
  *
  * philox_uniform: out[2 j + s] = uniform s of block (key; j, 0), s = 0, 1; the PyTorch
- *   twin draws the same numbers. philox_block: the four words of one block, for the tests'
+ *   twin draws the same numbers. Threads only from 2^15 numbers: below, a parallel region
+ *   costs about what it saves. philox_block: the four words of one block, for the tests'
  *   known-answer vectors (in/out: c0 c1 c2 c3 k0 k1, words as uint32).
  */
 #include <stdint.h>
@@ -10,7 +11,7 @@
 
 #define FILL(name, T, uniform2)                                             \
     void name(long key, T *out, long n) {                                   \
-        _Pragma("omp parallel for schedule(static)")                        \
+        _Pragma("omp parallel for schedule(static) if (n > (1 << 15))")       \
         for (long j = 0; j < n / 2; ++j)                                    \
             uniform2((uint64_t)key, (uint64_t)j, 0, &out[2 * j], &out[2 * j + 1]); \
         if (n % 2) {                                                        \
