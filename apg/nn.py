@@ -39,34 +39,6 @@ class PointFeatures(nn.Module):
         return out.reshape(*lead, *out.shape[-2:])
 
 
-class _FlushSubnormalGrad(torch.autograd.Function):
-    """The identity, whose backward sets subnormal gradient entries to zero."""
-
-    @staticmethod
-    def forward(ctx, t: Tensor) -> Tensor:
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        info = torch.finfo(grad.dtype)
-        return grad.masked_fill(grad.abs() < info.tiny / info.eps, 0.0)
-
-
-def flush_subnormal_grad(t: Tensor) -> Tensor:
-    """``t`` itself; in backward, gradient entries smaller than the dtype's smallest normal
-    number become 0, as flush-to-zero hardware would make them.
-
-    A self-normalized weight of a poor particle is 1e-40 or less; the gradient it scales
-    is then subnormal, and x86 arithmetic on subnormal operands takes a microcode assist
-    (~100 cycles), which made every layer behind a log-density run several times slower
-    (the rings' centre kernel: a 40000 x 32 x 32 GEMM at ~3 GFLOP/s). Such terms are
-    ~1e-31 of the gradient's largest weight (>= 1 / L), far below float rounding, so
-    zeroing them changes no sum. Apply it to the (L, B) log-densities the estimators
-    weigh, before gradients fan out into networks.
-    """
-    return _FlushSubnormalGrad.apply(t)
-
-
 def _native_pairwise(point: Tensor, cluster: Tensor, weight: Tensor):
     """The compiled pairwise functions ``(forward, backward)`` when they apply."""
     if point.dim() != 4 or cluster.dim() != 4 or weight.dim() != 2:

@@ -570,10 +570,10 @@ def test_apg_loss_reaches_model_and_every_proposal_network():
         assert grads and any(g.abs().sum() > 0 for g in grads), name
 
 
-def test_flushing_subnormal_gradients_changes_no_gradient(monkeypatch):
-    """The log-densities flush gradient entries below ~1e-31 (apg.nn.flush_subnormal_grad,
-    for speed); the loss's gradients must be those without the flush, to float32 rounding."""
-    import apg.tasks.dgmm as dgmm
+def test_flushing_negligible_weights_changes_no_gradient(monkeypatch):
+    """The losses drop weights below ~1e-31 (apg.objectives.flush_negligible, for speed);
+    the loss's gradients must be those without the flush, to float32 rounding."""
+    import apg.objectives
     from apg.objectives import apg_loss
 
     model, data = _data(num_datasets=3, num_points=60)
@@ -589,7 +589,7 @@ def test_flushing_subnormal_gradients_changes_no_gradient(monkeypatch):
 
     flushed, smallest = gradients()
     assert smallest < 1e-31  # some weights are small enough to be flushed
-    monkeypatch.setattr(dgmm, "flush_subnormal_grad", lambda t: t)
+    monkeypatch.setattr(apg.objectives, "flush_negligible", lambda w: w)
     plain, _ = gradients()
     for a, b in zip(flushed, plain, strict=True):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from apg.kernels import native_library
-from apg.nn import PointFeatures, flush_subnormal_grad, pairwise_tanh_linear, tanh_mlp
+from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
 
 
 def test_the_native_kernel_builds_on_this_machine():
@@ -106,20 +106,6 @@ def test_tanh_mlp_matches_the_plain_formula_and_its_gradients(kernel_path):
     assert out.shape == (3, 4, 5, 3)
     assert torch.allclose(out, reference)
     assert torch.autograd.gradcheck(tanh_mlp, (u, w1, b1, w2))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_flush_subnormal_grad_is_the_identity_that_zeroes_negligible_gradients(dtype):
-    info = torch.finfo(dtype)
-    cut = info.tiny / info.eps
-    t = torch.randn(6, dtype=dtype, requires_grad=True)
-    out = flush_subnormal_grad(t)
-    assert torch.equal(out, t)
-    grad = torch.tensor([1.0, -1e-20, 2 * cut, 0.5 * cut, -info.tiny / 4, 0.0], dtype=dtype)
-    out.backward(grad)
-    expect = grad.clone()
-    expect[3:] = 0.0
-    assert torch.equal(t.grad, expect)
 
 
 def test_point_features_keep_the_point_axis():

@@ -62,3 +62,19 @@ def test_all_zero_weights_raise_a_named_error():
     log_w = torch.tensor([[0.0, math.nan], [1.0, -math.inf]])
     with pytest.raises(DegenerateWeightsError, match=r"dataset\(s\) \[1\]"):
         sanitize(log_w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flush_negligible_zeroes_only_weights_below_tiny_over_eps(dtype):
+    from apg.objectives import flush_negligible, weighted_nll
+
+    info = torch.finfo(dtype)
+    cut = info.tiny / info.eps
+    w = torch.tensor([[0.5, 2 * cut], [0.5 - 3 * cut, 0.5 * cut], [cut / 1e3, 1.0]], dtype=dtype)
+    expect = w.clone()
+    expect[1, 1] = expect[2, 0] = 0.0
+    assert torch.equal(flush_negligible(w), expect)
+    # The loss weighs with the flushed weights: a negligible weight's particle gets no gradient.
+    log_density = torch.randn(3, 2, dtype=dtype, requires_grad=True)
+    weighted_nll(w, log_density).backward()
+    assert torch.equal(log_density.grad, -expect / 2)

@@ -70,7 +70,7 @@ from torch.distributions import Normal
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
 from apg.distributions import categorical_log_prob, categorical_sample, softmax_short
 from apg.kernels import call, native_function
-from apg.nn import PointFeatures, flush_subnormal_grad, pairwise_tanh_linear, tanh_mlp
+from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
 from apg.random import new_key, uniform, uniform_pair
 
 TWO_PI = 2.0 * math.pi
@@ -129,7 +129,7 @@ class DGMM(Model):
         sq = squared_residuals(x, z["mu"], z["c"], self.g(z["alpha"]) if shape is None else shape)
         size = x.shape[-2] * DATA_DIM
         s = self.cfg.noise
-        return flush_subnormal_grad(-0.5 * sq / s**2 - size * (math.log(s) + 0.5 * math.log(TWO_PI)))
+        return -0.5 * sq / s**2 - size * (math.log(s) + 0.5 * math.log(TWO_PI))
 
     def log_prior_mu(self, mu: Tensor) -> Tensor:
         """``sum_i log N(mu_i; 0, sigma0^2 I)``, ``(L, B)``."""
@@ -398,7 +398,7 @@ class LocalProposal:
         else:
             backward = native_function("local_log_prob_backward", self.params)
             per_point = _LocalLogProb.apply(self.params, c, alpha, native, backward)
-        return flush_subnormal_grad(per_point.sum(-1))
+        return per_point.sum(-1)
 
 
 def _component(params: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
@@ -430,13 +430,10 @@ class _LocalLogProb(torch.autograd.Function):
 
 class GaussianMu(Factorized):
     """Diagonal Gaussian block distribution over ``mu`` from ``(L, B, I, 2)`` parameters;
-    ``log_prob`` is ``(L, B)`` and flushes subnormal gradients (``apg.nn.flush_subnormal_grad``)."""
+    ``log_prob`` is ``(L, B)``."""
 
     def __init__(self, mean: Tensor, precision: Tensor):
         super().__init__({"mu": (Normal(mean, torch.rsqrt(precision), validate_args=False), 2)})
-
-    def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
-        return flush_subnormal_grad(super().log_prob(value))
 
 
 def gaussian_mu(mean: Tensor, precision: Tensor) -> GaussianMu:
