@@ -354,10 +354,20 @@ def test_local_kernels_pass_gradcheck(kernel_path):
     )
 
 
-def test_local_kernels_float32_agree_with_float64(kernel_path):
+@pytest.mark.parametrize("scale", [1.0, 40.0])
+def test_local_kernels_float32_agree_with_float64(kernel_path, scale):
+    # scale 40 puts first-layer parts beyond 20 in some blocks of points and some cluster
+    # rows, where the float32 layer's exp-product tanh gives way to the rational one.
     results = []
     for dtype in (torch.float64, torch.float32):
         net, x, mu, value = _local_setup(dtype, num_particles=10, num_points=200)
+        with torch.no_grad():
+            net.point.weight.mul_(scale)
+            net.cluster.weight.mul_(scale)
+            s0 = net.cfg.sigma0
+            parts = torch.cat([net.point(x / s0).flatten(), net.cluster(mu.to(dtype) / s0).flatten()])
+        if scale > 1:
+            assert float(parts.abs().max()) > 20 and float((parts.abs() < 20).double().mean()) > 0.3
         q = net(x, mu)
         lp = q.log_prob(value)
         grads = torch.autograd.grad(lp.sum(), list(net.parameters()))

@@ -13,7 +13,9 @@
  *   BLOCK points of P (and x) is transposed once to (H, BLOCK) on the stack and reused for
  *   every (particle, cluster) row, so the tanh layer, the skip features (sqrt, log and
  *   divisions, through libmvec) and the four outputs are vertical vector ops over the
- *   block's points, with no horizontal sum per pair.
+ *   block's points, with no horizontal sum per pair. In float32 the tanh layer uses
+ *   fast_tanh.h's exp product, as tanh_layers.c's pairwise kernel (1.6x per call at 1
+ *   thread), with the same exact fallback for parts beyond EXP_TANH_MAX.
  * local_backward: gradients of P, C, Wt, bias, Ws (x and mu carry none); rows whose output
  *   gradient is zero (particles whose weight was flushed to 0) are skipped.
  * local_sample:   per row r of Q (R, I, 4): c[r] ~ softmax(Q[r, :, 0]) by inverse CDF with
@@ -99,6 +101,7 @@ static const double I1E_B[25] = {
 #define M(fn) fn##f
 #define TANH fast_tanhf
 #define UNIFORMS philox_uniform2f_many
+#define EXP_PAIRS 1
 #define EXP_FLOOR -87.0f /* exp of less is subnormal or 0 */
 #include __FILE__
 #undef T
@@ -107,16 +110,29 @@ static const double I1E_B[25] = {
 #undef EXP_FLOOR
 #undef TANH
 #undef UNIFORMS
+#undef EXP_PAIRS
 
 #define T double
 #define SUFFIX _f64
 #define M(fn) fn
 #define TANH tanh
 #define UNIFORMS philox_uniform2d_many
+#define EXP_PAIRS 0
 #define EXP_FLOOR -708.0
 #include __FILE__
 
 #else /* the body, once per dtype */
+
+/* The local layer's exp-product tanh (float32 only; float64 keeps TANH throughout). */
+#if EXP_PAIRS
+#define EXP_ROWS H
+#define EXP_BLOCK(pt, H, ea) exp2_checked(&(pt)[0][0], (H) * BLOCK, &(ea)[0][0])
+#define EXP_ROW(c, H, eb) exp2_checked(c, H, eb)
+#else
+#define EXP_ROWS 1
+#define EXP_BLOCK(pt, H, ea) 0
+#define EXP_ROW(c, H, eb) 0
+#endif
 
 static inline T S(chbevl)(T x, const double *a, int len) {
     T b0 = (T)a[0], b1 = 0, b2 = 0;
@@ -199,6 +215,28 @@ static inline void S(skip_block)(T (*xs)[BLOCK], const T *mu, const T *consts, T
     }
 }
 
+/* acc[o][n] += sum_h Wt[o, h] tanh(pt[h][n] + c[h]) over a block: by the exp product
+ * (fast_tanh.h) where the block's and the row's exps exist (ea not NULL), else by TANH.
+ * Inlined twice, so the path is chosen once per row rather than per hidden unit. */
+static inline __attribute__((always_inline)) void S(local_tanh_rows)(const T (*pt)[BLOCK],
+                                                                     const T (*ea)[BLOCK], const T *c,
+                                                                     const T *eb, const T *Wt,
+                                                                     T (*acc)[BLOCK], long H) {
+    for (long h = 0; h < H; ++h) {
+        T t[BLOCK];
+#if EXP_PAIRS
+        if (ea)
+            exp_pair_tanh(ea[h], eb[h], t, BLOCK);
+        else
+#endif
+            for (long n = 0; n < BLOCK; ++n) t[n] = TANH(pt[h][n] + c[h]);
+        for (long o = 0; o < OUT; ++o) {
+            const T w = Wt[o * H + h];
+            for (long n = 0; n < BLOCK; ++n) acc[o][n] += w * t[n];
+        }
+    }
+}
+
 void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *Wt, const T *bias,
                       const T *Ws, const T *consts, T *Q, long L, long B, long N, long I, long H) {
     const long blocks = (N + BLOCK - 1) / BLOCK;
@@ -206,12 +244,14 @@ void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *
     for (long task = 0; task < B * blocks; ++task) {
         const long b = task / blocks, n0 = task % blocks * BLOCK;
         const long nb = N - n0 < BLOCK ? N - n0 : BLOCK;
-        T pt[H][BLOCK], xs[2][BLOCK];
+        T pt[H][BLOCK], xs[2][BLOCK], ea[EXP_ROWS][BLOCK], eb[EXP_ROWS];
         S(local_load_block)(P + (b * N + n0) * H, X + (b * N + n0) * 2, nb, H, pt, xs);
+        const int block_exp = EXP_BLOCK(pt, H, ea);
         for (long l = 0; l < L; ++l)
             for (long i = 0; i < I; ++i) {
                 const long li = (l * B + b) * I + i;
                 const T *c = C + li * H;
+                const int row_exp = block_exp && EXP_ROW(c, H, eb);
                 T f[SKIP][BLOCK], acc[OUT][BLOCK];
                 S(skip_block)(xs, MU + li * 2, consts, f);
                 for (long o = 0; o < OUT; ++o) {
@@ -220,15 +260,10 @@ void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *
                         acc[o][n] = bias[o] + ws[0] * f[0][n] + ws[1] * f[1][n] + ws[2] * f[2][n] +
                                     ws[3] * f[3][n] + ws[4] * f[4][n];
                 }
-                for (long h = 0; h < H; ++h) {
-                    const T ch = c[h];
-                    T t[BLOCK];
-                    for (long n = 0; n < BLOCK; ++n) t[n] = TANH(pt[h][n] + ch);
-                    for (long o = 0; o < OUT; ++o) {
-                        const T w = Wt[o * H + h];
-                        for (long n = 0; n < BLOCK; ++n) acc[o][n] += w * t[n];
-                    }
-                }
+                if (row_exp)
+                    S(local_tanh_rows)((const T(*)[BLOCK])pt, (const T(*)[BLOCK])ea, c, eb, Wt, acc, H);
+                else
+                    S(local_tanh_rows)((const T(*)[BLOCK])pt, NULL, c, eb, Wt, acc, H);
                 T *q = Q + (((l * B + b) * N + n0) * I + i) * OUT;
                 for (long n = 0; n < nb; ++n)
                     for (long o = 0; o < OUT; ++o) q[n * I * OUT + o] = acc[o][n];
@@ -658,4 +693,7 @@ void S(ring_residuals_backward)(const T *X, const T *MU, const long *c, const T 
     }
 }
 
+#undef EXP_ROWS
+#undef EXP_BLOCK
+#undef EXP_ROW
 #endif
