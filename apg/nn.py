@@ -132,10 +132,13 @@ class _TanhMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         rows, w1_t, b1, w2_t = ctx.saved_tensors
-        grads = [torch.empty_like(rows), torch.zeros_like(w1_t), torch.zeros_like(b1), torch.zeros_like(w2_t)]
-        call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad.reshape(rows.shape[0], -1), *grads, *ctx.sizes)
-        grad_u, grad_w1_t, grad_b1, grad_w2 = grads
-        return grad_u.reshape(ctx.in_shape), grad_w1_t.T, grad_b1, grad_w2
+        want_u = ctx.needs_input_grad[0]
+        grad_u = torch.empty_like(rows) if want_u else rows.new_empty(0)
+        grads = [torch.zeros_like(w1_t), torch.zeros_like(b1), torch.zeros_like(w2_t)]
+        grad_out = grad.reshape(rows.shape[0], -1)
+        call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad_out, grad_u, *grads, *ctx.sizes, int(want_u))
+        grad_w1_t, grad_b1, grad_w2 = grads
+        return grad_u.reshape(ctx.in_shape) if want_u else None, grad_w1_t.T, grad_b1, grad_w2
 
 
 def tanh_mlp(u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:

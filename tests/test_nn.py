@@ -108,6 +108,23 @@ def test_tanh_mlp_matches_the_plain_formula_and_its_gradients(kernel_path):
     assert torch.autograd.gradcheck(tanh_mlp, (u, w1, b1, w2))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tanh_mlp_weight_gradients_with_inputs_that_take_none(kernel_path, dtype):
+    # The rings' networks read sampled angles: no input gradient is computed, and blocks of
+    # rows whose output gradient is all zero (flushed particles) are skipped.
+    torch.manual_seed(0)
+    u = torch.randn(300, 2, dtype=dtype)
+    w1, b1, w2 = (torch.randn(shape, dtype=dtype, requires_grad=True) for shape in ((32, 2), (32,), (4, 32)))
+    g = torch.randn(300, 4, dtype=dtype)
+    g[64:192] = 0.0  # two whole blocks of 64 rows, and part of a third
+    g[250:] = 0.0
+    got = torch.autograd.grad((tanh_mlp(u, w1, b1, w2) * g).sum(), (w1, b1, w2))
+    want = torch.autograd.grad(((torch.tanh(u @ w1.T + b1) @ w2.T) * g).sum(), (w1, b1, w2))
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=tol, atol=tol * float(b.abs().max()))
+
+
 def test_point_features_keep_the_point_axis():
     for kind, width in (("linear", 2), ("mlp", 8), ("lstm", 8)):
         out = PointFeatures(kind, 2, 8)(torch.randn(3, 7, 2))

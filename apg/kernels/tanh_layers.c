@@ -28,7 +28,9 @@
  * pointwise: out[m,:] = W2t tanh(W1 u[m,:] + b1) with u (M, D), W1t (D, H) the first
  *   weight transposed, b1 (H), W2t (O, H); G and out (M, O). Likewise row axis innermost:
  *   a block of BLOCK rows is transposed to (D, BLOCK), each hidden unit is computed for the
- *   whole block at once, and the weight gradients are block sums. Threads split the blocks.
+ *   whole block at once; the backward keeps the weight gradients in vector lanes until the
+ *   end, skips blocks whose output gradient is all zero, and computes gU only when want_gU
+ *   (the rings' networks read sampled angles, which take none). Threads split the blocks.
  *
  * This file includes itself once per dtype (T float, then double).
  */
@@ -303,10 +305,13 @@ void S(pointwise_forward)(const T *U, const T *W1t, const T *b1, const T *W2t, T
 }
 
 void S(pointwise_backward)(const T *U, const T *W1t, const T *b1, const T *W2t, const T *G, T *gU,
-                           T *gW1t, T *gb1, T *gW2t, long M, long D, long H, long O) {
+                           T *gW1t, T *gb1, T *gW2t, long M, long D, long H, long O, long want_gU) {
 #pragma omp parallel
     {
-        T gw1[D * H], gb[H], gw2[O * H];
+        /* Weight gradients in vertical lanes until the end of the call, as the pairwise
+         * backward's: on 40,000 rows without gU, 1.31-1.35 ms per call against 1.49 with a
+         * horizontal sum per (block, hidden unit, weight), at 1 thread. */
+        T gw1[D * H][LANES], gb[H][LANES], gw2[O * H][LANES];
         memset(gw1, 0, sizeof(gw1));
         memset(gb, 0, sizeof(gb));
         memset(gw2, 0, sizeof(gw2));
@@ -314,11 +319,19 @@ void S(pointwise_backward)(const T *U, const T *W1t, const T *b1, const T *W2t, 
         for (long m0 = 0; m0 < M; m0 += BLOCK) {
             const long nb = M - m0 < BLOCK ? M - m0 : BLOCK;
             T ut[D][BLOCK], gg[O][BLOCK], gut[D][BLOCK], t[BLOCK], a[BLOCK];
-            S(load_rows)(U + m0 * D, nb, D, ut);
+            int any = 0;
             for (long o = 0; o < O; ++o) { /* rows past nb get gradient 0: they add nothing */
-                for (long j = 0; j < nb; ++j) gg[o][j] = G[(m0 + j) * O + o];
+                for (long j = 0; j < nb; ++j) {
+                    gg[o][j] = G[(m0 + j) * O + o];
+                    any |= gg[o][j] != 0;
+                }
                 for (long j = nb; j < BLOCK; ++j) gg[o][j] = 0;
             }
+            if (!any) { /* rows of particles whose weights were all flushed to 0 */
+                if (want_gU) memset(gU + m0 * D, 0, sizeof(T) * nb * D);
+                continue;
+            }
+            S(load_rows)(U + m0 * D, nb, D, ut);
             for (long d = 0; d < D; ++d)
                 for (long j = 0; j < BLOCK; ++j) gut[d][j] = 0;
             for (long h = 0; h < H; ++h) {
@@ -326,37 +339,36 @@ void S(pointwise_backward)(const T *U, const T *W1t, const T *b1, const T *W2t, 
                 for (long j = 0; j < BLOCK; ++j) a[j] = 0;
                 for (long o = 0; o < O; ++o) {
                     const T w = W2t[o * H + h];
-                    T s = 0;
-                    for (long j = 0; j < BLOCK; ++j) {
-                        a[j] += w * gg[o][j];
-                        s += t[j] * gg[o][j];
-                    }
-                    gw2[o * H + h] += s;
+                    T *lane = gw2[o * H + h];
+                    for (long j = 0; j < BLOCK; ++j) a[j] += w * gg[o][j];
+                    for (long k = 0; k < BLOCK; k += LANES)
+                        for (long j = 0; j < LANES; ++j) lane[j] += t[k + j] * gg[o][k + j];
                 }
-                T sa = 0;
-                for (long j = 0; j < BLOCK; ++j) {
-                    a[j] *= 1 - t[j] * t[j]; /* d tanh = 1 - t^2 */
-                    sa += a[j];
-                }
-                gb[h] += sa;
+                for (long j = 0; j < BLOCK; ++j) a[j] *= 1 - t[j] * t[j]; /* d tanh = 1 - t^2 */
+                for (long k = 0; k < BLOCK; k += LANES)
+                    for (long j = 0; j < LANES; ++j) gb[h][j] += a[k + j];
                 for (long d = 0; d < D; ++d) {
-                    const T w = W1t[d * H + h];
-                    T s = 0;
-                    for (long j = 0; j < BLOCK; ++j) {
-                        s += a[j] * ut[d][j];
-                        gut[d][j] += w * a[j];
+                    T *lane = gw1[d * H + h];
+                    for (long k = 0; k < BLOCK; k += LANES)
+                        for (long j = 0; j < LANES; ++j) lane[j] += a[k + j] * ut[d][k + j];
+                    if (want_gU) {
+                        const T w = W1t[d * H + h];
+                        for (long j = 0; j < BLOCK; ++j) gut[d][j] += w * a[j];
                     }
-                    gw1[d * H + h] += s;
                 }
             }
-            for (long j = 0; j < nb; ++j)
-                for (long d = 0; d < D; ++d) gU[(m0 + j) * D + d] = gut[d][j];
+            if (want_gU)
+                for (long j = 0; j < nb; ++j)
+                    for (long d = 0; d < D; ++d) gU[(m0 + j) * D + d] = gut[d][j];
         }
 #pragma omp critical
         {
-            for (long k = 0; k < D * H; ++k) gW1t[k] += gw1[k];
-            for (long k = 0; k < H; ++k) gb1[k] += gb[k];
-            for (long k = 0; k < O * H; ++k) gW2t[k] += gw2[k];
+            for (long k = 0; k < D * H; ++k)
+                for (long j = 0; j < LANES; ++j) gW1t[k] += gw1[k][j];
+            for (long k = 0; k < H; ++k)
+                for (long j = 0; j < LANES; ++j) gb1[k] += gb[k][j];
+            for (long k = 0; k < O * H; ++k)
+                for (long j = 0; j < LANES; ++j) gW2t[k] += gw2[k][j];
         }
     }
 }
