@@ -114,40 +114,45 @@ def pairwise_tanh_linear(point: Tensor, cluster: Tensor, weight: Tensor) -> Tens
 
 
 class _TanhMLP(torch.autograd.Function):
-    """``tanh(u @ w1.T + b1) @ w2.T`` per row, fused on CPU (``tanh_layers.c``: no saved
-    hidden tensor, tanh recomputed in backward); plain autograd elsewhere."""
+    """``tanh_mlp`` fused on CPU (``tanh_layers.c``: no saved hidden tensor, tanh recomputed
+    in backward, angle features formed in the kernel)."""
 
     @staticmethod
-    def forward(ctx, u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
-        rows = u.reshape(-1, u.shape[-1]).contiguous()
+    def forward(ctx, u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, angles: bool) -> Tensor:
+        lead = u.shape if angles else u.shape[:-1]
+        rows = (u.reshape(-1) if angles else u.reshape(-1, u.shape[-1])).contiguous()
         w1_t, w2_t = w1.T.contiguous(), w2.contiguous()
         sizes = (rows.shape[0], w1.shape[1], w1.shape[0], w2.shape[0])
         out = rows.new_empty(rows.shape[0], w2.shape[0])
         ctx.backward_fn = native_function("pointwise_backward", rows, w1, b1, w2)
-        call(native_function("pointwise_forward", rows, w1, b1, w2), rows, w1_t, b1, w2_t, out, *sizes)
+        forward_fn = native_function("pointwise_forward", rows, w1, b1, w2)
+        call(forward_fn, rows, w1_t, b1, w2_t, b2, out, *sizes, int(angles))
         ctx.save_for_backward(rows, w1_t, b1.contiguous(), w2_t)
-        ctx.sizes, ctx.in_shape = sizes, u.shape
-        return out.reshape(*u.shape[:-1], w2.shape[0])
+        ctx.sizes, ctx.in_shape, ctx.angles = sizes, u.shape, angles
+        return out.reshape(*lead, w2.shape[0])
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def backward(ctx, grad: Tensor):
         rows, w1_t, b1, w2_t = ctx.saved_tensors
         want_u = ctx.needs_input_grad[0]
         grad_u = torch.empty_like(rows) if want_u else rows.new_empty(0)
-        grads = [torch.zeros_like(w1_t), torch.zeros_like(b1), torch.zeros_like(w2_t)]
+        grads = [torch.zeros_like(w1_t), torch.zeros_like(b1), torch.zeros_like(w2_t), b1.new_zeros(w2_t.shape[0])]
         grad_out = grad.reshape(rows.shape[0], -1)
-        call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad_out, grad_u, *grads, *ctx.sizes, int(want_u))
-        grad_w1_t, grad_b1, grad_w2 = grads
-        return grad_u.reshape(ctx.in_shape) if want_u else None, grad_w1_t.T, grad_b1, grad_w2
+        call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad_out, grad_u, *grads, *ctx.sizes, int(want_u), int(ctx.angles))
+        grad_w1_t, grad_b1, grad_w2, grad_b2 = grads
+        return grad_u.reshape(ctx.in_shape) if want_u else None, grad_w1_t.T, grad_b1, grad_w2, grad_b2, None
 
 
-def tanh_mlp(u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor) -> Tensor:
+def tanh_mlp(u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, *, angles: bool = False) -> Tensor:
     """A one-hidden-layer tanh MLP on every row of ``u (..., D)``: ``(..., O)``.
 
-    ``w1 (H, D)``, ``b1 (H,)``, ``w2 (O, H)`` as in ``nn.Linear`` (add the output bias
-    outside). On CPU the compiled kernel never forms the ``(..., H)`` hidden tensor, which
-    for a network of a per-point latent (the rings' g_theta(alpha)) is the step's largest.
+    ``w1 (H, D)``, ``b1 (H,)``, ``w2 (O, H)``, ``b2 (O,)`` as in ``nn.Linear``. With
+    ``angles``, ``u`` holds angles ``(...)`` and the rows are their ``(cos u, sin u)``
+    (``D = 2``). On CPU the compiled kernel never forms the ``(..., H)`` hidden tensor, which
+    for a network of a per-point latent (the rings' g_theta(alpha)) is the step's largest,
+    nor the features or the output before its bias.
     """
-    if native_function("pointwise_forward", u, w1, b1, w2) is None:
-        return torch.tanh(torch.nn.functional.linear(u, w1, b1)) @ w2.T
-    return _TanhMLP.apply(u, w1, b1, w2)
+    if native_function("pointwise_forward", u, w1, b1, w2, b2) is None:
+        rows = torch.stack([torch.cos(u), torch.sin(u)], -1) if angles else u
+        return torch.tanh(torch.nn.functional.linear(rows, w1, b1)) @ w2.T + b2
+    return _TanhMLP.apply(u, w1, b1, w2, b2, angles)

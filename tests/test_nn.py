@@ -56,8 +56,8 @@ def test_fused_layers_take_non_contiguous_gradients(kernel_path):
         lambda *a: pairwise_tanh_linear(*a).transpose(-2, -3), (point, cluster, weight)
     )
     u = torch.randn(3, 5, 2, requires_grad=True)
-    w1, b1, w2 = (torch.randn(shape, requires_grad=True) for shape in ((7, 2), (7,), (4, 7)))
-    assert torch.autograd.gradcheck(lambda *a: tanh_mlp(*a).transpose(0, 1), (u, w1, b1, w2))
+    w1, b1, w2, b2 = (torch.randn(shape, requires_grad=True) for shape in ((7, 2), (7,), (4, 7), (4,)))
+    assert torch.autograd.gradcheck(lambda *a: tanh_mlp(*a).transpose(0, 1), (u, w1, b1, w2, b2))
 
 
 def test_fused_layers_split_work_across_threads(kernel_path):
@@ -79,8 +79,13 @@ def test_fused_layers_split_work_across_threads(kernel_path):
             ),
             (
                 tanh_mlp,
-                [(3, 4000, 2), (8, 2), (8,), (3, 8)],
-                lambda u, w1, b1, w2: torch.tanh(u @ w1.T + b1) @ w2.T,
+                [(3, 4000, 2), (8, 2), (8,), (3, 8), (3,)],
+                lambda u, w1, b1, w2, b2: torch.tanh(u @ w1.T + b1) @ w2.T + b2,
+            ),
+            (
+                lambda u, *w: tanh_mlp(u, *w, angles=True),
+                [(3, 4000), (8, 2), (8,), (3, 8), (3,)],
+                lambda u, w1, b1, w2, b2: torch.tanh(_angles(u) @ w1.T + b1) @ w2.T + b2,
             ),
         ]
         for fused, shapes, plain in cases:
@@ -97,15 +102,26 @@ def test_fused_layers_split_work_across_threads(kernel_path):
         torch.set_num_threads(threads)
 
 
+def _angles(u):
+    return torch.stack([torch.cos(u), torch.sin(u)], -1)
+
+
 def test_tanh_mlp_matches_the_plain_formula_and_its_gradients(kernel_path):
     torch.set_default_dtype(torch.float64)
     u = torch.randn(3, 4, 5, 2, requires_grad=True)
-    w1, b1, w2 = (torch.randn(shape, requires_grad=True) for shape in ((7, 2), (7,), (3, 7)))
-    reference = torch.tanh(u @ w1.T + b1) @ w2.T
-    out = tanh_mlp(u, w1, b1, w2)
+    w1, b1, w2, b2 = (torch.randn(shape, requires_grad=True) for shape in ((7, 2), (7,), (3, 7), (3,)))
+    reference = torch.tanh(u @ w1.T + b1) @ w2.T + b2
+    out = tanh_mlp(u, w1, b1, w2, b2)
     assert out.shape == (3, 4, 5, 3)
     assert torch.allclose(out, reference)
-    assert torch.autograd.gradcheck(tanh_mlp, (u, w1, b1, w2))
+    assert torch.autograd.gradcheck(tanh_mlp, (u, w1, b1, w2, b2))
+    # Of angles: the features (cos, sin) are formed inside, and the angle's gradient too.
+    alpha = 7.0 * torch.rand(3, 4, 70) - 0.5  # 70 rows per (3, 4): blocks of 64 and a remainder
+    alpha.requires_grad_()
+    out = tanh_mlp(alpha, w1, b1, w2, b2, angles=True)
+    assert out.shape == (3, 4, 70, 3)
+    assert torch.allclose(out, torch.tanh(_angles(alpha) @ w1.T + b1) @ w2.T + b2)
+    assert torch.autograd.gradcheck(lambda *a: tanh_mlp(*a, angles=True), (alpha[:, :, :5], w1, b1, w2, b2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -114,12 +130,13 @@ def test_tanh_mlp_weight_gradients_with_inputs_that_take_none(kernel_path, dtype
     # rows whose output gradient is all zero (flushed particles) are skipped.
     torch.manual_seed(0)
     u = torch.randn(300, 2, dtype=dtype)
-    w1, b1, w2 = (torch.randn(shape, dtype=dtype, requires_grad=True) for shape in ((32, 2), (32,), (4, 32)))
+    shapes = ((32, 2), (32,), (4, 32), (4,))
+    w1, b1, w2, b2 = (torch.randn(shape, dtype=dtype, requires_grad=True) for shape in shapes)
     g = torch.randn(300, 4, dtype=dtype)
     g[64:192] = 0.0  # two whole blocks of 64 rows, and part of a third
     g[250:] = 0.0
-    got = torch.autograd.grad((tanh_mlp(u, w1, b1, w2) * g).sum(), (w1, b1, w2))
-    want = torch.autograd.grad(((torch.tanh(u @ w1.T + b1) @ w2.T) * g).sum(), (w1, b1, w2))
+    got = torch.autograd.grad((tanh_mlp(u, w1, b1, w2, b2) * g).sum(), (w1, b1, w2, b2))
+    want = torch.autograd.grad(((torch.tanh(u @ w1.T + b1) @ w2.T + b2) * g).sum(), (w1, b1, w2, b2))
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a, b, rtol=tol, atol=tol * float(b.abs().max()))

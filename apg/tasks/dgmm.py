@@ -115,7 +115,7 @@ class DGMM(Model):
     def g(self, alpha: Tensor) -> Tensor:
         """The learned ring shape ``g_theta(alpha)``, ``(...,) -> (..., 2)``."""
         first, _, last = self.shape_net
-        return tanh_mlp(angle_features(alpha), first.weight, first.bias, last.weight) + last.bias
+        return tanh_mlp(alpha, first.weight, first.bias, last.weight, last.bias, angles=True)
 
     def mean(self, z: Mapping[str, Tensor], shape: Tensor | None = None) -> Tensor:
         """Mean of ``p(x_n | ...)``: ``mu_{c_n} + g_theta(alpha_n)``, ``(L, B, N, 2)``;
@@ -539,7 +539,7 @@ class CentreKernel(nn.Module):
 
     def forward(self, x: Tensor, c: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
         h = self.hidden
-        per_point = tanh_mlp(angle_features(alpha), h.weight, h.bias, self.out.weight) + self.out.bias
+        per_point = tanh_mlp(alpha, h.weight, h.bias, self.out.weight, self.out.bias, angles=True)
         return pool_assigned(per_point, x, c, self.cfg.num_clusters, self.cfg.sigma0**-2)
 
 
