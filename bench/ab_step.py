@@ -1,0 +1,95 @@
+"""A/B one training step of two versions of the package, in one process, step by step.
+
+The shared CPU machines this project is measured on drift by up to 1.5-2x within minutes,
+so timings taken in separate runs cannot be compared. This script loads the package as of
+a git revision (renamed ``apg_old``, with its own compiled kernels) beside the working
+tree's ``apg``, builds the same trainer in both, and times their steps alternately: both
+arms see the same machine at the same moments. Prints medians, CPU-time medians and the
+median of the per-pair ratios.
+
+    python bench/ab_step.py --old 6c609ec --task gmm --threads 2 --steps 30
+    python bench/ab_step.py --old HEAD~3 --task dgmm --threads 2 --steps 8
+
+Paper training configs: B=20 datasets, K=10 sweeps, L=10 particles; N=60 (gmm) or 200
+(dgmm) points. Run from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+POINTS = {"gmm": 60, "dgmm": 200}
+
+
+def export_old_package(rev: str, root: Path) -> Path:
+    """Write ``apg`` as of ``rev`` to ``root/apg_old`` with its imports renamed."""
+    archive = subprocess.run(["git", "archive", rev, "apg"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    (root / "apg").rename(root / "apg_old")
+    for path in (root / "apg_old").rglob("*.py"):
+        text = path.read_text()
+        text = re.sub(r"\bfrom apg(\.| import)", r"from apg_old\1", text)
+        text = re.sub(r"\bimport apg(\.|$)", r"import apg_old\1", text, flags=re.M)
+        text = re.sub(r'"apg\.', '"apg_old.', text)  # module names in strings (the task registry)
+        path.write_text(text)
+    return root
+
+
+def make_trainer(pkg: str, task_name: str):
+    tasks = importlib.import_module(f"{pkg}.tasks")
+    training = importlib.import_module(f"{pkg}.training")
+    torch.manual_seed(0)
+    task = tasks.get_task(task_name)
+    data = task.simulate(task.build_model(), 400, torch.Generator().manual_seed(0), num_points=POINTS[task_name])
+    cfg = training.TrainConfig(task=task_name, method="apg", sweeps=10, particles=10, batch_size=20, lr=1e-4)
+    return training.Trainer(cfg, data["x"].float())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", required=True, help="git revision of the baseline")
+    parser.add_argument("--task", choices=sorted(POINTS), default="gmm")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        sys.path.insert(0, str(export_old_package(args.old, Path(tmp))))
+        arms = {"old": make_trainer("apg_old", args.task), "new": make_trainer("apg", args.task)}
+        for _ in range(args.warmup):
+            for trainer in arms.values():
+                trainer.step()
+        wall: dict[str, list[float]] = {k: [] for k in arms}
+        cpu: dict[str, list[float]] = {k: [] for k in arms}
+        for _ in range(args.steps):
+            for name, trainer in arms.items():
+                start, start_cpu = time.perf_counter(), time.process_time()
+                trainer.step()
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+    old, new = (statistics.median(wall[k]) for k in ("old", "new"))
+    ratio = statistics.median(b / a for a, b in zip(wall["old"], wall["new"], strict=True))
+    print(
+        f"{args.task} step, {args.threads} thread(s), {args.steps} alternating steps per arm: "
+        f"old ({args.old}) {old * 1e3:.1f} ms (CPU {statistics.median(cpu['old']) * 1e3:.1f}), "
+        f"new {new * 1e3:.1f} ms (CPU {statistics.median(cpu['new']) * 1e3:.1f}); "
+        f"speed-up {old / new:.2f}x, median paired ratio new/old {ratio:.3f}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
