@@ -85,14 +85,16 @@ def _gather_flat(t: Tensor, flat: Tensor) -> Tensor:
 
 
 def resample(
-    log_w: Tensor, tensors: Mapping[str, Tensor], resampler: Resampler
+    log_w: Tensor, tensors: Mapping[str, Tensor], resampler: Resampler, *, sanitized: bool = False
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Resample a population.
 
     Returns the outgoing log-weights, every one equal to the log-mean-exp of the
-    incoming ones (shape ``(L, B)``), and the tensors gathered by ancestor.
+    incoming ones (shape ``(L, B)``), and the tensors gathered by ancestor. ``sanitized``:
+    the caller has already passed ``log_w`` through ``sanitize`` (the sampler does after
+    every update), so it is not checked again.
     """
-    log_w = sanitize(log_w.detach())
+    log_w = log_w.detach() if sanitized else sanitize(log_w.detach())
     native = _native_systematic(log_w) if resampler is systematic else None
     if native is not None:
         _, flat, new_log_w = native

@@ -154,7 +154,7 @@ def run_apg(
         increments: dict[str, Tensor] = {}
         for i, block in enumerate(block_names):
             if resample_mode == "block" or (resample_mode == "sweep" and i == 0):
-                log_w, state = resample(log_w, state, resample_fn)
+                log_w, state = resample(log_w, state, resample_fn, sanitized=True)
             z = {k: v for k, v in state.items() if k != _LOG_JOINT}  # with the model's caches
             latents = _latents(z)
             kernel = proposals.kernel(block, x, latents)
