@@ -142,9 +142,11 @@ class DGMM(Model):
         Kept (not dropped as a constant) so that an angle outside ``[0, 2 pi)`` scores -inf.
         """
         alpha = z["alpha"]
-        inside = (alpha >= 0) & (alpha < TWO_PI)
-        per_point = torch.where(inside, -math.log(TWO_PI), -math.inf) - math.log(self.cfg.num_clusters)
-        return per_point.to(x.dtype).sum(-1)
+        # One pass over the points (their extremes), then (L, B)-sized arithmetic.
+        lowest, highest = torch.aminmax(alpha, dim=-1)
+        inside = (lowest >= 0) & (highest < TWO_PI)
+        per_point = -math.log(TWO_PI) - math.log(self.cfg.num_clusters)
+        return torch.where(inside, per_point * alpha.shape[-1], -math.inf).to(x.dtype)
 
     def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         return self.log_prior_mu(z["mu"]) + self.log_prior_local(x, z) + self.log_likelihood(x, z)
