@@ -136,9 +136,26 @@ class _TanhMLP(torch.autograd.Function):
         rows, w1_t, b1, w2_t = ctx.saved_tensors
         want_u = ctx.needs_input_grad[0]
         grad_u = torch.empty_like(rows) if want_u else rows.new_empty(0)
-        grads = [torch.zeros_like(w1_t), torch.zeros_like(b1), torch.zeros_like(w2_t), b1.new_zeros(w2_t.shape[0])]
+        grads = [
+            torch.zeros_like(w1_t),
+            torch.zeros_like(b1),
+            torch.zeros_like(w2_t),
+            b1.new_zeros(w2_t.shape[0]),
+        ]
         grad_out = grad.reshape(rows.shape[0], -1)
-        call(ctx.backward_fn, rows, w1_t, b1, w2_t, grad_out, grad_u, *grads, *ctx.sizes, int(want_u), int(ctx.angles))
+        call(
+            ctx.backward_fn,
+            rows,
+            w1_t,
+            b1,
+            w2_t,
+            grad_out,
+            grad_u,
+            *grads,
+            *ctx.sizes,
+            int(want_u),
+            int(ctx.angles),
+        )
         grad_w1_t, grad_b1, grad_w2, grad_b2 = grads
         return grad_u.reshape(ctx.in_shape) if want_u else None, grad_w1_t.T, grad_b1, grad_w2, grad_b2, None
 

@@ -51,7 +51,9 @@ def make_trainer(pkg: str, task_name: str):
     training = importlib.import_module(f"{pkg}.training")
     torch.manual_seed(0)
     task = tasks.get_task(task_name)
-    data = task.simulate(task.build_model(), 400, torch.Generator().manual_seed(0), num_points=POINTS[task_name])
+    data = task.simulate(
+        task.build_model(), 400, torch.Generator().manual_seed(0), num_points=POINTS[task_name]
+    )
     cfg = training.TrainConfig(task=task_name, method="apg", sweeps=10, particles=10, batch_size=20, lr=1e-4)
     return training.Trainer(cfg, data["x"].float())
 

@@ -343,3 +343,20 @@ def test_normal_gamma_from_sums_is_the_conjugate_update_of_its_moments(f64, kern
     # float32 agrees with float64
     single = normal_gamma_from_sums(cfg, full.float()).log_prob({k: v.float() for k, v in value.items()})
     assert torch.allclose(single.double(), log_prob(full, value["mu"], value["tau"]), rtol=1e-5, atol=1e-3)
+
+
+def test_sweep_diagnostics_cover_every_sweep_and_block():
+    # Computed in one batch after the run: one entry per sweep, per-block ESS for every
+    # update sweep, and none when no block is updated.
+    torch.manual_seed(0)
+    model = GMM(GMMConfig())
+    x = model.simulate(3, 12, torch.Generator().manual_seed(1))["x"]
+    for blocks, names in ((None, {"globals", "c"}), (["c"], {"c"}), ([], set())):
+        result = run_apg(model, ExactGibbs(model), x, 4, 5, blocks=blocks)
+        assert len(result.sweeps) == 4 and result.sweeps[0].ess_blocks == {}
+        for sweep in result.sweeps[1:]:
+            assert set(sweep.ess_blocks) == names and set(sweep.log_increments) == names
+            for ess in sweep.ess_blocks.values():
+                assert ess.shape == (3,) and bool(((ess > 0) & (ess <= 1 + 1e-12)).all())
+        last = result.sweeps[-1]
+        assert torch.allclose(last.log_evidence, torch.logsumexp(result.log_weights, 0) - math.log(5))

@@ -183,11 +183,12 @@ def run_apg(
             collect(len(sweep_log_w), _latents(state), log_w)
 
     # Every block update's ESS, from the steps' normalized weights, in one batch.
-    block_ess = ess_fraction_of(torch.stack([s.weights for s in steps[1:]], -1)).unbind(-1) if steps[1:] else []
+    updates = [s.weights for s in steps[1:]]
+    block_ess = ess_fraction_of(torch.stack(updates, -1)).unbind(-1) if updates else ()
     per_sweep = len(block_names)
     ess_blocks = [{}] + [
-        dict(zip(block_names, block_ess[k : k + per_sweep], strict=True))
-        for k in range(0, len(block_ess), per_sweep)
+        dict(zip(block_names, block_ess[k * per_sweep : (k + 1) * per_sweep], strict=True))
+        for k in range(num_sweeps - 1)
     ]
     sweeps = all_sweep_stats(sweep_log_w, sweep_log_joint, ess_blocks, sweep_increments)
     return APGResult(_latents(state), log_w, state[_LOG_JOINT], sweeps, steps)
@@ -206,10 +207,8 @@ def all_sweep_stats(
         weights = normalized_weights(log_w)
         weighted = (weights * torch.stack(log_joints, -1).detach()).sum(0)
         columns = (weighted, ess_fraction_of(weights), log_evidence(log_w))
-        return [
-            SweepStats(lj, ess, blocks, ev, inc)
-            for lj, ess, ev, blocks, inc in zip(*(c.unbind(-1) for c in columns), ess_blocks, increments, strict=True)
-        ]
+        rows = zip(*(c.unbind(-1) for c in columns), ess_blocks, increments, strict=True)
+        return [SweepStats(lj, ess, blocks, ev, inc) for lj, ess, ev, blocks, inc in rows]
 
 
 def sweep_stats(
