@@ -169,6 +169,10 @@ def tanh_mlp(u: Tensor, w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor, *, angle
     for a network of a per-point latent (the rings' g_theta(alpha)) is the step's largest,
     nor the features or the output before its bias.
     """
+    if angles and w1.shape[1] != 2:
+        raise ValueError(
+            f"a network of angles reads (cos, sin): w1 must have 2 columns, got {tuple(w1.shape)}"
+        )
     if native_function("pointwise_forward", u, w1, b1, w2, b2) is None:
         rows = torch.stack([torch.cos(u), torch.sin(u)], -1) if angles else u
         return torch.tanh(torch.nn.functional.linear(rows, w1, b1)) @ w2.T + b2

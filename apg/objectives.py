@@ -31,7 +31,8 @@ def flush_negligible(weights: Tensor) -> Tensor:
     once for all steps, rather than on every log-density's gradient.
     """
     info = torch.finfo(weights.dtype)
-    return weights.masked_fill(weights < info.tiny / info.eps, 0.0)
+    # At most 1e-30: in float16, tiny / eps is 0.06, a real weight.
+    return weights.masked_fill(weights < min(info.tiny / info.eps, 1e-30), 0.0)
 
 
 def phi_loss(result: APGResult) -> Tensor:

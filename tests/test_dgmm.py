@@ -686,3 +686,30 @@ def test_short_training_improves_inference_and_learns_a_ring():
         shape = trainer.model.g(torch.linspace(0, TWO_PI, 64)).norm(dim=-1)
     assert abs(mean_dist - 2.0) < 0.25, mean_dist
     assert float(shape.std() / shape.mean()) < 0.1
+
+
+def test_von_mises_draws_in_half_precision_use_torch_uniforms():
+    # Philox uniforms serve float32/64; other dtypes keep torch.rand (a 24-bit grid would
+    # overflow float16). The draws must still follow the density: E cos(theta) = I1/I0.
+    torch.manual_seed(0)
+    n, k = 4000, 2.0
+    s = sample_von_mises(torch.zeros(n, dtype=torch.float16), torch.full((n,), k, dtype=torch.float16))
+    assert s.dtype == torch.float16 and float(s.min()) >= 0.0 and float(s.max()) < TWO_PI
+    c = torch.cos(s.double())
+    expect = float(torch.special.i1e(torch.tensor(k)) / torch.special.i0e(torch.tensor(k)))
+    assert abs(float(c.mean()) - expect) < 4 * float(c.std()) / math.sqrt(n) + 2e-3  # + float16 rounding
+
+
+def test_angle_prior_is_exact_in_float64():
+    model = build_model()
+    alpha = torch.rand(2, 3, 200, dtype=torch.float64) * TWO_PI
+    alpha[1, 2, 7] = TWO_PI  # outside the support
+    z = {
+        "mu": torch.zeros(2, 3, 4, 2, dtype=torch.float64),
+        "c": torch.zeros(2, 3, 200, dtype=torch.long),
+        "alpha": alpha,
+    }
+    got = model.log_prior_local(torch.zeros(3, 200, 2, dtype=torch.float64), z)
+    expect = 200 * (-math.log(TWO_PI) - math.log(4))
+    assert got.dtype == torch.float64 and got[1, 2] == -math.inf
+    assert torch.equal(got.flatten()[:-1], torch.full((5,), expect, dtype=torch.float64))

@@ -146,3 +146,10 @@ def test_point_features_keep_the_point_axis():
     for kind, width in (("linear", 2), ("mlp", 8), ("lstm", 8)):
         out = PointFeatures(kind, 2, 8)(torch.randn(3, 7, 2))
         assert out.shape == (3, 7, width)
+
+
+def test_tanh_mlp_of_angles_needs_two_input_columns():
+    with pytest.raises(ValueError, match="2 columns"):
+        tanh_mlp(
+            torch.rand(5), torch.randn(4, 3), torch.randn(4), torch.randn(2, 4), torch.randn(2), angles=True
+        )

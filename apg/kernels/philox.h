@@ -49,9 +49,10 @@ static inline void philox_uniform2d(uint64_t key, uint64_t element, uint32_t dra
     *u1 = ((double)(c >> 5) * 67108864.0 + (double)(d >> 6)) * 0x1p-53;
 }
 
-/* philox_uniform2f / 2d for the elements el[0 .. m). For float32, GCC
- * vectorizes the scalar rounds with 64-bit multiplies (vpmullq: 3 uops); with AVX-512 the
- * rounds run on 16 lanes with the 32 x 32 -> 64-bit multiply of even and odd lanes. */
+/* philox_uniform2f / 2d for the elements el[0 .. m). Left to GCC, AVX-512 builds would
+ * vectorize the rounds with 64-bit multiplies (vpmullq: 3 uops); for float32 the intrinsics
+ * below run them on 16 lanes with the 32 x 32 -> 64-bit multiply of even and odd lanes
+ * (vpmuludq). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 

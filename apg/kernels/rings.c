@@ -612,7 +612,7 @@ void S(von_mises)(const T *loc, const T *conc, long key, T *alpha, unsigned char
     /* Pass 2: the few left (each candidate is accepted with probability >= 0.65) gathered
      * into dense chunks, so that their further rounds stay vector loops over full chunks
      * rather than over a chunk of mostly finished elements. The cap on rounds only guards
-     * against a bug: reaching it (probability < 0.35^2000) leaves accepted = 0. */
+     * against a bug: reaching it (probability < 0.35^(1000 candidates)) leaves accepted = 0. */
     long left = 0;
     for (long e = 0; e < n; ++e)
         if (!accepted[e]) todo[left++] = e;

@@ -146,7 +146,8 @@ class DGMM(Model):
         lowest, highest = torch.aminmax(alpha, dim=-1)
         inside = (lowest >= 0) & (highest < TWO_PI)
         per_point = -math.log(TWO_PI) - math.log(self.cfg.num_clusters)
-        return torch.where(inside, per_point * alpha.shape[-1], -math.inf).to(x.dtype)
+        total = torch.full(inside.shape, per_point * alpha.shape[-1], dtype=x.dtype, device=x.device)
+        return total.masked_fill_(~inside, -math.inf)
 
     def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         return self.log_prior_mu(z["mu"]) + self.log_prior_local(x, z) + self.log_likelihood(x, z)
@@ -277,7 +278,8 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     if not (torch.isfinite(k).all() and torch.isfinite(loc).all()):
         raise ValueError("von Mises parameters must be finite (the rejection loop would not end)")
     loc = loc.detach().reshape(-1)
-    key = new_key() if loc.device.type == "cpu" else None
+    # Philox uniforms on CPU in float32/64 (apg.random); torch.rand elsewhere.
+    key = new_key() if loc.device.type == "cpu" and k.dtype in (torch.float32, torch.float64) else None
     native = native_function("von_mises", loc, k)
     if native is None:
         return _von_mises_torch(loc, k, candidates, key).reshape(shape)
