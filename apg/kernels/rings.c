@@ -123,16 +123,7 @@ static const double I1E_B[25] = {
 
 #else /* the body, once per dtype */
 
-/* The local layer's exp-product tanh (float32 only; float64 keeps TANH throughout). */
-#if EXP_PAIRS
-#define EXP_ROWS H
-#define EXP_BLOCK(pt, H, ea) exp2_checked(&(pt)[0][0], (H) * BLOCK, &(ea)[0][0])
-#define EXP_ROW(c, H, eb) exp2_checked(c, H, eb)
-#else
-#define EXP_ROWS 1
-#define EXP_BLOCK(pt, H, ea) 0
-#define EXP_ROW(c, H, eb) 0
-#endif
+#include "exp_pairs.h" /* the local layer's exp-product tanh (float32 only) */
 
 static inline T S(chbevl)(T x, const double *a, int len) {
     T b0 = (T)a[0], b1 = 0, b2 = 0;
@@ -224,12 +215,7 @@ static inline __attribute__((always_inline)) void S(local_tanh_rows)(const T (*p
                                                                      T (*acc)[BLOCK], long H) {
     for (long h = 0; h < H; ++h) {
         T t[BLOCK];
-#if EXP_PAIRS
-        if (ea)
-            exp_pair_tanh(ea[h], eb[h], t, BLOCK);
-        else
-#endif
-            for (long n = 0; n < BLOCK; ++n) t[n] = TANH(pt[h][n] + c[h]);
+        S(pair_tanh_row)(pt, ea, c, eb, h, t);
         for (long o = 0; o < OUT; ++o) {
             const T w = Wt[o * H + h];
             for (long n = 0; n < BLOCK; ++n) acc[o][n] += w * t[n];
@@ -693,7 +679,4 @@ void S(ring_residuals_backward)(const T *X, const T *MU, const long *c, const T 
     }
 }
 
-#undef EXP_ROWS
-#undef EXP_BLOCK
-#undef EXP_ROW
 #endif

@@ -80,16 +80,7 @@
  * stay vertical until the end of the call. */
 #define LANES (64 / (long)sizeof(T))
 
-/* The exp-product path's arrays and checks (float32 only); float64 keeps TANH throughout. */
-#if EXP_PAIRS
-#define EXP_ROWS H
-#define EXP_BLOCK(pt, H, ea) exp2_checked(&(pt)[0][0], (H) * BLOCK, &(ea)[0][0]) /* 0: use TANH */
-#define EXP_ROW(c, H, eb) exp2_checked(c, H, eb)
-#else
-#define EXP_ROWS 1
-#define EXP_BLOCK(pt, H, ea) 0
-#define EXP_ROW(c, H, eb) 0
-#endif
+#include "exp_pairs.h" /* EXP_ROWS, EXP_BLOCK, EXP_ROW, pair_tanh_row */
 
 /* The points n0 .. n0 + nb of one P (or gP) slab, transposed: pt[h][n] = p[n * H + h],
  * and 0 past nb, so the whole block can be computed (and ignored) without branches. */
@@ -98,20 +89,6 @@ INLINE void S(load_block)(const T *p, long nb, long H, T (*pt)[BLOCK]) {
         for (long n = 0; n < nb; ++n) pt[h][n] = p[n * H + h];
         for (long n = nb; n < BLOCK; ++n) pt[h][n] = 0;
     }
-}
-
-/* t[n] = tanh(pt[h][n] + c[h]): by the exp product where the block and row have one (ea
- * not NULL), else by TANH. */
-INLINE void S(tanh_row)(const T (*pt)[BLOCK], const T (*ea)[BLOCK], const T *c, const T *eb,
-                        long h, T *t) {
-#if EXP_PAIRS
-    if (ea) {
-        exp_pair_tanh(ea[h], eb[h], t, BLOCK);
-        return;
-    }
-#endif
-    const T ch = c[h];
-    for (long n = 0; n < BLOCK; ++n) t[n] = TANH(pt[h][n] + ch);
 }
 
 /* out[n * stride + o] = sum_h Wt[o, h] tanh(pt[h][n] + c[h]) for the block's nb points. */
@@ -123,7 +100,7 @@ INLINE void S(pairwise_rows)(const T (*pt)[BLOCK], const T (*ea)[BLOCK], const T
         for (long n = 0; n < BLOCK; ++n) acc[o][n] = 0;
     for (long h = 0; h < H; ++h) {
         T t[BLOCK];
-        S(tanh_row)(pt, ea, c, eb, h, t);
+        S(pair_tanh_row)(pt, ea, c, eb, h, t);
         for (long o = 0; o < O; ++o) {
             const T w = Wt[o * H + h];
             for (long n = 0; n < BLOCK; ++n) acc[o][n] += w * t[n];
@@ -172,6 +149,19 @@ void S(pairwise_forward)(const T *P, const T *C, const T *Wt, T *out, long L, lo
     }
 }
 
+/* Through the output layer for hidden unit h over a block: a[n] += sum_o Wt[o, h] gg[o][n]
+ * (the gradient at the unit's output) and the lanes of gw[o * H + h] += t gg[o]. */
+INLINE void S(output_backward)(const T *t, const T (*gg)[BLOCK], const T *Wt, long h, long H, long O,
+                               T *a, T (*gw)[LANES]) {
+    for (long o = 0; o < O; ++o) {
+        const T w = Wt[o * H + h];
+        T *lane = gw[o * H + h];
+        for (long n = 0; n < BLOCK; ++n) a[n] += w * gg[o][n];
+        for (long k = 0; k < BLOCK; k += LANES)
+            for (long j = 0; j < LANES; ++j) lane[j] += t[k + j] * gg[o][k + j];
+    }
+}
+
 /* One (particle, cluster) row over a block of points, with the output gradients
  * g[n * stride + o]: gpt[h][n] and gc[h] += a = (Wt^T g) * (1 - t^2), and the lanes of
  * gw[o * H + h] += t g. Returns at once where the block's g is all zero (particles whose
@@ -192,14 +182,8 @@ INLINE void S(pairwise_rows_backward)(const T (*pt)[BLOCK], const T (*ea)[BLOCK]
     for (long h = 0; h < H; ++h) {
         T t[BLOCK], a[BLOCK];
         for (long n = 0; n < BLOCK; ++n) a[n] = 0;
-        S(tanh_row)(pt, ea, c, eb, h, t);
-        for (long o = 0; o < O; ++o) {
-            const T w = Wt[o * H + h];
-            T *lane = gw[o * H + h];
-            for (long n = 0; n < BLOCK; ++n) a[n] += w * gg[o][n];
-            for (long k = 0; k < BLOCK; k += LANES)
-                for (long j = 0; j < LANES; ++j) lane[j] += t[k + j] * gg[o][k + j];
-        }
+        S(pair_tanh_row)(pt, ea, c, eb, h, t);
+        S(output_backward)(t, (const T(*)[BLOCK])gg, Wt, h, H, O, a, gw);
         T s = 0;
         for (long n = 0; n < BLOCK; ++n) {
             a[n] *= 1 - t[n] * t[n];
@@ -359,13 +343,7 @@ void S(pointwise_backward)(const T *U, const T *W1t, const T *b1, const T *W2t, 
             for (long h = 0; h < H; ++h) {
                 S(hidden_unit)((const T(*)[BLOCK])ut, W1t, b1, h, D, H, t);
                 for (long j = 0; j < BLOCK; ++j) a[j] = 0;
-                for (long o = 0; o < O; ++o) {
-                    const T w = W2t[o * H + h];
-                    T *lane = gw2[o * H + h];
-                    for (long j = 0; j < BLOCK; ++j) a[j] += w * gg[o][j];
-                    for (long k = 0; k < BLOCK; k += LANES)
-                        for (long j = 0; j < LANES; ++j) lane[j] += t[k + j] * gg[o][k + j];
-                }
+                S(output_backward)(t, (const T(*)[BLOCK])gg, W2t, h, H, O, a, gw2);
                 for (long j = 0; j < BLOCK; ++j) a[j] *= 1 - t[j] * t[j]; /* d tanh = 1 - t^2 */
                 for (long k = 0; k < BLOCK; k += LANES)
                     for (long j = 0; j < LANES; ++j) gb[h][j] += a[k + j];
@@ -400,7 +378,4 @@ void S(pointwise_backward)(const T *U, const T *W1t, const T *b1, const T *W2t, 
 }
 
 #undef LANES
-#undef EXP_ROWS
-#undef EXP_BLOCK
-#undef EXP_ROW
 #endif
