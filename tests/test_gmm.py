@@ -183,17 +183,19 @@ def test_short_training_lowers_inclusive_kl_and_raises_ess():
     assert after["log_joint"][-1].mean() > before["log_joint"][-1].mean()
 
 
-def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(f64, kernel_path):
+@pytest.mark.parametrize("num_points", [11, 64, 130])
+def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(f64, kernel_path, num_points):
     # The kernel computes its statistics without forming [x_n, one-hot(c_n)] (on CPU, in
-    # apg/kernels/gmm.c); it must be GlobalsProposal applied to exactly those inputs.
+    # apg/kernels/gmm.c, blocks of 64 points: one partial, one whole, several with a
+    # padded tail); it must be GlobalsProposal applied to exactly those inputs.
     model = GMM()
     proposals = GMMProposals(model.cfg, "apg")
     net = proposals.globals_kernel
     with torch.no_grad():
         for p in net.parameters():
             p.add_(0.3 * torch.randn_like(p))  # away from the conjugate initialization
-    x = simulate(model.cfg, 3, 11)["x"]
-    c = torch.randint(3, (4, 3, 11))
+    x = simulate(model.cfg, 3, num_points)["x"]
+    c = torch.randint(3, (4, 3, num_points))
     c[0, 0] = 1  # every point in one cluster: the others get only soft weight
     z = {"c": c, **model.prior_globals((4, 3), x).sample()}
     params = list(net.parameters())

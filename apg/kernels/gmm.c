@@ -46,6 +46,7 @@
 #include <float.h>
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define GMM_CAT_(a, b) a##b
@@ -136,123 +137,187 @@ void S(gmm_log_globals)(const T *X, const long *C, const T *MU, const T *TAU, co
  * over points vectorizes (loops over I = 3 clusters or D = 2 dims do not). */
 #define BLOCK 64
 
-/* For points n0 .. n0 + m of one (l, b): o[k][j] = bias + W[k, :D] x + W[k, D + c], then
- * o[:I] replaced by its softmax over k (resp); o[I:] is t. */
-static inline void S(soft_outputs)(const T *W, const T *bias, const T *x, const long *c, T (*o)[BLOCK],
-                                   long m, long I, long D) {
+/* For points n0 .. n0 + m of one dataset, all with assignment k: o[q][j] = bias + W[q, :D] x
+ * + W[q, D + k], then o[:I] replaced by its softmax over q (resp); o[I:] is t. Every loop runs
+ * over the whole block (points past m read x = 0 and give finite values the callers ignore):
+ * with a constant trip count the loops vectorize without remainder loops or versioning, which
+ * cost more than the arithmetic at these sizes. */
+static inline void S(soft_outputs)(const T *W, const T *bias, const T *x, long m, long k, T (*o)[BLOCK],
+                                   long I, long D) {
     const long F = D + I;
-    for (long k = 0; k < I + D; ++k) {
-        const T *w = W + k * F;
-        for (long j = 0; j < m; ++j) o[k][j] = bias[k] + w[D + c[j]];
+    T xs[MAX_OUTPUTS][BLOCK];
+    for (long d = 0; d < D; ++d)
+        for (long j = 0; j < BLOCK; ++j) xs[d][j] = j < m ? x[j * D + d] : 0;
+    for (long q = 0; q < I + D; ++q) {
+        const T *w = W + q * F;
+        for (long j = 0; j < BLOCK; ++j) o[q][j] = bias[q] + w[D + k];
         for (long d = 0; d < D; ++d)
-            for (long j = 0; j < m; ++j) o[k][j] += w[d] * x[j * D + d];
+            for (long j = 0; j < BLOCK; ++j) o[q][j] += w[d] * xs[d][j];
     }
     T top[BLOCK], total[BLOCK];
-    for (long j = 0; j < m; ++j) top[j] = o[0][j];
+    for (long j = 0; j < BLOCK; ++j) top[j] = o[0][j];
     for (long i = 1; i < I; ++i)
-        for (long j = 0; j < m; ++j) top[j] = o[i][j] > top[j] ? o[i][j] : top[j];
-    for (long j = 0; j < m; ++j) total[j] = 0;
+        for (long j = 0; j < BLOCK; ++j) top[j] = o[i][j] > top[j] ? o[i][j] : top[j];
+    for (long j = 0; j < BLOCK; ++j) total[j] = 0;
     for (long i = 0; i < I; ++i)
-        for (long j = 0; j < m; ++j) {
+        for (long j = 0; j < BLOCK; ++j) {
             o[i][j] = M(exp)(o[i][j] - top[j]);
             total[j] += o[i][j];
         }
-    for (long j = 0; j < m; ++j) total[j] = 1 / total[j];
+    for (long j = 0; j < BLOCK; ++j) total[j] = 1 / total[j];
     for (long i = 0; i < I; ++i)
-        for (long j = 0; j < m; ++j) o[i][j] *= total[j];
+        for (long j = 0; j < BLOCK; ++j) o[i][j] *= total[j];
 }
 
-void S(gmm_soft_moments)(const T *X, const long *C, const T *W, const T *bias, T *sums, long L, long B,
-                         long N, long I, long D) {
-    const long width = 1 + 2 * D;
-#pragma omp parallel for schedule(static)
-    for (long lb = 0; lb < L * B; ++lb) {
+/* A point's contribution depends on its particle only through its assignment c_n, which takes
+ * I values: so the kernel's outputs are computed once per (dataset, value k, point), B I N
+ * rows, instead of once per (particle, dataset, point), L B N rows (L = 10 particles against
+ * I = 3 values at the paper's sizes), into a table of each row's moments (R = I (1 + 2D)
+ * values). Each particle's sums then add up the rows its assignments pick. The table is laid
+ * out (B, I, R, Np), point axis innermost and padded with zeros to whole blocks, so that the
+ * picking is a masked sum over a block of points per (k, moment): vertical vector code, where
+ * a row-by-row gather would chain every add through memory. The backward runs the same way
+ * round: each particle's sums gradient goes to the rows it picked, and the network's backward
+ * runs once per row. */
+#define MAX_MOMENTS 64 /* R of the picking loops' accumulators; larger falls back to PyTorch */
+
+static void S(soft_table)(const T *X, const T *W, const T *bias, T *table, long B, long N, long I, long D) {
+    const long width = 1 + 2 * D, R = I * width, blocks = (N + BLOCK - 1) / BLOCK, Np = blocks * BLOCK;
+#pragma omp parallel for schedule(static) if (B * N * I * R > PAR_MIN_CELLS * 64)
+    for (long task = 0; task < B * I * blocks; ++task) {
+        const long b = task / (I * blocks), k = task / blocks % I, n0 = task % blocks * BLOCK;
+        const long m = N - n0 < BLOCK ? N - n0 : BLOCK;
         T o[MAX_OUTPUTS][BLOCK];
-        T *s = sums + lb * I * width;
-        for (long n0 = 0; n0 < N; n0 += BLOCK) {
-            const long m = N - n0 < BLOCK ? N - n0 : BLOCK;
-            S(soft_outputs)(W, bias, X + ((lb % B) * N + n0) * D, C + lb * N + n0, o, m, I, D);
-            for (long i = 0; i < I; ++i) {
-                T *si = s + i * width, r_sum = 0;
-                for (long j = 0; j < m; ++j) r_sum += o[i][j];
-                si[0] += r_sum;
-                for (long d = 0; d < D; ++d) {
-                    const T *t = o[I + d];
-                    T s1 = 0, s2 = 0;
-                    for (long j = 0; j < m; ++j) {
-                        s1 += o[i][j] * t[j];
-                        s2 += o[i][j] * t[j] * t[j];
-                    }
-                    si[1 + d] += s1;
-                    si[1 + D + d] += s2;
+        S(soft_outputs)(W, bias, X + (b * N + n0) * D, m, k, o, I, D);
+        T *base = table + (b * I + k) * R * Np + n0;
+        for (long i = 0; i < I; ++i) {
+            T r[BLOCK];
+            for (long j = 0; j < BLOCK; ++j) r[j] = j < m ? o[i][j] : 0; /* padding: exact zeros */
+            for (long j = 0; j < BLOCK; ++j) base[i * width * Np + j] = r[j];
+            for (long d = 0; d < D; ++d) {
+                T *first = base + (i * width + 1 + d) * Np, *second = base + (i * width + 1 + D + d) * Np;
+                for (long j = 0; j < BLOCK; ++j) {
+                    const T t = j < m ? o[I + d][j] : 0;
+                    first[j] = r[j] * t;
+                    second[j] = r[j] * t * t;
                 }
             }
         }
     }
 }
 
+/* mk[k][j] = 1 where point n0 + j of assignments c has c = k, else 0 (and 0 past m). */
+static inline void S(pick_masks)(const long *c, long m, long I, T (*mk)[BLOCK]) {
+    T cf[BLOCK];
+    for (long j = 0; j < BLOCK; ++j) cf[j] = j < m ? (T)c[j] : -1;
+    for (long k = 0; k < I; ++k)
+        for (long j = 0; j < BLOCK; ++j) mk[k][j] = cf[j] == (T)k ? 1 : 0;
+}
+
+void S(gmm_soft_moments)(const T *X, const long *C, const T *W, const T *bias, T *sums, long L, long B,
+                         long N, long I, long D) {
+    const long R = I * (1 + 2 * D), blocks = (N + BLOCK - 1) / BLOCK, Np = blocks * BLOCK;
+    T *table = malloc(sizeof(T) * B * I * R * Np);
+    if (!table) return; /* sums stay zero; cannot happen at the sizes this runs at */
+    S(soft_table)(X, W, bias, table, B, N, I, D);
+#pragma omp parallel for schedule(static) if (L * B * N * R > PAR_MIN_CELLS * 64)
+    for (long lb = 0; lb < L * B; ++lb) {
+        const T *tb = table + (lb % B) * I * R * Np;
+        T acc[MAX_MOMENTS][BLOCK], mk[MAX_OUTPUTS][BLOCK];
+        for (long q = 0; q < R; ++q)
+            for (long j = 0; j < BLOCK; ++j) acc[q][j] = 0;
+        for (long n0 = 0; n0 < N; n0 += BLOCK) {
+            S(pick_masks)(C + lb * N + n0, N - n0 < BLOCK ? N - n0 : BLOCK, I, mk);
+            for (long k = 0; k < I; ++k)
+                for (long q = 0; q < R; ++q) {
+                    const T *row = tb + (k * R + q) * Np + n0;
+                    for (long j = 0; j < BLOCK; ++j) acc[q][j] += mk[k][j] * row[j];
+                }
+        }
+        for (long q = 0; q < R; ++q) {
+            T total = 0;
+            for (long j = 0; j < BLOCK; ++j) total += acc[q][j];
+            sums[lb * R + q] += total;
+        }
+    }
+    free(table);
+}
+
 void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T *bias, const T *gsums,
                                   T *gW, T *gbias, long L, long B, long N, long I, long D) {
-    const long width = 1 + 2 * D, F = D + I, K = I + D;
-#pragma omp parallel
+    const long width = 1 + 2 * D, R = I * width, F = D + I, K = I + D, blocks = (N + BLOCK - 1) / BLOCK;
+    const long Np = blocks * BLOCK;
+    T *gtable = calloc((size_t)B * I * R * Np, sizeof(T));
+    if (!gtable) return;
+    /* each particle's gradient to the rows it picked; threads split the datasets */
+#pragma omp parallel for schedule(static) if (L * B * N * R > PAR_MIN_CELLS * 64)
+    for (long b = 0; b < B; ++b) {
+        T mk[MAX_OUTPUTS][BLOCK];
+        for (long l = 0; l < L; ++l) {
+            const T *g = gsums + (l * B + b) * R;
+            for (long n0 = 0; n0 < N; n0 += BLOCK) {
+                S(pick_masks)(C + (l * B + b) * N + n0, N - n0 < BLOCK ? N - n0 : BLOCK, I, mk);
+                for (long k = 0; k < I; ++k)
+                    for (long q = 0; q < R; ++q) {
+                        T *row = gtable + ((b * I + k) * R + q) * Np + n0;
+                        const T gq = g[q];
+                        for (long j = 0; j < BLOCK; ++j) row[j] += mk[k][j] * gq;
+                    }
+            }
+        }
+    }
+#pragma omp parallel if (B * N * I * R > PAR_MIN_CELLS * 64)
     {
         T gw[MAX_OUTPUTS * MAX_OUTPUTS], gb[MAX_OUTPUTS], o[MAX_OUTPUTS][BLOCK], go[MAX_OUTPUTS][BLOCK];
         memset(gw, 0, sizeof(T) * K * F);
         memset(gb, 0, sizeof(T) * K);
 #pragma omp for schedule(static)
-        for (long lb = 0; lb < L * B; ++lb) {
-            const T *g = gsums + lb * I * width;
-            for (long n0 = 0; n0 < N; n0 += BLOCK) {
-                const long m = N - n0 < BLOCK ? N - n0 : BLOCK;
-                const T *x = X + ((lb % B) * N + n0) * D;
-                const long *c = C + lb * N + n0;
-                S(soft_outputs)(W, bias, x, c, o, m, I, D);
-                /* d/d resp_i and d/d t_d of sum_i g_i . (r_i, r_i t, r_i t^2) */
-                T mean_gr[BLOCK];
-                for (long j = 0; j < m; ++j) mean_gr[j] = 0;
-                for (long d = 0; d < D; ++d)
-                    for (long j = 0; j < m; ++j) go[I + d][j] = 0;
-                for (long i = 0; i < I; ++i) {
-                    const T *gi = g + i * width;
-                    for (long j = 0; j < m; ++j) go[i][j] = gi[0];
-                    for (long d = 0; d < D; ++d) {
-                        const T g1 = gi[1 + d], g2 = gi[1 + D + d];
-                        for (long j = 0; j < m; ++j) {
-                            const T t = o[I + d][j];
-                            go[i][j] += (g1 + g2 * t) * t;
-                            go[I + d][j] += o[i][j] * (g1 + 2 * g2 * t);
-                        }
+        for (long task = 0; task < B * I * blocks; ++task) {
+            const long b = task / (I * blocks), k = task / blocks % I, n0 = task % blocks * BLOCK;
+            const long m = N - n0 < BLOCK ? N - n0 : BLOCK;
+            const T *x = X + (b * N + n0) * D, *gt = gtable + (b * I + k) * R * Np + n0;
+            S(soft_outputs)(W, bias, x, m, k, o, I, D);
+            /* d/d resp_i and d/d t_d of sum_i g_i . (r_i, r_i t, r_i t^2), g the rows' gradient
+             * (zero in the padding, so the padded lanes contribute nothing below) */
+            T mean_gr[BLOCK];
+            for (long j = 0; j < BLOCK; ++j) mean_gr[j] = 0;
+            for (long d = 0; d < D; ++d)
+                for (long j = 0; j < BLOCK; ++j) go[I + d][j] = 0;
+            for (long i = 0; i < I; ++i) {
+                const T *g0 = gt + i * width * Np;
+                for (long j = 0; j < BLOCK; ++j) go[i][j] = g0[j];
+                for (long d = 0; d < D; ++d) {
+                    const T *g1 = gt + (i * width + 1 + d) * Np, *g2 = gt + (i * width + 1 + D + d) * Np;
+                    for (long j = 0; j < BLOCK; ++j) {
+                        const T t = o[I + d][j];
+                        go[i][j] += (g1[j] + g2[j] * t) * t;
+                        go[I + d][j] += o[i][j] * (g1[j] + 2 * g2[j] * t);
                     }
-                    for (long j = 0; j < m; ++j) mean_gr[j] += o[i][j] * go[i][j];
                 }
-                /* softmax backward */
-                for (long i = 0; i < I; ++i)
-                    for (long j = 0; j < m; ++j) go[i][j] = o[i][j] * (go[i][j] - mean_gr[j]);
-                for (long k = 0; k < K; ++k) {
-                    T sb = 0;
-                    for (long j = 0; j < m; ++j) sb += go[k][j];
-                    gb[k] += sb;
-                    for (long d = 0; d < D; ++d) {
-                        T sw = 0;
-                        for (long j = 0; j < m; ++j) sw += go[k][j] * x[j * D + d];
-                        gw[k * F + d] += sw;
-                    }
-                    /* the one-hot inputs' columns as masked sums: a scatter by c[j] would
-                     * chain every add through memory */
-                    for (long i = 0; i < I; ++i) {
-                        T sc = 0;
-                        for (long j = 0; j < m; ++j) sc += c[j] == i ? go[k][j] : 0;
-                        gw[k * F + D + i] += sc;
-                    }
+                for (long j = 0; j < BLOCK; ++j) mean_gr[j] += o[i][j] * go[i][j];
+            }
+            /* softmax backward */
+            for (long i = 0; i < I; ++i)
+                for (long j = 0; j < BLOCK; ++j) go[i][j] = o[i][j] * (go[i][j] - mean_gr[j]);
+            for (long q = 0; q < K; ++q) {
+                T sb = 0;
+                for (long j = 0; j < BLOCK; ++j) sb += go[q][j];
+                gb[q] += sb;
+                gw[q * F + D + k] += sb; /* every point of this pass has assignment k */
+                for (long d = 0; d < D; ++d) {
+                    T sw = 0;
+                    for (long j = 0; j < m; ++j) sw += go[q][j] * x[j * D + d];
+                    gw[q * F + d] += sw;
                 }
             }
         }
 #pragma omp critical
         {
-            for (long k = 0; k < K * F; ++k) gW[k] += gw[k];
-            for (long k = 0; k < K; ++k) gbias[k] += gb[k];
+            for (long q = 0; q < K * F; ++q) gW[q] += gw[q];
+            for (long q = 0; q < K; ++q) gbias[q] += gb[q];
         }
     }
+    free(gtable);
 }
 
 /* ---- The NormalGamma proposal: its conjugate update, draws and log-density ------------ */

@@ -577,7 +577,11 @@ class GMMProposals(Proposals):
 def _native_soft_moments(x: Tensor, c: Tensor, weight: Tensor):
     """The compiled globals-kernel statistics ``(forward, backward)`` (``apg/kernels/gmm.c``)
     where they apply: data ``(B, N, D)`` without a gradient, assignments ``(L, B, N)``."""
-    if x.dim() != 3 or c.dim() != 3 or weight.shape[0] > 16 or x.requires_grad:
+    num_clusters, dim = weight.shape[0] - x.shape[-1], x.shape[-1]
+    # the kernel's bounds: I + D outputs <= 16, I (1 + 2 D) moments <= 64 (gmm.c)
+    if x.dim() != 3 or c.dim() != 3 or weight.shape[0] > 16 or num_clusters * (1 + 2 * dim) > 64:
+        return None
+    if x.requires_grad:
         return None
     forward = native_function("gmm_soft_moments", x, weight)
     return None if forward is None else (forward, native_function("gmm_soft_moments_backward", x))
