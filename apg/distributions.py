@@ -16,7 +16,7 @@ from torch import Tensor
 
 from apg.blocks import Latents
 from apg.kernels import call, native_function
-from apg.random import uniform
+from apg.random import new_key, uniform
 
 
 def log_softmax_short(logits: Tensor) -> Tensor:
@@ -86,16 +86,68 @@ def categorical_log_prob(logits: Tensor, index: Tensor) -> Tensor:
     return _CategoricalLogProb.apply(logits, index, native, backward)
 
 
+class _CategoricalRowsLogProb(torch.autograd.Function):
+    """``sum_n log_softmax(logits)[..., n, index_n]`` per group of rows, one pass forward
+    and backward, from the rows' log-normalizers ``lse`` (computed here where not given)."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, index: Tensor, lse: Tensor | None, forward_fn, backward_fn) -> Tensor:
+        logits, index = logits.contiguous(), index.contiguous()
+        have_lse = lse is not None
+        lse = lse if have_lse else logits.new_empty(index.shape)
+        out = logits.new_empty(index.shape[:-1])
+        sizes = (out.numel(), index.shape[-1], logits.shape[-1])
+        call(forward_fn, logits, index, lse, out, int(have_lse), *sizes)
+        ctx.save_for_backward(logits, index, lse)
+        ctx.backward_fn, ctx.sizes = backward_fn, sizes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        logits, index, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        call(ctx.backward_fn, logits, index, lse, grad.contiguous(), grad_logits, *ctx.sizes)
+        return grad_logits, None, None, None, None
+
+
 class CategoricalBlock:
     """A block of one categorical variable per point: ``name`` shaped ``(L, B, N)`` with
-    logits ``(L, B, N, I)``; ``log_prob`` sums over the N points to ``(L, B)``."""
+    logits ``(L, B, N, I)``; ``log_prob`` sums over the N points to ``(L, B)``.
+
+    On CPU a draw also keeps each row's log-normalizer, so that scoring the drawn values
+    (``log q`` of the forward kernel) and the old ones (the reverse kernel) are each one
+    gather-and-sum pass over the rows (``categorical.c``: ``*_rows`` functions).
+    """
 
     def __init__(self, name: str, logits: Tensor):
         self.name = name
         self.logits = logits
+        self._lse: Tensor | None = None
+
+    def _native(self, name: str):
+        logits = self.logits
+        if logits.dim() < 2 or logits.shape[-1] > 64:  # categorical.c's MAX_K
+            return None
+        return native_function(name, logits)
 
     def sample(self) -> Latents:
-        return {self.name: categorical_sample(self.logits)}
+        native = self._native("categorical_sample_rows")
+        if native is None:
+            return {self.name: categorical_sample(self.logits)}
+        logits = self.logits.detach().contiguous()
+        out = torch.empty(logits.shape[:-1], dtype=torch.long)
+        lse = logits.new_empty(logits.shape[:-1])
+        # the uniforms categorical_sample would draw (apg.random.uniform), drawn in the kernel
+        call(native, logits, new_key(), out, lse, out.numel(), logits.shape[-1])
+        self._lse = lse
+        return {self.name: out}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
-        return categorical_log_prob(self.logits, value[self.name]).sum(-1)
+        index = value[self.name]
+        native = self._native("categorical_rows_log_prob")
+        if native is None or index.shape != self.logits.shape[:-1]:
+            return categorical_log_prob(self.logits, index).sum(-1)
+        if index.dtype != torch.long:
+            raise TypeError(f"categorical indices must be int64, got {index.dtype}")
+        backward = native_function("categorical_rows_log_prob_backward", self.logits)
+        return _CategoricalRowsLogProb.apply(self.logits, index, self._lse, native, backward)

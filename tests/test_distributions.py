@@ -49,3 +49,34 @@ def test_categorical_block_sums_points_and_draws_in_range(kernel_path):
     assert c.shape == (2, 3, 7) and int(c.min()) >= 0 and int(c.max()) < 4
     expected = torch.distributions.Categorical(logits=logits).log_prob(c).sum(-1)
     assert torch.allclose(block.log_prob({"c": c}), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_points", [7, 64, 150])
+def test_categorical_block_draws_and_scores_like_the_row_functions(kernel_path, num_points):
+    # The block's compiled passes (a draw that keeps each row's log-normalizer; one
+    # gather-and-sum per particle) give the per-row functions' draws for the same seed,
+    # their summed log-probabilities of new and old values, and autograd's gradient.
+    torch.set_default_dtype(torch.float64)
+    logits = torch.randn(3, 2, num_points, 4, requires_grad=True)
+    logits.data[0, 0, :, 1] = -math.inf  # an impossible category
+    torch.manual_seed(5)
+    want = categorical_sample(logits)
+    torch.manual_seed(5)
+    block = CategoricalBlock("c", logits)
+    c = block.sample()["c"]
+    assert torch.equal(c, want)
+    old = torch.randint(4, c.shape)
+    old[0, 0] = torch.where(old[0, 0] == 1, 0, old[0, 0])
+    weights = torch.rand(3, 2)
+    weights[1, 1] = 0.0  # a flushed particle: its rows' gradient is exactly zero
+    for value in (c, old):
+        expected = torch.distributions.Categorical(logits=logits).log_prob(value).sum(-1)
+        got = block.log_prob({"c": value})
+        assert torch.allclose(got, expected, rtol=0, atol=1e-12)
+        (grad,) = torch.autograd.grad((weights * got).sum(), logits)
+        (want_grad,) = torch.autograd.grad((weights * expected).sum(), logits)
+        assert torch.allclose(grad, want_grad, rtol=0, atol=1e-12)
+        assert torch.all(grad[1, 1] == 0)
+    # scoring before any draw computes the normalizers itself
+    fresh = CategoricalBlock("c", logits)
+    assert torch.allclose(fresh.log_prob({"c": old}), block.log_prob({"c": old}), rtol=0, atol=1e-12)

@@ -13,8 +13,21 @@
  * sample:   out[r] = first k with cumsum(softmax(logits[r]))[k] > u[r]
  * log_prob: out[r] = logits[r, idx[r]] - lse[r], and lse[r] = logsumexp(logits[r]) saved
  * log_prob_backward: glogits[r, k] = g[r] ((k == idx[r]) - exp(logits[r, k] - lse[r]))
+ *
+ * The block distributions' passes (apg/distributions.py: CategoricalBlock), over G groups of
+ * Nr rows (a group is one particle's points, R = G Nr):
+ * sample_rows:   sample with u[r] = uniform r % 2 of Philox block (key; r / 2, 0) (the
+ *                numbers apg.random.uniform draws), also writing lse[r]; no uniforms tensor.
+ * rows_log_prob: out[g] = sum over the group's rows of logits[r, idx[r]] - lse[r], computing
+ *                lse first where have_lse is 0; the block's log q is one pass, and the draw's
+ *                lse serves both the new and the old values' scores.
+ * rows_log_prob_backward: glogits[r, k] = g[r / Nr] ((k == idx[r]) - exp(logits[r, k] - lse[r])),
+ *                exact zeros for groups with g = 0 (particles whose weight was flushed).
  */
 #include <math.h>
+#include <stdint.h>
+
+#include "philox.h"
 
 #define ROWS 64
 #define MAX_K 64 /* larger K falls back to one row at a time */
@@ -37,8 +50,78 @@ static inline void block_exp_##SUFFIX(const T *logits, long r0, long n, long K, 
         }                                                                                      \
 }
 
-#define DEFINE_CATEGORICAL(T, EXP, LOG, SUFFIX)                                                \
+/* The block distributions' passes (see the top of the file). K <= MAX_K only: the Python side
+ * takes the per-row functions above for wider rows. */
+#define DEFINE_ROWS(T, EXP, LOG, UNIFORMS, SUFFIX)                                             \
+void categorical_sample_rows_##SUFFIX(const T *logits, long key, long *out, T *lse, long R,   \
+                                      long K) {                                                \
+    _Pragma("omp parallel for schedule(static) if (R * K > (1 << 16))")                        \
+    for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
+        const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
+        T e[MAX_K][ROWS], m[ROWS], tot[ROWS], cum[ROWS], u[ROWS], u0[ROWS / 2], u1[ROWS / 2];  \
+        long el[ROWS / 2];                                                                     \
+        for (long j = 0; j < ROWS / 2; ++j) el[j] = r0 / 2 + j; /* r0 is even */               \
+        UNIFORMS((uint64_t)key, el, 0, (n + 1) / 2, u0, u1);                                   \
+        for (long j = 0; j < n; ++j) u[j] = j % 2 ? u1[j / 2] : u0[j / 2];                     \
+        block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                       \
+        for (long j = 0; j < n; ++j) {                                                         \
+            lse[r0 + j] = m[j] + LOG(tot[j]);                                                  \
+            tot[j] *= u[j]; /* the row's own total: round-off never steps past the end */      \
+            cum[j] = 0;                                                                        \
+            out[r0 + j] = 0;                                                                   \
+        }                                                                                      \
+        for (long k = 0; k < K - 1; ++k)                                                       \
+            for (long j = 0; j < n; ++j) {                                                     \
+                cum[j] += e[k][j];                                                             \
+                out[r0 + j] += cum[j] <= tot[j];                                               \
+            }                                                                                  \
+    }                                                                                          \
+}                                                                                              \
+                                                                                               \
+void categorical_rows_log_prob_##SUFFIX(const T *logits, const long *idx, T *lse, T *out,      \
+                                        long have_lse, long G, long Nr, long K) {              \
+    _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 16))")                   \
+    for (long g = 0; g < G; ++g) {                                                             \
+        const long r0 = g * Nr;                                                                \
+        T total = 0;                                                                           \
+        for (long b0 = 0; b0 < Nr; b0 += ROWS) {                                               \
+            const long n = Nr - b0 < ROWS ? Nr - b0 : ROWS;                                    \
+            if (!have_lse) {                                                                   \
+                T e[MAX_K][ROWS], m[ROWS], tot[ROWS];                                          \
+                block_exp_##SUFFIX(logits, r0 + b0, n, K, e, m, tot);                          \
+                for (long j = 0; j < n; ++j) lse[r0 + b0 + j] = m[j] + LOG(tot[j]);            \
+            }                                                                                  \
+            for (long j = 0; j < n; ++j) {                                                     \
+                const long r = r0 + b0 + j;                                                    \
+                total += logits[r * K + idx[r]] - lse[r];                                      \
+            }                                                                                  \
+        }                                                                                      \
+        out[g] = total;                                                                        \
+    }                                                                                          \
+}                                                                                              \
+                                                                                               \
+void categorical_rows_log_prob_backward_##SUFFIX(const T *logits, const long *idx, const T *lse, \
+                                                 const T *g, T *glogits, long G, long Nr,      \
+                                                 long K) {                                     \
+    _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 16))")                   \
+    for (long grp = 0; grp < G; ++grp) {                                                       \
+        const T gg = g[grp];                                                                   \
+        T *out = glogits + grp * Nr * K;                                                       \
+        const T *l = logits + grp * Nr * K, *ls = lse + grp * Nr;                              \
+        const long *ix = idx + grp * Nr;                                                       \
+        if (gg == 0) {                                                                         \
+            for (long q = 0; q < Nr * K; ++q) out[q] = 0;                                      \
+            continue;                                                                          \
+        }                                                                                      \
+        for (long k = 0; k < K; ++k) /* across rows, in SIMD lanes (strided by K) */          \
+            for (long j = 0; j < Nr; ++j) out[j * K + k] = -gg * EXP(l[j * K + k] - ls[j]);    \
+        for (long j = 0; j < Nr; ++j) out[j * K + ix[j]] += gg;                                \
+    }                                                                                          \
+}
+
+#define DEFINE_CATEGORICAL(T, EXP, LOG, UNIFORMS, SUFFIX)                                      \
 DEFINE_BLOCK_EXP(T, EXP, SUFFIX)                                                               \
+DEFINE_ROWS(T, EXP, LOG, UNIFORMS, SUFFIX)                                                     \
                                                                                                \
 void categorical_sample_##SUFFIX(const T *logits, const T *u, long *out, long R, long K) {     \
     _Pragma("omp parallel for schedule(static)")                                               \
@@ -113,5 +196,5 @@ void categorical_log_prob_backward_##SUFFIX(const T *logits, const long *idx, co
     }                                                                                          \
 }
 
-DEFINE_CATEGORICAL(float, expf, logf, f32)
-DEFINE_CATEGORICAL(double, exp, log, f64)
+DEFINE_CATEGORICAL(float, expf, logf, philox_uniform2f_many, f32)
+DEFINE_CATEGORICAL(double, exp, log, philox_uniform2d_many, f64)
