@@ -362,3 +362,31 @@ def test_sweep_diagnostics_cover_every_sweep_and_block():
                 assert ess.shape == (3,) and bool(((ess > 0) & (ess <= 1 + 1e-12)).all())
         last = result.sweeps[-1]
         assert torch.allclose(last.log_evidence, torch.logsumexp(result.log_weights, 0) - math.log(5))
+
+
+@pytest.mark.parametrize("num_points", [5, 64, 70])
+def test_assignment_network_compiled_matches_its_layers(f64, num_points):
+    # On CPU the assignment proposal's logits come from one compiled function (first layer
+    # split per point and per cluster, pairwise tanh layer, output bias); it must equal the
+    # network's PyTorch layers, outputs and weight gradients, for any N (blocks of 64).
+    import apg.kernels
+    import apg.tasks.gmm as gmm
+
+    if apg.kernels.native_library() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+    torch.manual_seed(0)
+    net = gmm.AssignmentProposal(GMMConfig())
+    x = torch.randn(3, num_points, 2)
+    mu, tau = torch.randn(4, 3, 3, 2), torch.rand(4, 3, 3, 2) + 0.2
+    weights = (net.offset.weight, net.offset.bias, net.log_precision.weight, net.out.weight, net.out.bias)
+    assert gmm._native_assignment(x, mu, tau, *weights) is not None
+    g = torch.randn(4, 3, num_points, 3)
+    out = net(x, mu, tau)
+    grads = torch.autograd.grad((out * g).sum(), list(net.parameters()))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gmm, "_native_assignment", lambda *args: None)
+        want = net(x, mu, tau)
+        want_grads = torch.autograd.grad((want * g).sum(), list(net.parameters()))
+    assert torch.allclose(out, want, rtol=0, atol=1e-12)
+    for got, expected in zip(grads, want_grads, strict=True):
+        assert torch.allclose(got, expected, rtol=0, atol=1e-11)

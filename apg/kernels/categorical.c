@@ -100,6 +100,21 @@ void categorical_rows_log_prob_##SUFFIX(const T *logits, const long *idx, T *lse
     }                                                                                          \
 }                                                                                              \
                                                                                                \
+/* One group's rows: ROWS rows at a time as one contiguous run of n K values, each row's lse  \
+ * repeated K times beside it, so the exps run in SIMD lanes (strided by K, they did not).  \
+ * Inlined with K a constant 3 and 4 (the mixtures' I), where the repeat loop unrolls. */    \
+static inline __attribute__((always_inline)) void rows_backward_group_##SUFFIX(             \
+    const T *l, const T *ls, const long *ix, T gg, T *out, long Nr, long K) {                 \
+    for (long j0 = 0; j0 < Nr; j0 += ROWS) {                                                   \
+        const long n = Nr - j0 < ROWS ? Nr - j0 : ROWS;                                        \
+        T rep[ROWS * MAX_K];                                                                   \
+        for (long j = 0; j < n; ++j)                                                           \
+            for (long k = 0; k < K; ++k) rep[j * K + k] = ls[j0 + j];                          \
+        for (long q = 0; q < n * K; ++q) out[j0 * K + q] = -gg * EXP(l[j0 * K + q] - rep[q]);  \
+    }                                                                                          \
+    for (long j = 0; j < Nr; ++j) out[j * K + ix[j]] += gg;                                    \
+}                                                                                              \
+                                                                                               \
 void categorical_rows_log_prob_backward_##SUFFIX(const T *logits, const long *idx, const T *lse, \
                                                  const T *g, T *glogits, long G, long Nr,      \
                                                  long K) {                                     \
@@ -111,11 +126,13 @@ void categorical_rows_log_prob_backward_##SUFFIX(const T *logits, const long *id
         const long *ix = idx + grp * Nr;                                                       \
         if (gg == 0) {                                                                         \
             for (long q = 0; q < Nr * K; ++q) out[q] = 0;                                      \
-            continue;                                                                          \
+        } else if (K == 3) {                                                                   \
+            rows_backward_group_##SUFFIX(l, ls, ix, gg, out, Nr, 3);                           \
+        } else if (K == 4) {                                                                   \
+            rows_backward_group_##SUFFIX(l, ls, ix, gg, out, Nr, 4);                           \
+        } else {                                                                               \
+            rows_backward_group_##SUFFIX(l, ls, ix, gg, out, Nr, K);                           \
         }                                                                                      \
-        for (long k = 0; k < K; ++k) /* across rows, in SIMD lanes (strided by K) */          \
-            for (long j = 0; j < Nr; ++j) out[j * K + k] = -gg * EXP(l[j * K + k] - ls[j]);    \
-        for (long j = 0; j < Nr; ++j) out[j * K + ix[j]] += gg;                                \
     }                                                                                          \
 }
 

@@ -78,23 +78,52 @@
 
 #else /* the body, once per dtype */
 
+/* Both kernels below run over blocks of PBLOCK points, point axis innermost: per cluster
+ * they form a mask of the block's points assigned to it and accumulate masked sums in SIMD
+ * lanes. A loop over points that indexes per-cluster arrays by c[n] (a scatter) chains its
+ * adds through memory, and one that skips unchanged points mispredicts its branch; at the
+ * paper's sizes both ran ~100 us per call against a few us of arithmetic. */
+#define PBLOCK 64
+
+/* xs[d][j] = x[(n0 + j) * D + d] and mk[i][j] = [c[n0 + j] == i] for j < m, 0 past m. */
+static inline void S(point_block)(const T *x, const long *c, long n0, long m, long I, long D,
+                                  T (*xs)[PBLOCK], T (*mk)[PBLOCK]) { /* xs (D, PBLOCK), mk (I, PBLOCK) */
+    T cf[PBLOCK];
+    for (long j = 0; j < PBLOCK; ++j) cf[j] = j < m ? (T)c[n0 + j] : -1;
+    for (long i = 0; i < I; ++i)
+        for (long j = 0; j < PBLOCK; ++j) mk[i][j] = cf[j] == (T)i ? 1 : 0;
+    for (long d = 0; d < D; ++d)
+        for (long j = 0; j < PBLOCK; ++j) xs[d][j] = j < m ? x[(n0 + j) * D + d] : 0;
+}
+
 void S(gmm_assignment_change)(const T *X, const T *MU, const T *TAU, const long *c_new,
                               const long *c_old, T *out, long L, long B, long N, long I, long D) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (L * B * N * I > PAR_MIN_CELLS * 64)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *x = X + (lb % B) * N * D, *mu = MU + lb * I * D, *tau = TAU + lb * I * D;
-        const long *cn = c_new + lb * N, *co = c_old + lb * N;
-        T log_tau[MAX_CELLS];
+        T log_tau[MAX_CELLS], acc[PBLOCK];
         for (long k = 0; k < I * D; ++k) log_tau[k] = M(log)(tau[k]);
-        T total = 0;
-        for (long n = 0; n < N; ++n) {
-            const long a = cn[n] * D, b = co[n] * D;
-            if (a == b) continue;
-            for (long d = 0; d < D; ++d) {
-                const T ea = x[n * D + d] - mu[a + d], eb = x[n * D + d] - mu[b + d];
-                total += log_tau[a + d] - tau[a + d] * ea * ea - log_tau[b + d] + tau[b + d] * eb * eb;
+        for (long j = 0; j < PBLOCK; ++j) acc[j] = 0;
+        for (long n0 = 0; n0 < N; n0 += PBLOCK) {
+            const long m = N - n0 < PBLOCK ? N - n0 : PBLOCK;
+            T xs[D][PBLOCK], mk_new[I][PBLOCK], mk_old[I][PBLOCK]; /* sized by the call: I D <= MAX_CELLS */
+            S(point_block)(x, c_new + lb * N, n0, m, I, D, xs, mk_new);
+            S(point_block)(x, c_old + lb * N, n0, m, I, D, xs, mk_old);
+            for (long i = 0; i < I; ++i) {
+                T ll[PBLOCK];
+                for (long j = 0; j < PBLOCK; ++j) ll[j] = 0;
+                for (long d = 0; d < D; ++d) {
+                    const T lt = log_tau[i * D + d], t = tau[i * D + d], mm = mu[i * D + d];
+                    for (long j = 0; j < PBLOCK; ++j) {
+                        const T e = xs[d][j] - mm;
+                        ll[j] += lt - t * e * e;
+                    }
+                }
+                for (long j = 0; j < PBLOCK; ++j) acc[j] += (mk_new[i][j] - mk_old[i][j]) * ll[j];
             }
         }
+        T total = 0;
+        for (long j = 0; j < PBLOCK; ++j) total += acc[j];
         out[lb] = total / 2;
     }
 }
@@ -102,24 +131,53 @@ void S(gmm_assignment_change)(const T *X, const T *MU, const T *TAU, const long 
 void S(gmm_log_globals)(const T *X, const long *C, const T *MU, const T *TAU, const T *consts,
                         T *out, long P, long L, long B, long N, long I, long D) {
     const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (L * B * N * I > PAR_MIN_CELLS * 64)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *x = X + (lb % B) * N * D;
         const long *c = C + lb * N;
         T count[MAX_CELLS], mean[MAX_CELLS], scatter[MAX_CELLS];
-        memset(count, 0, sizeof(T) * I);
-        memset(mean, 0, sizeof(T) * I * D);
-        memset(scatter, 0, sizeof(T) * I * D);
-        for (long n = 0; n < N; ++n) count[c[n]] += 1;
-        for (long n = 0; n < N; ++n)
-            for (long d = 0; d < D; ++d) mean[c[n] * D + d] += x[n * D + d];
-        for (long k = 0; k < I * D; ++k) mean[k] = count[k / D] > 0 ? mean[k] / count[k / D] : 0;
-        /* centred second pass: no cancellation, and an empty cluster's scatter is exactly 0 */
-        for (long n = 0; n < N; ++n)
-            for (long d = 0; d < D; ++d) {
-                const T e = x[n * D + d] - mean[c[n] * D + d];
-                scatter[c[n] * D + d] += e * e;
+        T a_count[I][PBLOCK], a_sum[I * D][PBLOCK];
+        for (long k = 0; k < I * (D + 1); ++k)
+            for (long j = 0; j < PBLOCK; ++j) (k < I ? a_count[k] : a_sum[k - I])[j] = 0;
+        for (long n0 = 0; n0 < N; n0 += PBLOCK) {
+            T xs[D][PBLOCK], mk[I][PBLOCK];
+            S(point_block)(x, c, n0, N - n0 < PBLOCK ? N - n0 : PBLOCK, I, D, xs, mk);
+            for (long i = 0; i < I; ++i) {
+                for (long j = 0; j < PBLOCK; ++j) a_count[i][j] += mk[i][j];
+                for (long d = 0; d < D; ++d)
+                    for (long j = 0; j < PBLOCK; ++j) a_sum[i * D + d][j] += mk[i][j] * xs[d][j];
             }
+        }
+        for (long i = 0; i < I; ++i) {
+            T n_i = 0;
+            for (long j = 0; j < PBLOCK; ++j) n_i += a_count[i][j];
+            count[i] = n_i;
+            for (long d = 0; d < D; ++d) {
+                T s = 0;
+                for (long j = 0; j < PBLOCK; ++j) s += a_sum[i * D + d][j];
+                mean[i * D + d] = n_i > 0 ? s / n_i : 0;
+            }
+        }
+        /* centred second pass: no cancellation, and an empty cluster's scatter is exactly 0 */
+        for (long k = 0; k < I * D; ++k)
+            for (long j = 0; j < PBLOCK; ++j) a_sum[k][j] = 0;
+        for (long n0 = 0; n0 < N; n0 += PBLOCK) {
+            T xs[D][PBLOCK], mk[I][PBLOCK];
+            S(point_block)(x, c, n0, N - n0 < PBLOCK ? N - n0 : PBLOCK, I, D, xs, mk);
+            for (long i = 0; i < I; ++i)
+                for (long d = 0; d < D; ++d) {
+                    const T mn = mean[i * D + d];
+                    for (long j = 0; j < PBLOCK; ++j) {
+                        const T e = xs[d][j] - mn;
+                        a_sum[i * D + d][j] += mk[i][j] * e * e;
+                    }
+                }
+        }
+        for (long k = 0; k < I * D; ++k) {
+            T s = 0;
+            for (long j = 0; j < PBLOCK; ++j) s += a_sum[k][j];
+            scatter[k] = s;
+        }
         for (long p = 0; p < P; ++p) {
             const T *mu = MU + (p * L * B + lb) * I * D, *tau = TAU + (p * L * B + lb) * I * D;
             T total = 0;
@@ -318,6 +376,76 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T
         }
     }
     free(gtable);
+}
+
+/* ---- The assignment proposal's first layer, split per point and per cluster ----------- */
+
+/* P[b,n,h] = bo[h] + sum_d Wo[h,d] x[b,n,d] and C[l,b,i,h] = sum_d (Wp[h,d] log tau[l,b,i,d]
+ * - Wo[h,d] mu[l,b,i,d]): the two parts of W (x_n - mu_i) + V log tau_i + b that the pairwise
+ * tanh layer (tanh_layers.c) adds. In eager PyTorch these are ~10 small ops (two linears, a
+ * log, a matrix product and a difference) at every assignment update, and as many in the
+ * backward; the arithmetic is a few microseconds. Wo, Wp (H, D); bo (H). */
+void S(gmm_assignment_inputs)(const T *X, const T *MU, const T *TAU, const T *Wo, const T *bo, const T *Wp,
+                              T *restrict P, T *restrict C, long L, long B, long N, long I, long D, long H) {
+    /* the weights transposed to (D, H), so that every loop runs over h in SIMD lanes (a loop
+     * over d is a serial chain of D fused multiply-adds per output) */
+    T wo[D][H], wp[D][H];
+    for (long h = 0; h < H; ++h)
+        for (long d = 0; d < D; ++d) {
+            wo[d][h] = Wo[h * D + d];
+            wp[d][h] = Wp[h * D + d];
+        }
+    for (long bn = 0; bn < B * N; ++bn) {
+        T *p = P + bn * H;
+        for (long h = 0; h < H; ++h) p[h] = bo[h];
+        for (long d = 0; d < D; ++d) {
+            const T v = X[bn * D + d];
+            for (long h = 0; h < H; ++h) p[h] += wo[d][h] * v;
+        }
+    }
+    for (long r = 0; r < L * B * I; ++r) {
+        T *c = C + r * H;
+        for (long h = 0; h < H; ++h) c[h] = 0;
+        for (long d = 0; d < D; ++d) {
+            const T lt = M(log)(TAU[r * D + d]), m = MU[r * D + d];
+            for (long h = 0; h < H; ++h) c[h] += wp[d][h] * lt - wo[d][h] * m;
+        }
+    }
+}
+
+/* Its backward from gP (B, N, H) and gC (L, B, I, H), accumulated into zeroed gWo, gbo, gWp. */
+void S(gmm_assignment_inputs_backward)(const T *X, const T *MU, const T *TAU, const T *gP, const T *gC, T *gWo,
+                                       T *gbo, T *gWp, long L, long B, long N, long I, long D, long H) {
+    T go[D][H], gp[D][H], gb[H];
+    for (long h = 0; h < H; ++h) {
+        gb[h] = 0;
+        for (long d = 0; d < D; ++d) go[d][h] = gp[d][h] = 0;
+    }
+    for (long bn = 0; bn < B * N; ++bn) {
+        const T *g = gP + bn * H;
+        for (long h = 0; h < H; ++h) gb[h] += g[h];
+        for (long d = 0; d < D; ++d) {
+            const T v = X[bn * D + d];
+            for (long h = 0; h < H; ++h) go[d][h] += g[h] * v;
+        }
+    }
+    for (long r = 0; r < L * B * I; ++r) {
+        const T *g = gC + r * H;
+        for (long d = 0; d < D; ++d) {
+            const T lt = M(log)(TAU[r * D + d]), m = MU[r * D + d];
+            for (long h = 0; h < H; ++h) {
+                gp[d][h] += g[h] * lt;
+                go[d][h] -= g[h] * m;
+            }
+        }
+    }
+    for (long h = 0; h < H; ++h) {
+        gbo[h] += gb[h];
+        for (long d = 0; d < D; ++d) {
+            gWo[h * D + d] += go[d][h];
+            gWp[h * D + d] += gp[d][h];
+        }
+    }
 }
 
 /* ---- The NormalGamma proposal: its conjugate update, draws and log-density ------------ */
