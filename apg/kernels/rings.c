@@ -102,6 +102,8 @@ static const double I1E_B[25] = {
 #define TANH fast_tanhf
 #define UNIFORMS philox_uniform2f_many
 #define EXP_PAIRS 1
+#define MERGE_LOGS 1
+#define TRIM_SERIES 1
 #define EXP_FLOOR -87.0f /* exp of less is subnormal or 0 */
 #include __FILE__
 #undef T
@@ -111,6 +113,8 @@ static const double I1E_B[25] = {
 #undef TANH
 #undef UNIFORMS
 #undef EXP_PAIRS
+#undef MERGE_LOGS
+#undef TRIM_SERIES
 
 #define T double
 #define SUFFIX _f64
@@ -118,39 +122,14 @@ static const double I1E_B[25] = {
 #define TANH tanh
 #define UNIFORMS philox_uniform2d_many
 #define EXP_PAIRS 0
+#define MERGE_LOGS 0
+#define TRIM_SERIES 0
 #define EXP_FLOOR -708.0
 #include __FILE__
 
 #else /* the body, once per dtype */
 
 #include "exp_pairs.h" /* the local layer's exp-product tanh (float32 only) */
-
-static inline T S(chbevl)(T x, const double *a, int len) {
-    T b0 = (T)a[0], b1 = 0, b2 = 0;
-#pragma GCC unroll 32 /* straight-line code, so that loops over rows vectorize */
-    for (int i = 1; i < len; ++i) {
-        b2 = b1;
-        b1 = b0;
-        b0 = x * b1 - b2 + (T)a[i];
-    }
-    return (T)0.5 * (b0 - b2);
-}
-
-/* exp(-k) I0(k) and exp(-k) I1(k) for k > 0. Both expansions are evaluated, each on its own
- * interval's clamped argument, and one is selected: branch-free, so loops over rows vectorize. */
-static inline T S(i0e)(T k) {
-    const T low = k < 8 ? k : 8, high = k > 8 ? k : 8;
-    const T a = S(chbevl)(low / 2 - 2, I0E_A, 30);
-    const T b = S(chbevl)(32 / high - 2, I0E_B, 25) / M(sqrt)(high);
-    return k <= 8 ? a : b;
-}
-
-static inline T S(i1e)(T k) {
-    const T low = k < 8 ? k : 8, high = k > 8 ? k : 8;
-    const T a = S(chbevl)(low / 2 - 2, I1E_A, 29) * low;
-    const T b = S(chbevl)(32 / high - 2, I1E_B, 25) / M(sqrt)(high);
-    return k <= 8 ? a : b;
-}
 
 /* exp(d) for d <= 0, with results below the smallest normal number set to 0: glibc's
  * underflow path is ~20x slower, and such terms vanish beside the row maximum's exp(0).
@@ -166,13 +145,15 @@ static inline T S(exp_nonpositive)(T d) {
 }
 
 /* softplus(x) for x < EXP_FLOOR is exp(EXP_FLOOR) (~1e-38 in float) instead of exp(x): the
- * concentration adds 1e-3 to it, so both round to the same value. */
-static inline T S(softplus)(T x) { return x > 20 ? x : M(log1p)(M(exp)(S(exp_floor)(x < 20 ? x : 20))); }
+ * concentration adds 1e-3 to it, so both round to the same value. softplus_exp is the exp
+ * that softplus and softplus_grad share (the backward computes it once for both). */
+static inline T S(softplus_exp)(T x) { return M(exp)(S(exp_floor)(x < 20 ? x : 20)); }
 
-static inline T S(softplus_grad)(T x) {
-    const T z = M(exp)(S(exp_floor)(x < 20 ? x : 20));
-    return x > 20 ? 1 : z / (z + 1);
-}
+static inline T S(softplus_from)(T x, T z) { return x > 20 ? x : M(log1p)(z); }
+
+static inline T S(softplus)(T x) { return S(softplus_from)(x, S(softplus_exp)(x)); }
+
+static inline T S(softplus_grad_from)(T x, T z) { return x > 20 ? 1 : z / (z + 1); }
 
 /* The block's points n0 .. n0 + nb: pt[h][n] = P[b, n0 + n, h], xs[d][n] = X[b, n0 + n, d],
  * 0 past nb, so whole blocks are computed (and the padding ignored) without branches. */
@@ -330,57 +311,83 @@ void S(local_backward)(const T *X, const T *MU, const T *P, const T *C, const T 
 
 /* Rows are taken CHUNK at a time, and every loop runs over the chunk's rows (row axis
  * innermost), so each is a vertical SIMD loop: the transcendental functions through libmvec,
- * the max over clusters as I vector max ops (a per-row loop over I = 4 logits vectorized
- * across the 4 with a scalar epilogue), the inverse-CDF pick as I - 1 compare-and-count
- * steps instead of a search with a break, and the backward's whole gQ rows as selects
- * (no memset, no per-row branch). Only the chosen component's four fields are a scalar
- * indexed load per row: I selects over all of Q's fields were slower (0.95 vs 0.75 ms per
- * local_log_prob on 40,000 rows). A chunk's body is inlined twice, with I a compile-time 4
- * (the paper's rings) and a runtime I: with the row stride I * OUT unknown, gcc does not
- * vectorize the strided loads of the logits. */
+ * the max over clusters as I vector max ops, the inverse-CDF pick as I - 1 compare-and-count
+ * steps instead of a search with a break, and the component's fields as I - 1 vector selects.
+ *
+ * The chunk's rows are first transposed into qt (load_rows: one loop over each row's I * OUT
+ * fields; with I = 4 a row is 16 values and gcc loads 16 rows as 16 vector loads and 64
+ * two-source permutes), and every later loop reads qt. Before, the logits alone were loaded
+ * by a strided loop (15 permutes per field per 16 rows) and the chosen component's four fields
+ * by a scalar indexed load per row (~0.25 of local_log_prob's 0.6 ms at 1 thread, beside
+ * ~0.15 ms for reading Q's 2.5 MB at all); selects over one strided load per field had been
+ * slower still (240 permutes per 16 rows).
+ *
+ * A chunk's body is inlined twice (BY_SHAPE): with I = 4 (the paper's rings) and n = CHUNK
+ * compile-time constants, and with both at run time (other I, and the last, partial chunk):
+ * with the row stride I * OUT unknown gcc does not vectorize the transposition, and loops of a
+ * known trip count need no remainder code. */
 #define CHUNK 64
 #define CHUNK_BODY static inline __attribute__((always_inline)) void
-/* the chunk's body for I = 4 and for any other I */
-#define BY_I(call_with_I) \
-    if (I == 4)           \
-        call_with_I(4);   \
-    else                  \
-        call_with_I(I)
+/* the chunk's body for I = 4 and a full chunk, and for any other I or n */
+#define BY_SHAPE(call_with_I_n) \
+    if (I == 4 && n == CHUNK)   \
+        call_with_I_n(4, CHUNK); \
+    else                        \
+        call_with_I_n(I, n)
 
-/* Per row of the chunk: m[r] the max of the logits Q[r, :, 0], e[i * CHUNK + r] =
+/* qt[j * CHUNK + r] = Q[r0 + r, j / OUT, j % OUT], the chunk's rows transposed. */
+CHUNK_BODY S(load_rows)(const T *Q, long r0, long n, long I, T *qt) {
+    const T *q = Q + r0 * I * OUT;
+    for (long r = 0; r < n; ++r)
+        for (long j = 0; j < I * OUT; ++j) qt[j * CHUNK + r] = q[r * I * OUT + j];
+}
+
+/* Per row of the chunk: m[r] the max of the logits qt[i * OUT * CHUNK + r], e[i * CHUNK + r] =
  * exp(logit - max), total[r] = sum_i e (summed in cluster order). */
-CHUNK_BODY S(softmax_terms)(const T *Q, long r0, long n, long I, T *m, T *e, T *total) {
-    for (long i = 0; i < I; ++i)
-        for (long r = 0; r < n; ++r) e[i * CHUNK + r] = Q[((r0 + r) * I + i) * OUT];
-    for (long r = 0; r < n; ++r) m[r] = e[r];
-    for (long i = 1; i < I; ++i)
-        for (long r = 0; r < n; ++r) m[r] = e[i * CHUNK + r] > m[r] ? e[i * CHUNK + r] : m[r];
+CHUNK_BODY S(softmax_terms)(const T *qt, long n, long I, T *m, T *e, T *total) {
+    for (long r = 0; r < n; ++r) m[r] = qt[r];
+    for (long i = 1; i < I; ++i) {
+        const T *lg = qt + i * OUT * CHUNK;
+        for (long r = 0; r < n; ++r) m[r] = lg[r] > m[r] ? lg[r] : m[r];
+    }
     for (long r = 0; r < n; ++r) total[r] = 0;
-    for (long i = 0; i < I; ++i)
+    for (long i = 0; i < I; ++i) {
+        const T *lg = qt + i * OUT * CHUNK;
         for (long r = 0; r < n; ++r) {
-            const T v = S(exp_nonpositive)(e[i * CHUNK + r] - m[r]);
+            const T v = S(exp_nonpositive)(lg[r] - m[r]);
             e[i * CHUNK + r] = v;
             total[r] += v;
         }
+    }
 }
 
 /* The four fields of each row's component pick[r]: logit, dx, dy, raw concentration. */
-CHUNK_BODY S(chosen_fields)(const T *Q, const int *pick, long r0, long n, long I, T *lg, T *dx,
-                            T *dy, T *raw) {
+CHUNK_BODY S(chosen_fields)(const T *qt, const int *pick, long n, long I, T *lg, T *dx, T *dy,
+                            T *raw) {
     for (long r = 0; r < n; ++r) {
-        const T *q = Q + ((r0 + r) * I + pick[r]) * OUT;
-        lg[r] = q[0];
-        dx[r] = q[1];
-        dy[r] = q[2];
-        raw[r] = q[3];
+        lg[r] = qt[r];
+        dx[r] = qt[CHUNK + r];
+        dy[r] = qt[2 * CHUNK + r];
+        raw[r] = qt[3 * CHUNK + r];
+    }
+    for (long i = 1; i < I; ++i) {
+        const T *f = qt + i * OUT * CHUNK;
+        for (long r = 0; r < n; ++r) {
+            const int on = pick[r] == i;
+            lg[r] = on ? f[r] : lg[r];
+            dx[r] = on ? f[CHUNK + r] : dx[r];
+            dy[r] = on ? f[2 * CHUNK + r] : dy[r];
+            raw[r] = on ? f[3 * CHUNK + r] : raw[r];
+        }
     }
 }
 
 CHUNK_BODY S(sample_chunk)(const T *Q, const T *u, long *c, T *loc, T *k, long r0, long n, long I) {
-    T m[CHUNK], e[I * CHUNK], total[CHUNK], target[CHUNK], cum[CHUNK];
+    T qt[I * OUT * CHUNK], m[CHUNK], e[I * CHUNK], total[CHUNK], target[CHUNK], cum[CHUNK];
     T lg[CHUNK], dx[CHUNK], dy[CHUNK], raw[CHUNK];
     int pick[CHUNK];
-    S(softmax_terms)(Q, r0, n, I, m, e, total);
+    S(load_rows)(Q, r0, n, I, qt);
+    S(softmax_terms)(qt, n, I, m, e, total);
     /* The first i < I - 1 with cum_i > target, else I - 1: as cum_i never decreases, the
      * number of i < I - 1 with cum_i <= target. target is scaled by the row's own total, so
      * round-off can never step past the end. */
@@ -394,7 +401,7 @@ CHUNK_BODY S(sample_chunk)(const T *Q, const T *u, long *c, T *loc, T *k, long r
             cum[r] += e[i * CHUNK + r];
             pick[r] += cum[r] <= target[r];
         }
-    S(chosen_fields)(Q, pick, r0, n, I, lg, dx, dy, raw);
+    S(chosen_fields)(qt, pick, n, I, lg, dx, dy, raw);
     for (long r = 0; r < n; ++r) c[r0 + r] = pick[r];
     for (long r = 0; r < n; ++r) {
         loc[r0 + r] = M(atan2)(dy[r], dx[r]);
@@ -406,22 +413,87 @@ void S(local_sample)(const T *Q, const T *u, long *c, T *loc, T *k, long R, long
 #pragma omp parallel for schedule(static)
     for (long r0 = 0; r0 < R; r0 += CHUNK) {
         const long n = R - r0 < CHUNK ? R - r0 : CHUNK;
-#define SAMPLE_CHUNK(i) S(sample_chunk)(Q, u, c, loc, k, r0, n, i)
-        BY_I(SAMPLE_CHUNK);
+#define SAMPLE_CHUNK(i, n) S(sample_chunk)(Q, u, c, loc, k, r0, n, i)
+        BY_SHAPE(SAMPLE_CHUNK);
 #undef SAMPLE_CHUNK
     }
 }
 
-/* The chunk's rows under their own component: logit - lse (lse[r] = m + log total), and the
- * von Mises pieces cos and sin of (alpha - atan2(dy, dx)) (atan2(0, 0) = 0), 1 / |d|^2 (0 where
- * d = 0), k; e and total as softmax_terms, dx, dy and raw the chosen component's. */
+/* CHUNK values as one of GCC's generic vectors, which gcc splits into the target's registers. */
+typedef T S(chunk_vec) __attribute__((vector_size(sizeof(T) * CHUNK)));
+
+/* Cephes' chbevl (sum of the Chebyshev series a, as in PyTorch) at x[r] for all CHUNK r, the
+ * CHUNK recurrences advancing together: each step is CHUNK / lanes independent FMAs. Written
+ * per row, the row loop vectorized and the recurrence unrolled within it, each vector's ~30
+ * dependent FMAs ran back to back, and i0e cost ~4x its arithmetic (~20% of local_log_prob). */
+static inline void S(chbevl_chunk)(const T *x, const double *a, int len, T *out) {
+    S(chunk_vec) vx, b0, b1 = {0}, b2 = {0};
+    memcpy(&vx, x, sizeof vx);
+    b0 = b1 + (T)a[0];
+#pragma GCC unroll 32
+    for (int i = 1; i < len; ++i) {
+        b2 = b1;
+        b1 = b0;
+        b0 = vx * b1 - b2 + (T)a[i];
+    }
+    b0 = (T)0.5 * (b0 - b2);
+    memcpy(out, &b0, sizeof b0);
+}
+
+/* Where a series starts: float32 drops the leading coefficients whose sum is below 1e-9 of
+ * the series' least value on its interval (0.14 for I0E_A, 0.016 for I1E_A (i1e / k), 0.37
+ * for the B series): 20, 8, 20 and 8 of the 30, 25, 29 and 25 terms, a change below 0.02 of
+ * float32's rounding (PyTorch's own float i1e drops more: 17 and 7 terms). Float64 sums all. */
+#define SERIES(a, skip) (a) + TRIM_SERIES * (skip), (int)(sizeof(a) / sizeof(a[0])) - TRIM_SERIES * (skip)
+
+/* i0 = exp(-k) I0(k) and (where i1 is not NULL) i1 = exp(-k) I1(k) for the CHUNK values k > 0
+ * (k[r], n <= r < CHUNK, any valid value): Cephes' expansions on (0, 8] ("low") and (8, inf)
+ * ("high"), each on its own interval's clamped argument, selected by k <= 8 (NaN: high). Only
+ * the expansions that the first n values need are evaluated, one branch per chunk: a select of
+ * both made every row pay ~55 steps (~110 with i1e) where it needs ~30 (~60). */
+CHUNK_BODY S(bessel_chunk)(const T *k, long n, T *i0, T *i1) {
+    int low = 0, high = 0;
+    for (long r = 0; r < n; ++r) {
+        low |= k[r] <= 8;
+        high |= !(k[r] <= 8);
+    }
+    T x[CHUNK], lo0[CHUNK], lo1[CHUNK], root[CHUNK];
+    T *a0 = high ? lo0 : i0, *a1 = high ? lo1 : i1; /* low expansions: in place if alone */
+    if (low) {
+        for (long r = 0; r < CHUNK; ++r) x[r] = (k[r] < 8 ? k[r] : 8) / 2 - 2;
+        S(chbevl_chunk)(x, SERIES(I0E_A, 10), a0);
+        if (i1) {
+            S(chbevl_chunk)(x, SERIES(I1E_A, 9), a1);
+            for (long r = 0; r < CHUNK; ++r) a1[r] *= k[r] < 8 ? k[r] : 8;
+        }
+    }
+    if (high) {
+        for (long r = 0; r < CHUNK; ++r) {
+            const T h = k[r] > 8 ? k[r] : 8;
+            x[r] = 32 / h - 2;
+            root[r] = M(sqrt)(h);
+        }
+        T b0[CHUNK], b1[CHUNK];
+        S(chbevl_chunk)(x, SERIES(I0E_B, 17), b0);
+        if (i1) S(chbevl_chunk)(x, SERIES(I1E_B, 17), b1);
+        for (long r = 0; r < CHUNK; ++r) i0[r] = low && k[r] <= 8 ? a0[r] : b0[r] / root[r];
+        if (i1)
+            for (long r = 0; r < CHUNK; ++r) i1[r] = low && k[r] <= 8 ? a1[r] : b1[r] / root[r];
+    }
+}
+
+/* The chunk's rows under their own component pick[r] = c: the von Mises pieces cos and sin
+ * of (alpha - atan2(dy, dx)) (atan2(0, 0) = 0), 1 / |d|^2 (0 where d = 0), k (8 past n, for
+ * bessel_chunk) and softplus_exp(raw); m, e and total as softmax_terms; lg, dx, dy and raw
+ * the component's fields. */
 CHUNK_BODY S(chosen_terms)(const T *Q, const long *c, const T *alpha, long r0, long n, long I,
-                           T *lp_c, T *cos_d, T *sin_d, T *inv_rho2, T *k, T *e, T *total, T *dx,
-                           T *dy, T *raw, int *pick) {
-    T m[CHUNK], ca[CHUNK], sa[CHUNK];
-    S(softmax_terms)(Q, r0, n, I, m, e, total);
+                           T *cos_d, T *sin_d, T *inv_rho2, T *k, T *z, T *m, T *e, T *total,
+                           T *lg, T *dx, T *dy, T *raw, int *pick) {
+    T qt[I * OUT * CHUNK], ca[CHUNK], sa[CHUNK];
+    S(load_rows)(Q, r0, n, I, qt);
+    S(softmax_terms)(qt, n, I, m, e, total);
     for (long r = 0; r < n; ++r) pick[r] = (int)c[r0 + r];
-    S(chosen_fields)(Q, pick, r0, n, I, lp_c, dx, dy, raw);
+    S(chosen_fields)(qt, pick, n, I, lg, dx, dy, raw);
     /* separate loops: cos and sin of one value would be fused into a scalar sincos call */
     for (long r = 0; r < n; ++r) ca[r] = M(cos)(alpha[r0 + r]);
     for (long r = 0; r < n; ++r) sa[r] = M(sin)(alpha[r0 + r]);
@@ -431,64 +503,81 @@ CHUNK_BODY S(chosen_terms)(const T *Q, const long *c, const T *alpha, long r0, l
         cos_d[r] = rho2 > 0 ? (dx[r] * ca[r] + dy[r] * sa[r]) * inv : ca[r];
         sin_d[r] = rho2 > 0 ? (dx[r] * sa[r] - dy[r] * ca[r]) * inv : sa[r];
         inv_rho2[r] = inv * inv;
-        lp_c[r] -= m[r] + M(log)(total[r]);
-        k[r] = S(softplus)(raw[r]) + (T)1e-3;
+        z[r] = S(softplus_exp)(raw[r]);
+        k[r] = S(softplus_from)(raw[r], z[r]) + (T)1e-3;
     }
+    for (long r = n; r < CHUNK; ++r) k[r] = 8;
 }
 
 CHUNK_BODY S(log_prob_chunk)(const T *Q, const long *c, const T *alpha, T *lp, long r0, long n,
                              long I) {
     const T log_two_pi = (T)1.8378770664093453;
-    T lp_c[CHUNK], cos_d[CHUNK], sin_d[CHUNK], inv_rho2[CHUNK], k[CHUNK];
-    T e[I * CHUNK], total[CHUNK], dx[CHUNK], dy[CHUNK], raw[CHUNK];
+    T cos_d[CHUNK], sin_d[CHUNK], inv_rho2[CHUNK], k[CHUNK], z[CHUNK], i0[CHUNK];
+    T m[CHUNK], e[I * CHUNK], total[CHUNK], lg[CHUNK], dx[CHUNK], dy[CHUNK], raw[CHUNK];
     int pick[CHUNK];
-    S(chosen_terms)(Q, c, alpha, r0, n, I, lp_c, cos_d, sin_d, inv_rho2, k, e, total, dx, dy, raw,
-                    pick);
+    S(chosen_terms)(Q, c, alpha, r0, n, I, cos_d, sin_d, inv_rho2, k, z, m, e, total, lg, dx, dy,
+                    raw, pick);
+    S(bessel_chunk)(k, n, i0, NULL);
+#if MERGE_LOGS
+    /* log total + log i0e(k) as the log of the product (total in [1, I], i0e in (0, 1]: no
+     * overflow or underflow), one libmvec log per row fewer; float32 only, as it rounds
+     * differently (float64 keeps the two logs, its results as before) */
+    for (long r = 0; r < n; ++r) lg[r] -= m[r];
     for (long r = 0; r < n; ++r)
-        lp[r0 + r] = lp_c[r] + k[r] * (cos_d[r] - 1) - M(log)(S(i0e)(k[r])) - log_two_pi;
+        lp[r0 + r] = lg[r] + k[r] * (cos_d[r] - 1) - M(log)(total[r] * i0[r]) - log_two_pi;
+#else
+    for (long r = 0; r < n; ++r) lg[r] -= m[r] + M(log)(total[r]);
+    for (long r = 0; r < n; ++r) lp[r0 + r] = lg[r] + k[r] * (cos_d[r] - 1) - M(log)(i0[r]) - log_two_pi;
+#endif
 }
 
 void S(local_log_prob)(const T *Q, const long *c, const T *alpha, T *lp, long R, long I) {
 #pragma omp parallel for schedule(static)
     for (long r0 = 0; r0 < R; r0 += CHUNK) {
         const long n = R - r0 < CHUNK ? R - r0 : CHUNK;
-#define LOG_PROB_CHUNK(i) S(log_prob_chunk)(Q, c, alpha, lp, r0, n, i)
-        BY_I(LOG_PROB_CHUNK);
+#define LOG_PROB_CHUNK(i, n) S(log_prob_chunk)(Q, c, alpha, lp, r0, n, i)
+        BY_SHAPE(LOG_PROB_CHUNK);
 #undef LOG_PROB_CHUNK
     }
 }
 
-/* gQ's rows of the chunk, all I * OUT entries of each (so no memset): d/d logit_i =
- * g ([i == c] - softmax_i), with softmax_i = e_i / total; the chosen component's direction and
- * raw concentration as below; rows with g = 0 get exact zeros. */
+/* gQ's rows of the chunk, all I * OUT entries of each: d/d logit_i = g ([i == c] - softmax_i),
+ * with softmax_i = e_i / total; the chosen component's direction and raw concentration as
+ * below; every other entry, and every entry of rows with g = 0, an exact zero. */
 CHUNK_BODY S(log_prob_backward_chunk)(const T *Q, const long *c, const T *alpha, const T *g, T *gQ,
                                       long r0, long n, long I) {
-    T lp_c[CHUNK], cos_d[CHUNK], sin_d[CHUNK], inv_rho2[CHUNK], k[CHUNK];
-    T e[I * CHUNK], total[CHUNK], dx[CHUNK], dy[CHUNK], raw[CHUNK];
-    T g_dir[CHUNK], g_raw[CHUNK], g_soft[CHUNK];
+    T cos_d[CHUNK], sin_d[CHUNK], inv_rho2[CHUNK], k[CHUNK], z[CHUNK], i0[CHUNK], i1[CHUNK];
+    T m[CHUNK], e[I * CHUNK], total[CHUNK], lg[CHUNK], dx[CHUNK], dy[CHUNK], raw[CHUNK];
+    T g_dx[CHUNK], g_dy[CHUNK], g_raw[CHUNK], g_soft[CHUNK];
     int pick[CHUNK];
-    S(chosen_terms)(Q, c, alpha, r0, n, I, lp_c, cos_d, sin_d, inv_rho2, k, e, total, dx, dy, raw,
-                    pick);
+    S(chosen_terms)(Q, c, alpha, r0, n, I, cos_d, sin_d, inv_rho2, k, z, m, e, total, lg, dx, dy,
+                    raw, pick);
+    S(bessel_chunk)(k, n, i0, i1);
     for (long r = 0; r < n; ++r) {
         const T gr = g[r0 + r];
         /* d cos(alpha - loc) / d loc = sin(alpha - loc); d loc / d d = (-dy, dx) / |d|^2 */
-        g_dir[r] = gr * k[r] * sin_d[r] * inv_rho2[r];
+        const T g_dir = gr * k[r] * sin_d[r] * inv_rho2[r];
+        g_dx[r] = -g_dir * dy[r];
+        g_dy[r] = g_dir * dx[r];
         /* d/dk [k (cos - 1) - log i0e(k)] = cos - i1e(k) / i0e(k) */
-        g_raw[r] = gr * (cos_d[r] - S(i1e)(k[r]) / S(i0e)(k[r])) * S(softplus_grad)(raw[r]);
+        g_raw[r] = gr * (cos_d[r] - i1[r] / i0[r]) * S(softplus_grad_from)(raw[r], z[r]);
         g_soft[r] = -gr / total[r];
     }
+    /* zeroed by one memset, then only the I logits and the chosen component's three fields
+     * of rows with g != 0 are stored (a select per entry was 16 scalar stores per row) */
+    for (long i = 0; i < I; ++i) /* the logits' gradients, in place of e */
+        for (long r = 0; r < n; ++r)
+            e[i * CHUNK + r] = g_soft[r] * e[i * CHUNK + r] + (pick[r] == i ? g[r0 + r] : 0);
+    T *gq = gQ + r0 * I * OUT;
+    memset(gq, 0, sizeof(T) * n * I * OUT);
     for (long r = 0; r < n; ++r) {
-        const T gr = g[r0 + r];
-        const int zero = gr == 0;
-        T *gq = gQ + (r0 + r) * I * OUT;
-        for (long i = 0; i < I; ++i) {
-            const int on = pick[r] == i && !zero;
-            const T logit = g_soft[r] * e[i * CHUNK + r] + (on ? gr : 0);
-            gq[i * OUT] = zero ? 0 : logit;
-            gq[i * OUT + 1] = on ? -g_dir[r] * dy[r] : 0;
-            gq[i * OUT + 2] = on ? g_dir[r] * dx[r] : 0;
-            gq[i * OUT + 3] = on ? g_raw[r] : 0;
-        }
+        if (g[r0 + r] == 0) continue;
+        T *row = gq + r * I * OUT;
+        for (long i = 0; i < I; ++i) row[i * OUT] = e[i * CHUNK + r];
+        T *chosen = row + pick[r] * OUT;
+        chosen[1] = g_dx[r];
+        chosen[2] = g_dy[r];
+        chosen[3] = g_raw[r];
     }
 }
 
@@ -503,8 +592,8 @@ void S(local_log_prob_backward)(const T *Q, const long *c, const T *alpha, const
             memset(gQ + r0 * I * OUT, 0, sizeof(T) * n * I * OUT);
             continue;
         }
-#define BACKWARD_CHUNK(i) S(log_prob_backward_chunk)(Q, c, alpha, g, gQ, r0, n, i)
-        BY_I(BACKWARD_CHUNK);
+#define BACKWARD_CHUNK(i, n) S(log_prob_backward_chunk)(Q, c, alpha, g, gQ, r0, n, i)
+        BY_SHAPE(BACKWARD_CHUNK);
 #undef BACKWARD_CHUNK
     }
 }
