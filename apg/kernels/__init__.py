@@ -103,21 +103,30 @@ def native_library() -> ctypes.CDLL | None:
 
 
 _DTYPE_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+_FUNCTIONS: dict[tuple[str, torch.dtype], object] = {}
 
 
 def native_function(name: str, *tensors: Tensor):
     """The compiled function ``name`` for these floating tensors' dtype, or ``None`` where
-    the PyTorch path must run (GPU tensors, other or mixed dtypes, no compiler)."""
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in _DTYPE_SUFFIX:
+    the PyTorch path must run (GPU tensors, other or mixed dtypes, no compiler).
+
+    Called a few hundred times per training step, so the checks are plain attribute reads
+    and the functions are looked up once per (name, dtype).
+    """
+    dtype = tensors[0].dtype
+    if dtype not in _DTYPE_SUFFIX:
         return None
-    if any(t.dtype != first.dtype or t.device != first.device for t in tensors):
-        return None
-    lib = native_library()
+    for t in tensors:
+        if t.dtype is not dtype or not t.is_cpu:
+            return None
+    lib = native_library()  # cached; looked up each time, so tests can switch it off
     if lib is None:
         return None
-    fn = getattr(lib, f"{name}_{_DTYPE_SUFFIX[first.dtype]}")
-    fn.restype = None  # every kernel writes its outputs in place and returns void
+    fn = _FUNCTIONS.get((name, dtype))
+    if fn is None:
+        fn = getattr(lib, f"{name}_{_DTYPE_SUFFIX[dtype]}")
+        fn.restype = None  # every kernel writes its outputs in place and returns void
+        _FUNCTIONS[name, dtype] = fn
     return fn
 
 
