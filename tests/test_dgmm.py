@@ -713,3 +713,16 @@ def test_angle_prior_is_exact_in_float64():
     expect = 200 * (-math.log(TWO_PI) - math.log(4))
     assert got.dtype == torch.float64 and got[1, 2] == -math.inf
     assert torch.equal(got.flatten()[:-1], torch.full((5,), expect, dtype=torch.float64))
+
+
+def test_von_mises_refuses_non_finite_parameters():
+    loc, k = torch.zeros(5), torch.ones(5)
+    for bad_loc, bad_k in (
+        (loc, k.index_fill(0, torch.tensor([3]), math.nan)),
+        (loc.index_fill(0, torch.tensor([1]), math.inf), k),
+    ):
+        with pytest.raises(ValueError, match="must be finite"):
+            sample_von_mises(bad_loc, bad_k)
+    # finite parameters whose sum overflows still draw
+    draws = sample_von_mises(torch.full((4,), 3e38), torch.ones(4))
+    assert torch.isfinite(draws).all() and (draws >= 0).all() and (draws < 2 * math.pi).all()
