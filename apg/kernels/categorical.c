@@ -51,11 +51,12 @@ static inline void block_exp_##SUFFIX(const T *logits, long r0, long n, long K, 
 }
 
 /* The block distributions' passes (see the top of the file). K <= MAX_K only: the Python side
- * takes the per-row functions above for wider rows. */
+ * takes the per-row functions above for wider rows. Threads from 4096 values on (36,000 at
+ * the paper's GMM sizes: see gmm.c's PAR_MIN_WORK for the measurement). */
 #define DEFINE_ROWS(T, EXP, LOG, UNIFORMS, SUFFIX)                                             \
 void categorical_sample_rows_##SUFFIX(const T *logits, long key, long *out, T *lse, long R,   \
                                       long K) {                                                \
-    _Pragma("omp parallel for schedule(static) if (R * K > (1 << 16))")                        \
+    _Pragma("omp parallel for schedule(static) if (R * K > (1 << 12))")                        \
     for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
         const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
         T e[MAX_K][ROWS], m[ROWS], tot[ROWS], cum[ROWS], u[ROWS], u0[ROWS / 2], u1[ROWS / 2];  \
@@ -80,7 +81,7 @@ void categorical_sample_rows_##SUFFIX(const T *logits, long key, long *out, T *l
                                                                                                \
 void categorical_rows_log_prob_##SUFFIX(const T *logits, const long *idx, T *lse, T *out,      \
                                         long have_lse, long G, long Nr, long K) {              \
-    _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 16))")                   \
+    _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 12))")                   \
     for (long g = 0; g < G; ++g) {                                                             \
         const long r0 = g * Nr;                                                                \
         T total = 0;                                                                           \
@@ -118,7 +119,7 @@ static inline __attribute__((always_inline)) void rows_backward_group_##SUFFIX( 
 void categorical_rows_log_prob_backward_##SUFFIX(const T *logits, const long *idx, const T *lse, \
                                                  const T *g, T *glogits, long G, long Nr,      \
                                                  long K) {                                     \
-    _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 16))")                   \
+    _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 12))")                   \
     for (long grp = 0; grp < G; ++grp) {                                                       \
         const T gg = g[grp];                                                                   \
         T *out = glogits + grp * Nr * K;                                                       \

@@ -36,11 +36,15 @@
 #ifndef GMM_BODY
 #define GMM_BODY
 
-/* The NormalGamma kernels run over the (L, B, I, D) cells: a few hundred at the paper's GMM
- * sizes, microseconds of work. Below this many cells they stay on the calling thread: a
- * parallel region costs about as much as it saves there, and on a loaded machine each one
- * waits until the other thread gets a time slice. */
-#define PAR_MIN_CELLS 4096
+/* Below these sizes a kernel stays on the calling thread, where a parallel region would cost
+ * about what it saves: PAR_MIN_CELLS (L, B, I, D) cells for the NormalGamma kernels,
+ * PAR_MIN_WORK (point, cluster or moment) terms for the others. Both are far below the
+ * paper's GMM sizes (1,200 cells; 36,000 to 180,000 terms): there the second thread,
+ * otherwise idle between the pairwise layers, takes half of every kernel. Measured against
+ * thresholds that kept them all serial (in-process A/B, 2 threads): 0.895-0.898 of the step
+ * on a quiet machine, and 0.867 with another process busy on one of the two cores. */
+#define PAR_MIN_CELLS 256
+#define PAR_MIN_WORK 8192
 
 #define _GNU_SOURCE /* lgamma_r, lgammaf_r: plain lgamma writes the global signgam */
 #include <float.h>
@@ -98,7 +102,7 @@ static inline void S(point_block)(const T *x, const long *c, long n0, long m, lo
 
 void S(gmm_assignment_change)(const T *X, const T *MU, const T *TAU, const long *c_new,
                               const long *c_old, T *out, long L, long B, long N, long I, long D) {
-#pragma omp parallel for schedule(static) if (L * B * N * I > PAR_MIN_CELLS * 64)
+#pragma omp parallel for schedule(static) if (L * B * N * I > PAR_MIN_WORK)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *x = X + (lb % B) * N * D, *mu = MU + lb * I * D, *tau = TAU + lb * I * D;
         T log_tau[MAX_CELLS], acc[PBLOCK];
@@ -131,7 +135,7 @@ void S(gmm_assignment_change)(const T *X, const T *MU, const T *TAU, const long 
 void S(gmm_log_globals)(const T *X, const long *C, const T *MU, const T *TAU, const T *consts,
                         T *out, long P, long L, long B, long N, long I, long D) {
     const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
-#pragma omp parallel for schedule(static) if (L * B * N * I > PAR_MIN_CELLS * 64)
+#pragma omp parallel for schedule(static) if (L * B * N * I > PAR_MIN_WORK)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *x = X + (lb % B) * N * D;
         const long *c = C + lb * N;
@@ -241,7 +245,7 @@ static inline void S(soft_outputs)(const T *W, const T *bias, const T *x, long m
 
 static void S(soft_table)(const T *X, const T *W, const T *bias, T *table, long B, long N, long I, long D) {
     const long width = 1 + 2 * D, R = I * width, blocks = (N + BLOCK - 1) / BLOCK, Np = blocks * BLOCK;
-#pragma omp parallel for schedule(static) if (B * N * I * R > PAR_MIN_CELLS * 64)
+#pragma omp parallel for schedule(static) if (B * N * I * R > PAR_MIN_WORK)
     for (long task = 0; task < B * I * blocks; ++task) {
         const long b = task / (I * blocks), k = task / blocks % I, n0 = task % blocks * BLOCK;
         const long m = N - n0 < BLOCK ? N - n0 : BLOCK;
@@ -278,7 +282,7 @@ void S(gmm_soft_moments)(const T *X, const long *C, const T *W, const T *bias, T
     T *table = malloc(sizeof(T) * B * I * R * Np);
     if (!table) return; /* sums stay zero; cannot happen at the sizes this runs at */
     S(soft_table)(X, W, bias, table, B, N, I, D);
-#pragma omp parallel for schedule(static) if (L * B * N * R > PAR_MIN_CELLS * 64)
+#pragma omp parallel for schedule(static) if (L * B * N * R > PAR_MIN_WORK)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *tb = table + (lb % B) * I * R * Np;
         T acc[MAX_MOMENTS][BLOCK], mk[MAX_OUTPUTS][BLOCK];
@@ -308,7 +312,7 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T
     T *gtable = calloc((size_t)B * I * R * Np, sizeof(T));
     if (!gtable) return;
     /* each particle's gradient to the rows it picked; threads split the datasets */
-#pragma omp parallel for schedule(static) if (L * B * N * R > PAR_MIN_CELLS * 64)
+#pragma omp parallel for schedule(static) if (L * B * N * R > PAR_MIN_WORK)
     for (long b = 0; b < B; ++b) {
         T mk[MAX_OUTPUTS][BLOCK];
         for (long l = 0; l < L; ++l) {
@@ -324,7 +328,7 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T
             }
         }
     }
-#pragma omp parallel if (B * N * I * R > PAR_MIN_CELLS * 64)
+#pragma omp parallel if (B * N * I * R > PAR_MIN_WORK)
     {
         T gw[MAX_OUTPUTS * MAX_OUTPUTS], gb[MAX_OUTPUTS], o[MAX_OUTPUTS][BLOCK], go[MAX_OUTPUTS][BLOCK];
         memset(gw, 0, sizeof(T) * K * F);
