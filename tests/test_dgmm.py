@@ -24,6 +24,7 @@ from apg.tasks.dgmm import (
     sample_von_mises,
     simulate,
     squared_residuals,
+    squared_residuals_change,
     von_mises_log_prob,
 )
 
@@ -123,6 +124,42 @@ def test_squared_residuals_match_the_plain_formula_and_pass_gradcheck(f64, kerne
     got = squared_residuals(data["x"], z["mu"], z["c"], shape)
     assert torch.allclose(got, ((data["x"] - model.mean(z, shape)) ** 2).sum((-2, -1)), rtol=0, atol=1e-10)
     assert torch.autograd.gradcheck(lambda s: squared_residuals(data["x"], z["mu"], z["c"], s), (shape,))
+
+
+def test_squared_residuals_change_is_the_difference_with_both_gradients(f64, kernel_path):
+    # One autograd node for both residual sums (compiled on CPU): the difference of the two,
+    # differentiable in both shapes, and in one shape passed on both sides (the mu block).
+    model, data = _data(num_datasets=2, num_points=7)
+    x = data["x"]
+    z_new, z_old = _random_latents(model, x, 3), _random_latents(model, x, 3)
+    s_new, s_old = (model.g(z["alpha"]).detach().requires_grad_() for z in (z_new, z_old))
+
+    def change(a, b):
+        return squared_residuals_change(x, (z_new["mu"], z_new["c"], a), (z_old["mu"], z_old["c"], b))
+
+    want = squared_residuals(x, z_new["mu"], z_new["c"], s_new) - squared_residuals(
+        x, z_old["mu"], z_old["c"], s_old
+    )
+    assert torch.allclose(change(s_new, s_old), want, rtol=0, atol=1e-10)
+    assert torch.autograd.gradcheck(change, (s_new, s_old))
+    assert torch.autograd.gradcheck(lambda s: change(s, s), (s_old,))
+
+
+@pytest.mark.parametrize("block", ["mu", "local"])
+def test_joint_change_has_the_joint_difference_gradient(f64, block):
+    # theta's gradient of the change the sampler accumulates is that of the joint difference
+    model, data = _data()
+    model = model.double()
+    x = data["x"]
+    z_old, z_new = _random_latents(model, x, 4), _random_latents(model, x, 4)
+    mixed = {**z_old, **{k: z_new[k] for k in model.blocks[block]}}
+    params = list(model.parameters())
+    got = torch.autograd.grad(model.log_joint_change(block, x, z_old, mixed).sum(), params)
+    want = torch.autograd.grad(
+        (model.log_joint(x, mixed) - model.log_joint(x, z_old)).sum(), params, allow_unused=True
+    )
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, torch.zeros_like(g) if w is None else w, rtol=1e-10, atol=1e-8)
 
 
 @pytest.mark.parametrize("block", ["mu", "local"])
