@@ -15,6 +15,7 @@ from apg.tasks.dgmm import (
     DGMM,
     TWO_PI,
     DGMMConfig,
+    GaussianMu,
     LocalProposal,
     build_model,
     build_proposals,
@@ -763,3 +764,21 @@ def test_von_mises_refuses_non_finite_parameters():
     # finite parameters whose sum overflows still draw
     draws = sample_von_mises(torch.full((4,), 3e38), torch.ones(4))
     assert torch.isfinite(draws).all() and (draws >= 0).all() and (draws < 2 * math.pi).all()
+
+
+def test_gaussian_mu_is_the_diagonal_normal_of_its_precisions(f64):
+    torch.manual_seed(3)
+    mean, precision = torch.randn(3, 2, 4, 2), torch.rand(3, 2, 4, 2) * 5 + 0.1
+    mean.requires_grad_()
+    q = GaussianMu(mean, precision)
+    value = {"mu": torch.randn(3, 2, 4, 2)}
+    want = Normal(mean, precision.rsqrt()).log_prob(value["mu"]).sum((-2, -1))
+    assert torch.allclose(q.log_prob(value), want, rtol=0, atol=1e-12)
+    (grad,) = torch.autograd.grad(q.log_prob(value).sum(), mean)
+    assert torch.allclose(grad, precision * (value["mu"] - mean.detach()), rtol=0, atol=1e-12)
+    # draws: standardized residuals have mean 0 and variance 1 within 4 standard errors
+    draws = torch.stack([q.sample()["mu"] for _ in range(2000)])
+    z = (draws - mean.detach()) * precision.sqrt()
+    n = z.shape[0]
+    assert (z.mean(0).abs() < 4 / n**0.5).all()
+    assert ((z.var(0) - 1).abs() < 4 * (2 / n) ** 0.5).all()
