@@ -89,9 +89,10 @@
  * paper's sizes both ran ~100 us per call against a few us of arithmetic. */
 #define PBLOCK 64
 
-/* xs[d][j] = x[(n0 + j) * D + d] and mk[i][j] = [c[n0 + j] == i] for j < m, 0 past m. */
+/* xs[d][j] = x[(n0 + j) * D + d] and mk[i][j] = [c[n0 + j] == i] for j < m, 0 past m;
+ * xs (D, PBLOCK), mk (I, PBLOCK). */
 static inline void S(point_block)(const T *x, const long *c, long n0, long m, long I, long D,
-                                  T (*xs)[PBLOCK], T (*mk)[PBLOCK]) { /* xs (D, PBLOCK), mk (I, PBLOCK) */
+                                  T (*xs)[PBLOCK], T (*mk)[PBLOCK]) {
     T cf[PBLOCK];
     for (long j = 0; j < PBLOCK; ++j) cf[j] = j < m ? (T)c[n0 + j] : -1;
     for (long i = 0; i < I; ++i)
