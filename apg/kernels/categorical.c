@@ -48,7 +48,25 @@ static inline void block_exp_##SUFFIX(const T *logits, long r0, long n, long K, 
             e[k][j] = EXP(e[k][j] - m[j]);                                                     \
             tot[j] += e[k][j];                                                                 \
         }                                                                                      \
+}                                                                                               \
+/* out[j] = the first k with cum_k = e[0][j] + .. + e[k][j] > u[j] tot[j] (K - 1 if none): as   \
+ * cum_k never decreases, the number of k < K - 1 with cum_k <= u tot. The target is scaled by \
+ * the row's own total, so round-off can never step past the end. */                          \
+static inline void block_pick_##SUFFIX(T e[][ROWS], const T *tot, const T *u, long n, long K,  \
+                                       long *out) {                                            \
+    T cum[ROWS], target[ROWS];                                                                 \
+    for (long j = 0; j < n; ++j) {                                                             \
+        target[j] = tot[j] * u[j];                                                             \
+        cum[j] = 0;                                                                            \
+        out[j] = 0;                                                                            \
+    }                                                                                          \
+    for (long k = 0; k < K - 1; ++k)                                                           \
+        for (long j = 0; j < n; ++j) {                                                         \
+            cum[j] += e[k][j];                                                                 \
+            out[j] += cum[j] <= target[j];                                                     \
+        }                                                                                      \
 }
+
 
 /* The block distributions' passes (see the top of the file). K <= MAX_K only: the Python side
  * takes the per-row functions above for wider rows. Threads from 4096 values on (36,000 at
@@ -59,23 +77,14 @@ void categorical_sample_rows_##SUFFIX(const T *logits, long key, long *out, T *l
     _Pragma("omp parallel for schedule(static) if (R * K > (1 << 12))")                        \
     for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
         const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
-        T e[MAX_K][ROWS], m[ROWS], tot[ROWS], cum[ROWS], u[ROWS], u0[ROWS / 2], u1[ROWS / 2];  \
+        T e[MAX_K][ROWS], m[ROWS], tot[ROWS], u[ROWS], u0[ROWS / 2], u1[ROWS / 2];            \
         long el[ROWS / 2];                                                                     \
         for (long j = 0; j < ROWS / 2; ++j) el[j] = r0 / 2 + j; /* r0 is even */               \
         UNIFORMS((uint64_t)key, el, 0, (n + 1) / 2, u0, u1);                                   \
         for (long j = 0; j < n; ++j) u[j] = j % 2 ? u1[j / 2] : u0[j / 2];                     \
         block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                       \
-        for (long j = 0; j < n; ++j) {                                                         \
-            lse[r0 + j] = m[j] + LOG(tot[j]);                                                  \
-            tot[j] *= u[j]; /* the row's own total: round-off never steps past the end */      \
-            cum[j] = 0;                                                                        \
-            out[r0 + j] = 0;                                                                   \
-        }                                                                                      \
-        for (long k = 0; k < K - 1; ++k)                                                       \
-            for (long j = 0; j < n; ++j) {                                                     \
-                cum[j] += e[k][j];                                                             \
-                out[r0 + j] += cum[j] <= tot[j];                                               \
-            }                                                                                  \
+        for (long j = 0; j < n; ++j) lse[r0 + j] = m[j] + LOG(tot[j]);                         \
+        block_pick_##SUFFIX(e, tot, u, n, K, out + r0);                                        \
     }                                                                                          \
 }                                                                                              \
                                                                                                \
@@ -145,7 +154,7 @@ void categorical_sample_##SUFFIX(const T *logits, const T *u, long *out, long R,
     _Pragma("omp parallel for schedule(static)")                                               \
     for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
         const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
-        T e[MAX_K][ROWS], m[ROWS], tot[ROWS], cum[ROWS];                                       \
+        T e[MAX_K][ROWS], m[ROWS], tot[ROWS];                                                  \
         if (K > MAX_K) {                                                                       \
             for (long j = 0; j < n; ++j) {                                                     \
                 const T *l = logits + (r0 + j) * K;                                            \
@@ -162,17 +171,7 @@ void categorical_sample_##SUFFIX(const T *logits, const T *u, long *out, long R,
             continue;                                                                          \
         }                                                                                      \
         block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                       \
-        /* scaled by the row's own total, so round-off can never step past the end */         \
-        for (long j = 0; j < n; ++j) {                                                         \
-            tot[j] *= u[r0 + j];                                                               \
-            cum[j] = 0;                                                                        \
-            out[r0 + j] = 0;                                                                   \
-        }                                                                                      \
-        for (long k = 0; k < K - 1; ++k)                                                       \
-            for (long j = 0; j < n; ++j) {                                                     \
-                cum[j] += e[k][j];                                                             \
-                out[r0 + j] += cum[j] <= tot[j];                                               \
-            }                                                                                  \
+        block_pick_##SUFFIX(e, tot, u + r0, n, K, out + r0);                                   \
     }                                                                                          \
 }                                                                                              \
                                                                                                \

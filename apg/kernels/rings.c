@@ -187,23 +187,6 @@ static inline void S(skip_block)(T (*xs)[BLOCK], const T *mu, const T *consts, T
     }
 }
 
-/* acc[o][n] += sum_h Wt[o, h] tanh(pt[h][n] + c[h]) over a block: by the exp product
- * (fast_tanh.h) where the block's and the row's exps exist (ea not NULL), else by TANH.
- * Inlined twice, so the path is chosen once per row rather than per hidden unit. */
-static inline __attribute__((always_inline)) void S(local_tanh_rows)(const T (*pt)[BLOCK],
-                                                                     const T (*ea)[BLOCK], const T *c,
-                                                                     const T *eb, const T *Wt,
-                                                                     T (*acc)[BLOCK], long H) {
-    for (long h = 0; h < H; ++h) {
-        T t[BLOCK];
-        S(pair_tanh_row)(pt, ea, c, eb, h, t);
-        for (long o = 0; o < OUT; ++o) {
-            const T w = Wt[o * H + h];
-            for (long n = 0; n < BLOCK; ++n) acc[o][n] += w * t[n];
-        }
-    }
-}
-
 void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *Wt, const T *bias,
                       const T *Ws, const T *consts, T *Q, long L, long B, long N, long I, long H) {
     const long blocks = (N + BLOCK - 1) / BLOCK;
@@ -228,9 +211,9 @@ void S(local_forward)(const T *X, const T *MU, const T *P, const T *C, const T *
                                     ws[3] * f[3][n] + ws[4] * f[4][n];
                 }
                 if (row_exp)
-                    S(local_tanh_rows)((const T(*)[BLOCK])pt, (const T(*)[BLOCK])ea, c, eb, Wt, acc, H);
+                    S(pair_tanh_accumulate)((const T(*)[BLOCK])pt, (const T(*)[BLOCK])ea, c, eb, Wt, acc, H, OUT);
                 else
-                    S(local_tanh_rows)((const T(*)[BLOCK])pt, NULL, c, eb, Wt, acc, H);
+                    S(pair_tanh_accumulate)((const T(*)[BLOCK])pt, NULL, c, eb, Wt, acc, H, OUT);
                 T *q = Q + (((l * B + b) * N + n0) * I + i) * OUT;
                 for (long n = 0; n < nb; ++n)
                     for (long o = 0; o < OUT; ++o) q[n * I * OUT + o] = acc[o][n];

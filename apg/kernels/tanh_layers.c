@@ -98,14 +98,7 @@ INLINE void S(pairwise_rows)(const T (*pt)[BLOCK], const T (*ea)[BLOCK], const T
     T acc[O][BLOCK];
     for (long o = 0; o < O; ++o)
         for (long n = 0; n < BLOCK; ++n) acc[o][n] = 0;
-    for (long h = 0; h < H; ++h) {
-        T t[BLOCK];
-        S(pair_tanh_row)(pt, ea, c, eb, h, t);
-        for (long o = 0; o < O; ++o) {
-            const T w = Wt[o * H + h];
-            for (long n = 0; n < BLOCK; ++n) acc[o][n] += w * t[n];
-        }
-    }
+    S(pair_tanh_accumulate)(pt, ea, c, eb, Wt, acc, H, O);
     for (long n = 0; n < nb; ++n)
         for (long o = 0; o < O; ++o) out[n * stride + o] = acc[o][n];
 }
