@@ -13,10 +13,14 @@ draws follow ``torch.manual_seed`` and do not depend on the number of threads. B
 ``(key; element, draw)`` gives two uniforms on ``[0, 1)``: float32 keeps 24 bits of a word
 each (torch.rand's grid), float64 53 bits of two words each.
 
-On other devices ``uniform`` is ``torch.rand``: the kernels are CPU code.
+``standard_gamma`` draws Gamma variates from the same blocks (Marsaglia and Tsang's method),
+in place of ``torch._standard_gamma``, a serial loop on CPU. On other devices ``uniform`` is
+``torch.rand`` and ``standard_gamma`` is ``torch._standard_gamma``: the kernels are CPU code.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -81,3 +85,47 @@ def uniform(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.floa
     blocks = torch.arange((out.numel() + 1) // 2)
     pair = uniform_pair(key, blocks, 0, dtype)
     return torch.stack(pair, -1).flatten()[: out.numel()].view(shape)
+
+
+# apg/kernels/random.c: a shape that has not accepted after this many tries gets NaN
+_GAMMA_TRIES = 64
+
+
+def standard_gamma(alpha: Tensor) -> Tensor:
+    """Draws from ``Gamma(alpha, 1)`` shaped like ``alpha``, one fresh key per call.
+
+    On CPU, element ``e``'s try ``k`` of Marsaglia and Tsang's method takes the float64
+    uniforms of blocks ``(key; e, 2k)`` and ``(key; e, 2k + 1)`` (``apg/kernels/random.c``
+    spells the method out); the compiled pass and this twin compute in float64 and agree
+    to rounding. A shape that is not positive and finite gives NaN.
+    """
+    if alpha.device.type != "cpu" or alpha.dtype not in (torch.float32, torch.float64):
+        return torch._standard_gamma(alpha)
+    key = new_key()
+    native = native_function("philox_standard_gamma", alpha)
+    if native is not None:
+        out = torch.empty_like(alpha, memory_format=torch.contiguous_format)
+        call(native, key, alpha, out, out.numel())
+        return out
+    a = alpha.detach().double().flatten()
+    shape = torch.where(a < 1, a + 1, a)
+    d = shape - 1 / 3
+    c = torch.rsqrt(9 * torch.where(d > 0, d, 1.0))
+    draw, u_boost = torch.full_like(a, math.nan), torch.zeros_like(a)
+    valid = (a > 0) & (a < math.inf)
+    pending = valid.nonzero().flatten()
+    for k in range(_GAMMA_TRIES):
+        if not len(pending):
+            break
+        u1, u2 = uniform_pair(key, pending, 2 * k, torch.float64)
+        u3, u4 = uniform_pair(key, pending, 2 * k + 1, torch.float64)
+        x = torch.sqrt(-2 * torch.log(1 - u1)) * torch.cos(2 * math.pi * u2)
+        v = (1 + c[pending] * x) ** 3
+        dk = d[pending]
+        accept = (v > 0) & (torch.log(u3) < x * x / 2 + dk - dk * v + dk * torch.log(v.clamp_min(1e-300)))
+        done = pending[accept]
+        draw[done], u_boost[done] = (dk * v)[accept], u4[accept]
+        pending = pending[~accept]
+    boost = a < 1
+    draw[boost] = draw[boost] * u_boost[boost] ** (1 / a[boost])
+    return draw.to(alpha.dtype).view(alpha.shape)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import apg.kernels
-from apg.random import philox4x32_10, uniform, uniform_pair
+from apg.random import philox4x32_10, standard_gamma, uniform, uniform_pair
 
 # Known-answer vectors of the generator's authors (Random123's kat_vectors, philox4x32 with
 # 10 rounds): counter (4 words), key (2 words) -> output (4 words).
@@ -75,3 +75,46 @@ def test_float64_uniforms_have_53_bits():
     frac = torch.cat([u0, u1]) * 2.0**24
     assert float((frac - frac.floor()).max()) > 0.5  # bits beyond the 24th are used
     assert bool(((torch.cat([u0, u1]) * 2.0**53) % 1 == 0).all())  # and none beyond the 53rd
+
+
+# shapes below 1 (the boosted draw), at 1, and large; then invalid ones, which give NaN
+_SHAPES = [0.05, 0.3, 0.9, 1.0, 2.5, 7.0, 40.0, 300.0]
+_INVALID = [0.0, -1.0, math.nan, math.inf]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_gamma_draws_equal_the_twins(dtype, monkeypatch):
+    if apg.kernels.native_library() is None:
+        pytest.skip("no C compiler")
+    alpha = torch.tensor(_SHAPES + _INVALID, dtype=dtype).repeat(300).view(60, -1)[:, 1:]  # not contiguous
+    draws = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(apg.kernels, "native_library", lambda: None)
+        torch.manual_seed(3)
+        draws.append(standard_gamma(alpha))
+    native, twin = draws
+    assert native.dtype == dtype and native.shape == alpha.shape
+    invalid = ~((alpha > 0) & (alpha < math.inf))
+    assert torch.equal(native.isnan(), invalid) and torch.equal(twin.isnan(), invalid)
+    # both compute in float64: equal up to the rounding of their log, cos and pow
+    rtol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert torch.allclose(native[~invalid], twin[~invalid], rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("alpha", _SHAPES)
+def test_gamma_draws_follow_the_gamma_distribution(alpha, kernel_path):
+    torch.manual_seed(0)
+    n = 20_000
+    x = standard_gamma(torch.full((n,), alpha, dtype=torch.float64))
+    assert bool((x >= 0).all())
+    # Kolmogorov-Smirnov against the regularized incomplete gamma function: under the null,
+    # P(sqrt(n) D > 2.23) ~ 2 exp(-2 * 2.23^2) = 1e-4.
+    cdf = torch.special.gammainc(torch.tensor(alpha, dtype=torch.float64), x.sort().values)
+    grid = torch.arange(n + 1, dtype=torch.float64) / n
+    distance = torch.maximum((grid[1:] - cdf).abs(), (cdf - grid[:-1]).abs()).max()
+    assert float(distance) * math.sqrt(n) < 2.23
+    # mean alpha within 4 standard errors (variance alpha)
+    assert abs(float(x.mean()) - alpha) < 4 * math.sqrt(alpha / n)
+    torch.manual_seed(0)
+    assert torch.equal(standard_gamma(torch.full((n,), alpha, dtype=torch.float64)), x)

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributions import Gamma, Normal
 
 from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.distributions import CategoricalBlock
 from apg.kernels import call, native_function
 from apg.nn import PointFeatures, pairwise_tanh_linear
+from apg.random import standard_gamma
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -52,8 +52,11 @@ class NormalGamma:
         self.mu, self.nu, self.alpha, self.beta = mu, nu, alpha, beta
 
     def sample(self) -> Latents:
-        tau = Gamma(self.alpha, self.beta, validate_args=False).sample()
-        mu = Normal(self.mu, torch.rsqrt(self.nu * tau), validate_args=False).sample()
+        shape = torch.broadcast_shapes(*(p.shape for p in (self.mu, self.nu, self.alpha, self.beta)))
+        # clamped as torch's Gamma does: a tiny shape can round a draw to 0
+        tiny = torch.finfo(self.beta.dtype).tiny
+        tau = (standard_gamma(self.alpha.expand(shape)) / self.beta).clamp_min(tiny)
+        mu = self.mu + torch.randn(shape, dtype=tau.dtype, device=tau.device) * torch.rsqrt(self.nu * tau)
         return {"mu": mu, "tau": tau}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
@@ -158,8 +161,8 @@ class NormalGammaFromSums:
             return self.twin().sample()
         params = sums.new_empty(4, *sizes[:4])
         call(native, sums, _consts(self.cfg, sums.dtype), params, *sizes)
-        # torch's generator, in the order and shapes NormalGamma.sample draws
-        tau = torch._standard_gamma(params[2])
+        # the draws NormalGamma.sample makes, in the same order and shapes
+        tau = standard_gamma(params[2])
         mu = torch.randn_like(tau)
         call(native_function("gmm_ng_sample", sums), params, mu, tau, mu.numel())
         return {"mu": mu, "tau": tau}
