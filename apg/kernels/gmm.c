@@ -11,11 +11,13 @@
  * gmm_assignment_change: out[l,b] = sum_n ll(x_n; c_new_n) - ll(x_n; c_old_n) with
  *   ll(x; i) = sum_d (log tau_id - tau_id (x_d - mu_id)^2) / 2: the change of the log joint
  *   when the assignments change and the globals stay (the uniform prior on c cancels).
- * gmm_log_globals: for P sets of globals mu, tau (P, L, B, I, D) under the same assignments,
- *   out[p,l,b] = sum_{i,d} (a0 - 1/2 + n_i / 2) log tau - tau (b0 + nu0 (mu - m0)^2 / 2
- *   + (S_id + n_i (xbar_id - mu)^2) / 2), with each cluster's count n_i, mean xbar and
- *   scatter S from one pass over the points; consts = (a0, b0, nu0, m0). This is the
- *   NormalGamma prior plus the likelihood without their constants (GMM._log_globals).
+ * gmm_log_globals: for P = 1 or 2 sets of globals (mu, tau) and (mu2, tau2), each (L, B, I, D),
+ *   under the same assignments, out[l,b] (and out2 for the second set) = sum_{i,d} (a0 - 1/2
+ *   + n_i / 2) log tau - tau (b0 + nu0 (mu - m0)^2 / 2 + (S_id + n_i (xbar_id - mu)^2) / 2)
+ *   + const, with each cluster's count n_i, mean xbar and scatter S from one pass over the
+ *   points, consts = (a0, b0, nu0, m0) and const the prior's normalizer summed over the I D
+ *   cells: the NormalGamma prior plus the likelihood without its -N D log(2 pi) / 2
+ *   (GMM._log_globals). Separate arrays, so the caller stacks nothing.
  *
  * gmm_soft_moments: the globals kernel's neural sufficient statistics (GlobalsProposal on
  *   u_n = [x_n, one-hot(c_n)]): o = W u_n + bias with W (I + D, D + I), resp = softmax(o[:I]),
@@ -133,9 +135,11 @@ void S(gmm_assignment_change)(const T *X, const T *MU, const T *TAU, const long 
     }
 }
 
-void S(gmm_log_globals)(const T *X, const long *C, const T *MU, const T *TAU, const T *consts,
-                        T *out, long P, long L, long B, long N, long I, long D) {
+void S(gmm_log_globals)(const T *X, const long *C, const T *MU, const T *TAU, const T *MU2, const T *TAU2,
+                        const T *consts, T *out, T *out2, long P, long L, long B, long N, long I, long D) {
     const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
+    int sign;
+    const T prior = (T)(I * D) * (a0 * M(log)(b0) - LGAMMA_R(a0, &sign) + M(log)(nu0) / 2 - (T)HALF_LOG_2PI);
 #pragma omp parallel for schedule(static) if (L * B * N * I > PAR_MIN_WORK)
     for (long lb = 0; lb < L * B; ++lb) {
         const T *x = X + (lb % B) * N * D;
@@ -184,14 +188,14 @@ void S(gmm_log_globals)(const T *X, const long *C, const T *MU, const T *TAU, co
             scatter[k] = s;
         }
         for (long p = 0; p < P; ++p) {
-            const T *mu = MU + (p * L * B + lb) * I * D, *tau = TAU + (p * L * B + lb) * I * D;
-            T total = 0;
+            const T *mu = (p ? MU2 : MU) + lb * I * D, *tau = (p ? TAU2 : TAU) + lb * I * D;
+            T total = prior;
             for (long k = 0; k < I * D; ++k) {
                 const T n_i = count[k / D], dm = mean[k] - mu[k], d0 = mu[k] - m0;
                 total += (a0 - (T)0.5 + n_i / 2) * M(log)(tau[k]) -
                          tau[k] * (b0 + nu0 * d0 * d0 / 2 + (scatter[k] + n_i * dm * dm) / 2);
             }
-            out[p * L * B + lb] = total;
+            (p ? out2 : out)[lb] = total;
         }
     }
 }

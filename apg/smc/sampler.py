@@ -141,7 +141,9 @@ def run_apg(
     log_p = model.log_joint(x, z)
     check_particles("log_joint", log_p, num_particles, batch)
     log_w = sanitize((log_p - log_q).detach())
-    steps = [Step(normalized_weights(log_w), log_q, log_p)]
+    # Per step (the initial one, then every block update): log-weights and the log-densities
+    # of eq. 5 and 6; the steps' normalized weights are one softmax after the run.
+    step_log_w, step_log_q, step_log_joint = [log_w], [log_q], [log_p]
     # Per sweep: log-weights, log joints and log increments; the diagnostics are computed
     # from them in one batch after the run (a few ops instead of a dozen per block update).
     sweep_log_w, sweep_log_joint, sweep_increments = [log_w], [log_p.detach()], [{}]
@@ -174,7 +176,9 @@ def run_apg(
             # Keep the running joint exact and differentiable in theta.
             log_joint = state[_LOG_JOINT] + change
             state = {**z_new, **caches, _LOG_JOINT: log_joint}
-            steps.append(Step(normalized_weights(log_w), log_q_new, log_joint))
+            step_log_w.append(log_w)
+            step_log_q.append(log_q_new)
+            step_log_joint.append(log_joint)
             increments[block] = log_v
         sweep_log_w.append(log_w)
         sweep_log_joint.append(state[_LOG_JOINT].detach())
@@ -182,9 +186,10 @@ def run_apg(
         for collect in collectors:
             collect(len(sweep_log_w), _latents(state), log_w)
 
-    # Every block update's ESS, from the steps' normalized weights, in one batch.
-    updates = [s.weights for s in steps[1:]]
-    block_ess = ess_fraction_of(torch.stack(updates, -1)).unbind(-1) if updates else ()
+    weights = normalized_weights(torch.stack(step_log_w, -1))  # (L, B, steps)
+    steps = [Step(*parts) for parts in zip(weights.unbind(-1), step_log_q, step_log_joint, strict=True)]
+    # Every block update's ESS, in one batch.
+    block_ess = ess_fraction_of(weights[..., 1:]).unbind(-1)
     per_sweep = len(block_names)
     ess_blocks = [{}] + [
         dict(zip(block_names, block_ess[k * per_sweep : (k + 1) * per_sweep], strict=True))

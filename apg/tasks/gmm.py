@@ -345,17 +345,17 @@ class GMM(Model):
         return super().log_joint_change(block, x, z_old, z_new)
 
     def _log_globals_under(self, x: Tensor, c: Tensor, *globals_: tuple[Tensor, Tensor]) -> list[Tensor]:
-        """``_log_globals`` (prior included) of each ``(mu, tau)`` pair under the same
+        """``_log_globals`` (prior included) of one or two ``(mu, tau)`` pairs under the same
         assignments ``c``; the assignments' moments are computed once."""
         native = self._native("gmm_log_globals", x, *globals_[0])
-        if native is None:
+        if native is None or len(globals_) > 2:
             moments = self.assignment_moments(x, c)
             return [self._log_globals(m, t, moments) for m, t in globals_]
-        mu, tau = (torch.stack(t) for t in zip(*globals_, strict=True))  # (P, L, B, I, D)
-        out = x.new_empty(mu.shape[:3])
+        outs = [x.new_empty(mu.shape[:2]) for mu, _ in globals_]
+        (mu, tau), (mu2, tau2) = globals_[0], globals_[-1]
         consts = _consts(self.cfg, x.dtype)
-        call(native, x, c, mu, tau, consts, out, len(globals_), *self._sizes(x, out[0]))
-        return list((out + self._prior_const(mu.shape[-2:])).unbind(0))
+        call(native, x, c, mu, tau, mu2, tau2, consts, outs[0], outs[-1], len(outs), *self._sizes(x, outs[0]))
+        return outs
 
     def _native(self, name: str, x: Tensor, mu: Tensor, tau: Tensor):
         """The compiled kernel ``name`` (``apg/kernels/gmm.c``) where it applies: unbatched
