@@ -20,17 +20,19 @@
  *   (GMM._log_globals). Separate arrays, so the caller stacks nothing.
  *
  * gmm_soft_moments: the globals kernel's neural sufficient statistics (GlobalsProposal on
- *   u_n = [x_n, one-hot(c_n)]): o = W u_n + bias with W (I + D, D + I), resp = softmax(o[:I]),
+ *   u_n = [x_n, one-hot(c_n)]): o = W u_n + bias with W (I + D, D + I) the two heads' weights
+ *   stacked, Wr (I, D + I) over Ws (D, D + I), and bias = (br, bs); resp = softmax(o[:I]),
  *   t = o[I:]; sums[l,b,i,:] += (resp_i, resp_i t, resp_i t^2), sums (L, B, I, 1 + 2D) zeroed
- *   by the caller. gmm_soft_moments_backward accumulates gW, gbias (zeroed) from gsums.
+ *   by the caller. gmm_soft_moments_backward accumulates gWr, gbr, gWs, gbs (zeroed) from
+ *   gsums. The heads come apart, so the caller concatenates nothing (nor its backward).
  *
  * The globals proposals' NormalGamma (apg/tasks/gmm.py: NormalGamma, NormalGammaFromSums):
  *   in eager PyTorch its conjugate update is ~20 small ops on (L, B, I, D) tensors and its
  *   log-density ~20 more (lgamma alone ~140 us), with as many again in the backward, at
  *   every globals update. gmm_ng_log_prob (and _backward, into all six inputs) scores values
- *   under given parameters; gmm_ng_sums_params, gmm_ng_sample (draws from torch's standard
- *   gamma and normal draws) and gmm_ng_sums_log_prob (and _backward, into the sums and the
- *   values) start from the per-cluster sums. lgamma is the reentrant lgamma_r (OpenMP
+ *   under given parameters; gmm_ng_sums_sample (its Gamma draws from Philox, gamma.h) and
+ *   gmm_ng_sums_log_prob (and _backward, into the sums and the values) start from the
+ *   per-cluster sums. lgamma is the reentrant lgamma_r (OpenMP
  *   threads); digamma is written here (gmm_digamma exposes it to the tests).
  *
  * This file includes itself once per dtype (T float, then double).
@@ -54,6 +56,8 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "gamma.h"
 
 #define GMM_CAT_(a, b) a##b
 #define GMM_CAT(a, b) GMM_CAT_(a, b)
@@ -281,9 +285,21 @@ static inline void S(pick_masks)(const long *c, long m, long I, T (*mk)[BLOCK]) 
         for (long j = 0; j < BLOCK; ++j) mk[k][j] = cf[j] == (T)k ? 1 : 0;
 }
 
-void S(gmm_soft_moments)(const T *X, const long *C, const T *W, const T *bias, T *sums, long L, long B,
-                         long N, long I, long D) {
+/* W = [Wr; Ws] (I + D, F) and bias = (br, bs), F = D + I. */
+static inline void S(stack_heads)(const T *Wr, const T *br, const T *Ws, const T *bs, long I, long D,
+                                  T *W, T *bias) {
+    const long F = D + I;
+    memcpy(W, Wr, sizeof(T) * I * F);
+    memcpy(W + I * F, Ws, sizeof(T) * D * F);
+    memcpy(bias, br, sizeof(T) * I);
+    memcpy(bias + I, bs, sizeof(T) * D);
+}
+
+void S(gmm_soft_moments)(const T *X, const long *C, const T *Wr, const T *br, const T *Ws, const T *bs,
+                         T *sums, long L, long B, long N, long I, long D) {
     const long R = I * (1 + 2 * D), blocks = (N + BLOCK - 1) / BLOCK, Np = blocks * BLOCK;
+    T W[MAX_OUTPUTS * MAX_OUTPUTS], bias[MAX_OUTPUTS];
+    S(stack_heads)(Wr, br, Ws, bs, I, D, W, bias);
     T *table = malloc(sizeof(T) * B * I * R * Np);
     if (!table) return; /* sums stay zero; cannot happen at the sizes this runs at */
     S(soft_table)(X, W, bias, table, B, N, I, D);
@@ -310,10 +326,13 @@ void S(gmm_soft_moments)(const T *X, const long *C, const T *W, const T *bias, T
     free(table);
 }
 
-void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T *bias, const T *gsums,
-                                  T *gW, T *gbias, long L, long B, long N, long I, long D) {
+void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *Wr, const T *br, const T *Ws,
+                                  const T *bs, const T *gsums, T *gWr, T *gbr, T *gWs, T *gbs, long L, long B,
+                                  long N, long I, long D) {
     const long width = 1 + 2 * D, R = I * width, F = D + I, K = I + D, blocks = (N + BLOCK - 1) / BLOCK;
     const long Np = blocks * BLOCK;
+    T W[MAX_OUTPUTS * MAX_OUTPUTS], bias[MAX_OUTPUTS];
+    S(stack_heads)(Wr, br, Ws, bs, I, D, W, bias);
     T *gtable = calloc((size_t)B * I * R * Np, sizeof(T));
     if (!gtable) return;
     /* each particle's gradient to the rows it picked; threads split the datasets */
@@ -380,8 +399,8 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *W, const T
         }
 #pragma omp critical
         {
-            for (long q = 0; q < K * F; ++q) gW[q] += gw[q];
-            for (long q = 0; q < K; ++q) gbias[q] += gb[q];
+            for (long q = 0; q < K * F; ++q) (q < I * F ? gWr + q : gWs + q - I * F)[0] += gw[q];
+            for (long q = 0; q < K; ++q) (q < I ? gbr + q : gbs + q - I)[0] += gb[q];
         }
     }
     free(gtable);
@@ -523,37 +542,38 @@ void S(gmm_ng_log_prob_backward)(const T *m, const T *nu, const T *alpha, const 
     const T m = (nu0 * m0 + c * mean) / nu,                                                        \
             beta = b0 + (T)0.5 * (raw > 0 ? raw : 0) + (T)0.5 * nu0 * c * dm0 * dm0 / nu
 
-void S(gmm_ng_sums_params)(const T *sums, const T *consts, T *params, long L, long B, long I, long D,
-                           long per_particle) {
+/* The draws NormalGamma.sample makes from these parameters, in place: mu holds standard normal
+ * draws on entry; tau = max(g / beta, tiny) (torch's Gamma clamps so) with g ~ Gamma(alpha, 1)
+ * gamma.h's draw of element k (the cell's flat index, as apg.random.standard_gamma numbers
+ * it), and mu = m + mu / sqrt(nu tau). Cells are taken GAMMA_BLOCK at a time, across
+ * particles, so the Gamma draw's first try runs on whole vectors. */
+void S(gmm_ng_sums_sample)(const T *sums, const T *consts, long key, T *mu, T *tau, long L, long B, long I,
+                           long D, long per_particle) {
     const T a0 = consts[0], b0 = consts[1], nu0 = consts[2], m0 = consts[3];
     const long W = 1 + 2 * D, n = L * B * I * D;
-#pragma omp parallel for schedule(static) if (L * B * I * D > PAR_MIN_CELLS)
-    for (long lb = 0; lb < L * B; ++lb) {
-        const T *s = sums + (per_particle ? lb : lb % B) * I * W;
-        for (long i = 0; i < I; ++i) {
-            const T *si = s + i * W;
-            NG_CLUSTER;
-            for (long d = 0; d < D; ++d) {
-                NG_CELL;
-                const long k = (lb * I + i) * D + d;
-                params[k] = m;
-                params[n + k] = nu;
-                params[2 * n + k] = alpha;
-                params[3 * n + k] = beta;
-            }
-        }
-    }
-}
-
-/* Draws from standard draws, in place: tau holds Gamma(alpha, 1) draws, mu standard normal
- * ones; tau = max(tau / beta, tiny) (torch's Gamma), mu = m + mu / sqrt(nu tau). */
-void S(gmm_ng_sample)(const T *params, T *mu, T *tau, long n) {
 #pragma omp parallel for schedule(static) if (n > PAR_MIN_CELLS)
-    for (long k = 0; k < n; ++k) {
-        T t = tau[k] / params[3 * n + k];
-        t = t > TINY ? t : TINY;
-        tau[k] = t;
-        mu[k] = params[k] + mu[k] / M(sqrt)(params[n + k] * t);
+    for (long k0 = 0; k0 < n; k0 += GAMMA_BLOCK) {
+        const long cnt = n - k0 < GAMMA_BLOCK ? n - k0 : GAMMA_BLOCK;
+        double shape[GAMMA_BLOCK], g[GAMMA_BLOCK];
+        T loc[GAMMA_BLOCK], prec[GAMMA_BLOCK], rate[GAMMA_BLOCK];
+        for (long j = 0; j < cnt; ++j) {
+            const long k = k0 + j, lb = k / (I * D), i = k / D % I, d = k % D;
+            const T *si = sums + ((per_particle ? lb : lb % B) * I + i) * W;
+            NG_CLUSTER;
+            NG_CELL;
+            shape[j] = alpha;
+            loc[j] = m;
+            prec[j] = nu;
+            rate[j] = beta;
+        }
+        gamma_block((uint64_t)key, k0, cnt, shape, g);
+        for (long j = 0; j < cnt; ++j) {
+            const long k = k0 + j;
+            T t = (T)g[j] / rate[j];
+            t = t > TINY ? t : TINY;
+            tau[k] = t;
+            mu[k] = loc[j] + mu[k] / M(sqrt)(prec[j] * t);
+        }
     }
 }
 

@@ -28,7 +28,7 @@ from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.distributions import CategoricalBlock
 from apg.kernels import call, native_function
 from apg.nn import PointFeatures, pairwise_tanh_linear
-from apg.random import standard_gamma
+from apg.random import new_key, standard_gamma
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -156,15 +156,15 @@ class NormalGammaFromSums:
 
     def sample(self) -> Latents:
         sizes, sums = self._sizes(), self.sums.detach()
-        native = None if sizes is None else native_function("gmm_ng_sums_params", sums)
+        native = None if sizes is None else native_function("gmm_ng_sums_sample", sums)
         if native is None:
             return self.twin().sample()
-        params = sums.new_empty(4, *sizes[:4])
-        call(native, sums, _consts(self.cfg, sums.dtype), params, *sizes)
-        # the draws NormalGamma.sample makes, in the same order and shapes
-        tau = standard_gamma(params[2])
-        mu = torch.randn_like(tau)
-        call(native_function("gmm_ng_sample", sums), params, mu, tau, mu.numel())
+        # the draws NormalGamma.sample makes, in the same order and shapes: the Gamma draws'
+        # key (apg.random.standard_gamma), then torch's standard normals
+        key = new_key()
+        mu = torch.randn(sizes[:4], dtype=sums.dtype)
+        tau = torch.empty_like(mu)
+        call(native, sums, _consts(self.cfg, sums.dtype), key, mu, tau, *sizes)
         return {"mu": mu, "tau": tau}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
@@ -633,10 +633,11 @@ class GMMProposals(Proposals):
             return assignment_posterior(self.assign(x, z["mu"], z["tau"]))
         if block == "globals" and self.architecture == "apg":
             c = z["c"]
-            weight, bias = self.globals_kernel.heads()
-            native = _native_soft_moments(x, c, weight)
+            heads = self.globals_kernel.resp, self.globals_kernel.stat
+            native = _native_soft_moments(x, c, *heads)
             if native is not None:
-                sums = _SoftMoments.apply(x, c, weight, bias, self.cfg.num_clusters, *native)
+                weights = (heads[0].weight, heads[0].bias, heads[1].weight, heads[1].bias)
+                sums = _SoftMoments.apply(x, c, *weights, *native)
                 return normal_gamma_from_sums(self.cfg, sums)
             # Inputs [x_n, one-hot(c_n)], built point-axis-last (see GlobalsProposal.forward).
             one_hot_t = one_hot_points_last(c, self.cfg.num_clusters, x.dtype)
@@ -645,41 +646,44 @@ class GMMProposals(Proposals):
         return super().kernel(block, x, z)
 
 
-def _native_soft_moments(x: Tensor, c: Tensor, weight: Tensor):
+def _native_soft_moments(x: Tensor, c: Tensor, resp: nn.Linear, stat: nn.Linear):
     """The compiled globals-kernel statistics ``(forward, backward)`` (``apg/kernels/gmm.c``)
-    where they apply: data ``(B, N, D)`` without a gradient, assignments ``(L, B, N)``."""
-    num_clusters, dim = weight.shape[0] - x.shape[-1], x.shape[-1]
+    where they apply: data ``(B, N, D)`` without a gradient, assignments ``(L, B, N)``, the
+    heads ``resp`` (I outputs) and ``stat`` (D outputs) on inputs ``[x_n, one-hot(c_n)]``."""
+    num_clusters, dim = resp.out_features, x.shape[-1]
     # the kernel's bounds: I + D outputs <= 16, I (1 + 2 D) moments <= 64 (gmm.c)
-    if x.dim() != 3 or c.dim() != 3 or weight.shape[0] > 16 or num_clusters * (1 + 2 * dim) > 64:
+    if x.dim() != 3 or c.dim() != 3 or num_clusters + dim > 16 or num_clusters * (1 + 2 * dim) > 64:
         return None
-    if x.requires_grad:
+    if x.requires_grad or stat.out_features != dim or resp.in_features != dim + num_clusters:
         return None
-    forward = native_function("gmm_soft_moments", x, weight)
+    forward = native_function("gmm_soft_moments", x, resp.weight, stat.weight)
     return None if forward is None else (forward, native_function("gmm_soft_moments_backward", x))
 
 
 class _SoftMoments(torch.autograd.Function):
     """The globals kernel's per-cluster sums ``(sum r, sum r t, sum r t^2)`` ``(L, B, I, 1 + 2D)``
     from inputs ``[x_n, one-hot(c_n)]`` (``GlobalsProposal`` with linear features), in one
-    compiled pass: no one-hot, no (L, B, I + D, N) outputs. Differentiable in the heads."""
+    compiled pass: no one-hot, no (L, B, I + D, N) outputs. Differentiable in the two heads'
+    weights and biases ``(w_resp, b_resp, w_stat, b_stat)``."""
 
     @staticmethod
-    def forward(ctx, x, c, weight, bias, num_clusters, forward_fn, backward_fn):
-        x, c, weight, bias = (t.contiguous() for t in (x, c, weight, bias))
-        (num_particles, batch, num_points), dim = c.shape, x.shape[-1]
+    def forward(ctx, x, c, w_resp, b_resp, w_stat, b_stat, forward_fn, backward_fn):
+        x, c = x.contiguous(), c.contiguous()
+        heads = tuple(t.contiguous() for t in (w_resp, b_resp, w_stat, b_stat))
+        (num_particles, batch, num_points), (num_clusters, dim) = c.shape, (w_resp.shape[0], x.shape[-1])
         sums = x.new_zeros(num_particles, batch, num_clusters, 1 + 2 * dim)
         ctx.sizes = (num_particles, batch, num_points, num_clusters, dim)
-        call(forward_fn, x, c, weight, bias, sums, *ctx.sizes)
-        ctx.save_for_backward(x, c, weight, bias)
+        call(forward_fn, x, c, *heads, sums, *ctx.sizes)
+        ctx.save_for_backward(x, c, *heads)
         ctx.backward_fn = backward_fn
         return sums
 
     @staticmethod
     def backward(ctx, grad):
-        x, c, weight, bias = ctx.saved_tensors
-        grad_weight, grad_bias = torch.zeros_like(weight), torch.zeros_like(bias)
-        call(ctx.backward_fn, x, c, weight, bias, grad.contiguous(), grad_weight, grad_bias, *ctx.sizes)
-        return None, None, grad_weight, grad_bias, None, None, None
+        x, c, *heads = ctx.saved_tensors
+        grads = [torch.zeros_like(t) for t in heads]
+        call(ctx.backward_fn, x, c, *heads, grad.contiguous(), *grads, *ctx.sizes)
+        return None, None, *grads, None, None
 
 
 # --------------------------------------------------------------------------- task spec
