@@ -183,11 +183,15 @@ def test_short_training_lowers_inclusive_kl_and_raises_ess():
     assert after["log_joint"][-1].mean() > before["log_joint"][-1].mean()
 
 
-@pytest.mark.parametrize("num_points", [11, 64, 130])
-def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(f64, kernel_path, num_points):
+@pytest.mark.parametrize("num_points, num_particles", [(11, 4), (64, 19), (130, 35)])
+def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(
+    f64, kernel_path, num_points, num_particles
+):
     # The kernel computes its statistics without forming [x_n, one-hot(c_n)] (on CPU, in
     # apg/kernels/gmm.c, blocks of 64 points: one partial, one whole, several with a
-    # padded tail); it must be GlobalsProposal applied to exactly those inputs.
+    # padded tail; its backward takes particles 16 at a time: one partial chunk, a whole
+    # and a partial one, two whole and a partial one); it must be GlobalsProposal applied
+    # to exactly those inputs.
     model = GMM()
     proposals = GMMProposals(model.cfg, "apg")
     net = proposals.globals_kernel
@@ -195,9 +199,9 @@ def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(f64, ke
         for p in net.parameters():
             p.add_(0.3 * torch.randn_like(p))  # away from the conjugate initialization
     x = simulate(model.cfg, 3, num_points)["x"]
-    c = torch.randint(3, (4, 3, num_points))
+    c = torch.randint(3, (num_particles, 3, num_points))
     c[0, 0] = 1  # every point in one cluster: the others get only soft weight
-    z = {"c": c, **model.prior_globals((4, 3), x).sample()}
+    z = {"c": c, **model.prior_globals((num_particles, 3), x).sample()}
     params = list(net.parameters())
 
     def log_q(kernel):
@@ -205,7 +209,7 @@ def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(f64, ke
         return lp, torch.autograd.grad(lp.sum(), params)
 
     lp, grads = log_q(proposals.kernel("globals", x, z))
-    u = torch.cat([x.expand(4, *x.shape), F.one_hot(c, 3).double()], -1)
+    u = torch.cat([x.expand(num_particles, *x.shape), F.one_hot(c, 3).double()], -1)
     want_lp, want_grads = log_q(net(u))
     assert torch.allclose(lp, want_lp, rtol=0, atol=1e-10)
     for got, want in zip(grads, want_grads, strict=True):

@@ -651,8 +651,8 @@ def _native_soft_moments(x: Tensor, c: Tensor, resp: nn.Linear, stat: nn.Linear)
     where they apply: data ``(B, N, D)`` without a gradient, assignments ``(L, B, N)``, the
     heads ``resp`` (I outputs) and ``stat`` (D outputs) on inputs ``[x_n, one-hot(c_n)]``."""
     num_clusters, dim = resp.out_features, x.shape[-1]
-    # the kernel's bounds: I + D outputs <= 16, I (1 + 2 D) moments <= 64 (gmm.c)
-    if x.dim() != 3 or c.dim() != 3 or num_clusters + dim > 16 or num_clusters * (1 + 2 * dim) > 64:
+    # the kernel's bound: I + D outputs <= 16 (gmm.c: MAX_OUTPUTS)
+    if x.dim() != 3 or c.dim() != 3 or num_clusters + dim > 16:
         return None
     if x.requires_grad or stat.out_features != dim or resp.in_features != dim + num_clusters:
         return None
