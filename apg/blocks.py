@@ -42,6 +42,30 @@ class BlockDistribution(Protocol):
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor: ...
 
 
+def propose(kernel: BlockDistribution, old: Mapping[str, Tensor]) -> tuple[Latents, Tensor, Tensor]:
+    """A block update's draws and scores: ``(new, kernel.log_prob(new), kernel.log_prob(old))``
+    for ``new = kernel.sample()``, the last without a graph (the reverse kernel enters only
+    the detached weight).
+
+    A distribution may define ``propose(old)`` returning the same (the same draws from the
+    same random state, the same values and gradients) in fewer passes; otherwise this is
+    ``propose_separately``.
+    """
+    fused = getattr(kernel, "propose", None)
+    return fused(old) if fused is not None else propose_separately(kernel, old)
+
+
+def propose_separately(
+    kernel: BlockDistribution, old: Mapping[str, Tensor]
+) -> tuple[Latents, Tensor, Tensor]:
+    """``propose`` by ``sample`` and two ``log_prob`` calls."""
+    new = kernel.sample()
+    log_q_new = kernel.log_prob(new)
+    with torch.no_grad():
+        log_q_old = kernel.log_prob(old)
+    return new, log_q_new, log_q_old
+
+
 class Factorized:
     """Independent named torch distributions, each summed over its ``event_dims``.
 

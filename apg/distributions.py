@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from apg.blocks import Latents
+from apg.blocks import Latents, propose_separately
 from apg.kernels import call, native_function
 from apg.random import new_key, uniform
 
@@ -110,6 +110,31 @@ class _CategoricalRowsLogProb(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
+class _CategoricalPropose(torch.autograd.Function):
+    """``CategoricalBlock.propose``: the draw, its rows' lse and both groups' log q in one
+    compiled pass; differentiable in the logits through log q of the new values only."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, old: Tensor, key: int, forward_fn, backward_fn):
+        logits, old = logits.contiguous(), old.contiguous()
+        new = torch.empty(old.shape, dtype=torch.long)
+        lse = logits.new_empty(old.shape)
+        log_q_new, log_q_old = (logits.new_empty(old.shape[:-1]) for _ in range(2))
+        ctx.sizes = (log_q_new.numel(), old.shape[-1], logits.shape[-1])
+        call(forward_fn, logits, old, key, new, lse, log_q_new, log_q_old, *ctx.sizes)
+        ctx.save_for_backward(logits, new, lse)
+        ctx.mark_non_differentiable(new, log_q_old)
+        ctx.backward_fn = backward_fn
+        return log_q_new, new, log_q_old
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _grad_new, _grad_old):
+        logits, new, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        call(ctx.backward_fn, logits, new, lse, grad.contiguous(), grad_logits, *ctx.sizes)
+        return grad_logits, None, None, None, None
+
+
 class CategoricalBlock:
     """A block of one categorical variable per point: ``name`` shaped ``(L, B, N)`` with
     logits ``(L, B, N, I)``; ``log_prob`` sums over the N points to ``(L, B)``.
@@ -151,3 +176,14 @@ class CategoricalBlock:
             raise TypeError(f"categorical indices must be int64, got {index.dtype}")
         backward = native_function("categorical_rows_log_prob_backward", self.logits)
         return _CategoricalRowsLogProb.apply(self.logits, index, self._lse, native, backward)
+
+    def propose(self, old: Mapping[str, Tensor]) -> tuple[Latents, Tensor, Tensor]:
+        """``apg.blocks.propose``: on CPU the draw and both scores are one pass."""
+        index = old[self.name]
+        native = self._native("categorical_propose_rows")
+        if native is None or index.shape != self.logits.shape[:-1] or index.dtype != torch.long:
+            return propose_separately(self, old)
+        backward = native_function("categorical_rows_log_prob_backward", self.logits)
+        # the key sample() would take, so that both paths draw the same values
+        log_q_new, new, log_q_old = _CategoricalPropose.apply(self.logits, index, new_key(), native, backward)
+        return {self.name: new}, log_q_new, log_q_old

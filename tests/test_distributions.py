@@ -80,3 +80,30 @@ def test_categorical_block_draws_and_scores_like_the_row_functions(kernel_path, 
     # scoring before any draw computes the normalizers itself
     fresh = CategoricalBlock("c", logits)
     assert torch.allclose(fresh.log_prob({"c": old}), block.log_prob({"c": old}), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("num_points", [7, 64, 151])
+def test_categorical_block_proposes_like_its_separate_draw_and_scores(kernel_path, num_points):
+    # propose (on CPU one pass: the draw, and log q of the new and of the old values) is
+    # sample and two log_prob calls: the same draws for the same seed, the same scores, and
+    # the same gradient through log q of the new values; odd row counts put a particle's
+    # first row in the middle of a Philox block.
+    from apg.blocks import propose, propose_separately
+
+    torch.set_default_dtype(torch.float64)
+    logits = torch.randn(3, 2, num_points, 4, requires_grad=True)
+    logits.data[0, 0, :, 1] = -math.inf  # an impossible category
+    old = {"c": torch.randint(4, (3, 2, num_points))}
+    old["c"][0, 0] = torch.where(old["c"][0, 0] == 1, 0, old["c"][0, 0])
+    weights = torch.rand(3, 2)
+    results = []
+    for how in (propose, propose_separately):
+        torch.manual_seed(5)
+        new, log_q_new, log_q_old = how(CategoricalBlock("c", logits), old)
+        (grad,) = torch.autograd.grad((weights * log_q_new).sum(), logits)
+        assert not log_q_old.requires_grad
+        results.append((new["c"], log_q_new, log_q_old, grad))
+    (c, new_lq, old_lq, grad), (want_c, want_new, want_old, want_grad) = results
+    assert torch.equal(c, want_c)
+    for got, want in ((new_lq, want_new), (old_lq, want_old), (grad, want_grad)):
+        assert torch.allclose(got, want, rtol=0, atol=1e-12)

@@ -278,6 +278,30 @@ def test_normal_gamma_log_prob_is_the_textbook_density_with_its_gradients(f64, k
     assert torch.allclose(single.double(), got, rtol=1e-5, atol=1e-3)
 
 
+def test_normal_gamma_from_sums_proposes_like_its_separate_draw_and_scores(f64, kernel_path):
+    # propose (on CPU one call: the draw, and the log-densities of the new and the old
+    # values) is sample and two log_prob calls: the same draws for the same seed, the same
+    # log-densities, and the same gradient in the sums through the new values'.
+    from apg.blocks import propose, propose_separately
+    from apg.tasks.gmm import cluster_sums, normal_gamma_from_sums
+
+    cfg = GMMConfig()
+    resp = torch.softmax(2 * torch.randn(4, 3, 9, 3), -1)
+    resp[0, 0, :, 2] = 0  # an empty cluster
+    sums = cluster_sums(resp, torch.randn(4, 3, 9, 2)).requires_grad_()
+    old = GMM(cfg).prior_globals((4, 3), sums).sample()
+    weights = torch.rand(4, 3)
+    results = []
+    for how in (propose, propose_separately):
+        torch.manual_seed(5)
+        new, lp_new, lp_old = how(normal_gamma_from_sums(cfg, sums), old)
+        (grad,) = torch.autograd.grad((weights * lp_new).sum(), sums)
+        assert not lp_old.requires_grad
+        results.append((new["mu"], new["tau"], lp_new, lp_old, grad))
+    for got, want in zip(*results, strict=True):
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_digamma_of_the_compiled_backward_matches_torch():
     import apg.kernels
     from apg.kernels import call, native_function

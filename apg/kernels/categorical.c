@@ -23,6 +23,9 @@
  *                lse serves both the new and the old values' scores.
  * rows_log_prob_backward: glogits[r, k] = g[r / Nr] ((k == idx[r]) - exp(logits[r, k] - lse[r])),
  *                exact zeros for groups with g = 0 (particles whose weight was flushed).
+ * propose_rows:  sample_rows, then rows_log_prob of the drawn and of given old indices, in
+ *                one pass (CategoricalBlock.propose: a block update's forward and reverse
+ *                kernel at once).
  */
 #include <math.h>
 #include <stdint.h>
@@ -85,6 +88,39 @@ void categorical_sample_rows_##SUFFIX(const T *logits, long key, long *out, T *l
         block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                       \
         for (long j = 0; j < n; ++j) lse[r0 + j] = m[j] + LOG(tot[j]);                         \
         block_pick_##SUFFIX(e, tot, u, n, K, out + r0);                                        \
+    }                                                                                          \
+}                                                                                              \
+                                                                                               \
+/* sample_rows and rows_log_prob of the new and of the old indices in one pass over the rows, \
+ * a group (particle) at a time: the same draws (row r takes uniform r % 2 of block r / 2),  \
+ * the same lse, lq_new[g] and lq_old[g] the group's sums. */                                 \
+void categorical_propose_rows_##SUFFIX(const T *logits, const long *old, long key, long *out,  \
+                                       T *lse, T *lq_new, T *lq_old, long G, long Nr, long K) { \
+    _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 12))")                   \
+    for (long g = 0; g < G; ++g) {                                                             \
+        T total_new = 0, total_old = 0;                                                        \
+        for (long b0 = 0; b0 < Nr; b0 += ROWS) {                                               \
+            const long r0 = g * Nr + b0, n = Nr - b0 < ROWS ? Nr - b0 : ROWS;                  \
+            const long first = r0 / 2, blocks = (r0 + n - 1) / 2 - first + 1;                  \
+            T e[MAX_K][ROWS], m[ROWS], tot[ROWS], u[ROWS], u0[ROWS / 2 + 1], u1[ROWS / 2 + 1];  \
+            long el[ROWS / 2 + 1];                                                             \
+            for (long j = 0; j < blocks; ++j) el[j] = first + j;                               \
+            UNIFORMS((uint64_t)key, el, 0, blocks, u0, u1);                                    \
+            for (long j = 0; j < n; ++j) {                                                     \
+                const long r = r0 + j;                                                         \
+                u[j] = r % 2 ? u1[r / 2 - first] : u0[r / 2 - first];                          \
+            }                                                                                  \
+            block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                   \
+            for (long j = 0; j < n; ++j) lse[r0 + j] = m[j] + LOG(tot[j]);                     \
+            block_pick_##SUFFIX(e, tot, u, n, K, out + r0);                                    \
+            for (long j = 0; j < n; ++j) {                                                     \
+                const T *l = logits + (r0 + j) * K;                                            \
+                total_new += l[out[r0 + j]] - lse[r0 + j];                                     \
+                total_old += l[old[r0 + j]] - lse[r0 + j];                                     \
+            }                                                                                  \
+        }                                                                                      \
+        lq_new[g] = total_new;                                                                 \
+        lq_old[g] = total_old;                                                                 \
     }                                                                                          \
 }                                                                                              \
                                                                                                \

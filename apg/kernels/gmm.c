@@ -30,9 +30,9 @@
  *   in eager PyTorch its conjugate update is ~20 small ops on (L, B, I, D) tensors and its
  *   log-density ~20 more (lgamma alone ~140 us), with as many again in the backward, at
  *   every globals update. gmm_ng_log_prob (and _backward, into all six inputs) scores values
- *   under given parameters; gmm_ng_sums_sample (its Gamma draws from Philox, gamma.h) and
- *   gmm_ng_sums_log_prob (and _backward, into the sums and the values) start from the
- *   per-cluster sums. lgamma is the reentrant lgamma_r (OpenMP
+ *   under given parameters; gmm_ng_sums_sample (its Gamma draws from Philox, gamma.h),
+ *   gmm_ng_sums_log_prob (and _backward, into the sums and the values) and
+ *   gmm_ng_sums_propose (a draw and both scores) start from the per-cluster sums. lgamma is the reentrant lgamma_r (OpenMP
  *   threads); digamma is written here (gmm_digamma exposes it to the tests).
  *
  * This file includes itself once per dtype (T float, then double).
@@ -629,6 +629,17 @@ void S(gmm_ng_sums_log_prob)(const T *sums, const T *consts, const T *X, const T
 
 /* Gradients in the sums (accumulated into gsums, zeroed by the caller, shaped as sums) and in
  * the values, from g (L, B). Parallel over datasets, so shared sums never race. */
+/* gmm_ng_sums_sample, then gmm_ng_sums_log_prob of the drawn values (lp_new) and of given old
+ * ones (lp_old): NormalGammaFromSums.propose, a globals update's forward and reverse kernel in
+ * one call. mu holds standard normal draws on entry, as for gmm_ng_sums_sample. */
+void S(gmm_ng_sums_propose)(const T *sums, const T *consts, long key, T *mu, T *tau, const T *mu_old,
+                            const T *tau_old, T *lp_new, T *lp_old, long L, long B, long I, long D,
+                            long per_particle) {
+    S(gmm_ng_sums_sample)(sums, consts, key, mu, tau, L, B, I, D, per_particle);
+    S(gmm_ng_sums_log_prob)(sums, consts, mu, tau, lp_new, L, B, I, D, per_particle);
+    S(gmm_ng_sums_log_prob)(sums, consts, mu_old, tau_old, lp_old, L, B, I, D, per_particle);
+}
+
 void S(gmm_ng_sums_log_prob_backward)(const T *sums, const T *consts, const T *X, const T *TAU, const T *g,
                                       T *gsums, T *gX, T *gTAU, long L, long B, long I, long D,
                                       long per_particle) {

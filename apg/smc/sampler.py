@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from apg.blocks import Latents, Model, Proposals, check_particles
+from apg.blocks import Latents, Model, Proposals, check_particles, propose
 from apg.smc.resampling import get_resampler, resample
 from apg.smc.weights import ess_fraction_of, log_evidence, normalized_weights, sanitize
 
@@ -160,11 +160,9 @@ def run_apg(
             z = {k: v for k, v in state.items() if k != _LOG_JOINT}  # with the model's caches
             latents = _latents(z)
             kernel = proposals.kernel(block, x, latents)
-            proposed = kernel.sample()
-            log_q_new = kernel.log_prob(proposed)
             old = {name: z[name] for name in model_blocks[block]}
-            with torch.no_grad():  # the reverse kernel enters only the (detached) weight
-                log_q_old = kernel.log_prob(old)
+            # the forward kernel's draw and score, and the reverse kernel's score of the old values
+            proposed, log_q_new, log_q_old = propose(kernel, old)
             z_new = {**latents, **proposed}
             # The joint changes only in the block's blanket (Model.log_joint_step).
             change, caches = model.log_joint_step(block, x, z, z_new)

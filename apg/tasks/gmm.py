@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from apg.blocks import Latents, Model, Proposals, TaskSpec
+from apg.blocks import Latents, Model, Proposals, TaskSpec, propose_separately
 from apg.distributions import CategoricalBlock
 from apg.kernels import call, native_function
 from apg.nn import PointFeatures, pairwise_tanh_linear
@@ -167,6 +167,20 @@ class NormalGammaFromSums:
         call(native, sums, _consts(self.cfg, sums.dtype), key, mu, tau, *sizes)
         return {"mu": mu, "tau": tau}
 
+    def propose(self, old: Mapping[str, Tensor]) -> tuple[Latents, Tensor, Tensor]:
+        """``apg.blocks.propose``: on CPU the draw and both log-densities are one call."""
+        mu_old, tau_old = old["mu"], old["tau"]
+        sizes, sums = self._sizes(), self.sums
+        native = None if sizes is None else native_function("gmm_ng_sums_propose", sums, mu_old, tau_old)
+        if native is None or mu_old.shape != sizes[:4] or tau_old.shape != sizes[:4]:
+            return propose_separately(self, old)
+        backward = native_function("gmm_ng_sums_log_prob_backward", sums)
+        consts = _consts(self.cfg, sums.dtype)
+        key = new_key()  # the Gamma draws' key, first, as in sample()
+        parts = _NormalGammaSumsPropose.apply(sums, mu_old, tau_old, key, consts, sizes, native, backward)
+        lp_new, mu, tau, lp_old = parts
+        return {"mu": mu, "tau": tau}, lp_new, lp_old
+
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
         mu, tau = value["mu"], value["tau"]
         sizes = self._sizes()
@@ -176,6 +190,34 @@ class NormalGammaFromSums:
         backward = native_function("gmm_ng_sums_log_prob_backward", mu)
         consts = _consts(self.cfg, mu.dtype)
         return _NormalGammaSumsLogProb.apply(self.sums, mu, tau, consts, sizes, native, backward)
+
+
+class _NormalGammaSumsPropose(torch.autograd.Function):
+    """``NormalGammaFromSums.propose``: the draw and the log-densities of the new and the old
+    values, ``(L, B)`` each, in one compiled call (``gmm_ng_sums_propose``); differentiable in
+    the sums through the new values' log-density only."""
+
+    @staticmethod
+    def forward(ctx, sums, mu_old, tau_old, key, consts, sizes, forward_fn, backward_fn):
+        sums, mu_old, tau_old = (t.contiguous() for t in (sums, mu_old, tau_old))
+        # drawn here, after the Gamma draws' key: the order NormalGamma.sample draws in
+        mu = torch.randn(sizes[:4], dtype=sums.dtype)
+        tau = torch.empty_like(mu)
+        lp_new, lp_old = (mu.new_empty(sizes[:2]) for _ in range(2))
+        call(forward_fn, sums, consts, key, mu, tau, mu_old, tau_old, lp_new, lp_old, *sizes)
+        ctx.save_for_backward(sums, mu, tau, consts)
+        ctx.mark_non_differentiable(mu, tau, lp_old)
+        ctx.sizes, ctx.backward_fn = sizes, backward_fn
+        return lp_new, mu, tau, lp_old
+
+    @staticmethod
+    def backward(ctx, grad, _grad_mu, _grad_tau, _grad_old):
+        sums, mu, tau, consts = ctx.saved_tensors
+        grad_sums = torch.zeros_like(sums)
+        grad_mu, grad_tau = torch.empty_like(mu), torch.empty_like(tau)
+        inputs = (sums, consts, mu, tau, grad.contiguous())
+        call(ctx.backward_fn, *inputs, grad_sums, grad_mu, grad_tau, *ctx.sizes)
+        return grad_sums, None, None, None, None, None, None, None
 
 
 @functools.cache
