@@ -63,21 +63,31 @@ def test_resample_keeps_the_evidence_estimate(name, kernel_path):
 
 def test_compiled_systematic_resampling_picks_what_its_twin_picks(monkeypatch):
     # Same seed, same offsets: in float64 the two cumulative sums agree far below the
-    # spacing of the points, so every ancestor must be the same.
+    # spacing of the points, so every ancestor must be the same. The compiled resample
+    # copies contiguous tensors without a graph itself and gathers the others (one with
+    # theta's graph, one a transposed view) as the twin does.
     import apg.kernels
 
     if apg.kernels.native_library() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")
     log_w = 3 * torch.randn(10, 50, dtype=torch.float64)
     log_w[2] = -math.inf  # a zero weight in every dataset
-    z = {"a": torch.randn(10, 50, 4, dtype=torch.float64), "c": torch.randint(5, (10, 50))}
+    z = {
+        "a": torch.randn(10, 50, 4, dtype=torch.float64),
+        "c": torch.randint(5, (10, 50)),
+        "graph": torch.randn(10, 50, 3, requires_grad=True),
+        "view": torch.randn(50, 10).T,
+    }
     runs = []
     for native in (True, False):
         if not native:
             monkeypatch.setattr(apg.kernels, "native_library", lambda: None)
         torch.manual_seed(7)
-        runs.append((get_resampler("systematic")(log_w), *resample(log_w, z, get_resampler("systematic"))))
+        ancestors = get_resampler("systematic")(log_w)
+        torch.manual_seed(7)  # the same offsets again
+        runs.append((ancestors, *resample(log_w, z, get_resampler("systematic"))))
     (anc, lw, out), (anc_t, lw_t, out_t) = runs
     assert torch.equal(anc, anc_t) and not (anc == 2).any()
     assert torch.allclose(lw, lw_t, rtol=0, atol=1e-12)
-    assert all(torch.equal(out[k], out_t[k]) for k in z)
+    assert all(torch.equal(out[k], out_t[k]) and torch.equal(out[k], gather(z[k], anc)) for k in z)
+    assert out["graph"].requires_grad and not out["a"].requires_grad

@@ -11,12 +11,20 @@
  *   (rows of an (L * B, ...) view) and the outgoing log-weights (L, B), each the
  *   log-mean-exp of the incoming ones. log_w must have a finite maximum per dataset.
  *
+ * systematic_resample_gather: the same draw (flat and outgoing log-weights), then tensors of
+ *   the population gathered by ancestor in the same call: meta[t] = (source address,
+ *   destination address, row bytes) of tensor t, an (L, B, ...) contiguous array whose
+ *   (l, b) rows are copied (any dtype). In eager PyTorch a gather is three small ops per
+ *   tensor, at every block update.
+ *
  * This file includes itself once per dtype (T float, then double).
  */
 #ifndef SMC_BODY
 #define SMC_BODY
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define SMC_CAT_(a, b) a##b
 #define SMC_CAT(a, b) SMC_CAT_(a, b)
@@ -58,6 +66,20 @@ void S(systematic_resample)(const T *log_w, const T *u, long *ancestors, long *f
             out_log_w[j * B + b] = log_mean;
         }
     }
+}
+
+void S(systematic_resample_gather)(const T *log_w, const T *u, long *flat, T *out_log_w, const long *meta,
+                                   long n_tensors, long L, long B) {
+    long *ancestors = malloc(sizeof(long) * L * B);
+    if (!ancestors) return; /* cannot happen at a population's sizes */
+    S(systematic_resample)(log_w, u, ancestors, flat, out_log_w, L, B);
+    for (long t = 0; t < n_tensors; ++t) {
+        const char *from = (const char *)meta[3 * t];
+        char *to = (char *)meta[3 * t + 1];
+        const long rb = meta[3 * t + 2];
+        for (long r = 0; r < L * B; ++r) memcpy(to + r * rb, from + flat[r] * rb, (size_t)rb);
+    }
+    free(ancestors);
 }
 
 #endif

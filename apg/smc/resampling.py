@@ -95,6 +95,10 @@ def resample(
     every update), so it is not checked again.
     """
     log_w = log_w.detach() if sanitized else sanitize(log_w.detach())
+    if resampler is systematic:
+        gathered = _native_systematic_gather(log_w, tensors)
+        if gathered is not None:
+            return gathered
     native = _native_systematic(log_w) if resampler is systematic else None
     if native is not None:
         _, flat, new_log_w = native
@@ -103,3 +107,37 @@ def resample(
         new_log_w = log_mean_exp(log_w, dim=0).expand_as(log_w).clone()
         flat = _flat_index(ancestors)
     return new_log_w, {name: _gather_flat(t, flat) for name, t in tensors.items()}
+
+
+def _native_systematic_gather(
+    log_w: Tensor, tensors: Mapping[str, Tensor]
+) -> tuple[Tensor, dict[str, Tensor]] | None:
+    """``resample`` with the systematic draw and the gathers in one compiled call (``smc.c``:
+    ``systematic_resample_gather``), where it applies: CPU tensors shaped ``(L, B, ...)``. The
+    same offsets and ancestors as ``_native_systematic``. Contiguous tensors that need no
+    gradient are copied in the call (a copy in C is no autograd op); any other is gathered
+    by ``_gather_flat``. In a training step ~17 small ops per resampling become ~7."""
+    native = native_function("systematic_resample_gather", log_w) if log_w.dim() == 2 else None
+    if native is None or any(
+        t.device != log_w.device or t.shape[:2] != log_w.shape for t in tensors.values()
+    ):
+        return None
+    num_particles, batch = log_w.shape
+    copied = {k: t for k, t in tensors.items() if t.is_contiguous() and not t.requires_grad}
+    offset = torch.rand(batch, 1, dtype=log_w.dtype, device=log_w.device)
+    out = {name: torch.empty_like(t) for name, t in copied.items()}
+    rows = num_particles * batch
+    # each copied tensor's source and destination addresses and row size in bytes
+    meta = torch.tensor(
+        [
+            [t.data_ptr(), o.data_ptr(), t.numel() // rows * t.element_size()]
+            for t, o in zip(copied.values(), out.values(), strict=True)
+        ]
+        or [[0, 0, 0]]
+    )
+    flat = torch.empty(rows, dtype=torch.long)
+    new_log_w = torch.empty_like(log_w)
+    call(native, log_w, offset, flat, new_log_w, meta, len(out), *log_w.shape)
+    return new_log_w, {
+        name: out[name] if name in out else _gather_flat(t, flat) for name, t in tensors.items()
+    }
