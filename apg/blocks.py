@@ -48,8 +48,8 @@ def propose(kernel: BlockDistribution, old: Mapping[str, Tensor]) -> tuple[Laten
     the detached weight).
 
     A distribution may define ``propose(old)`` returning the same (the same draws from the
-    same random state, the same values and gradients) in fewer passes; otherwise this is
-    ``propose_separately``.
+    same random state, the same values and gradients, up to rounding) in fewer passes;
+    otherwise this is ``propose_separately``.
     """
     fused = getattr(kernel, "propose", None)
     return fused(old) if fused is not None else propose_separately(kernel, old)

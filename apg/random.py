@@ -87,7 +87,7 @@ def uniform(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.floa
     return torch.stack(pair, -1).flatten()[: out.numel()].view(shape)
 
 
-# apg/kernels/random.c: a shape that has not accepted after this many tries gets NaN
+# apg/kernels/gamma.h: a shape that has not accepted after this many tries gets NaN
 _GAMMA_TRIES = 64
 
 
@@ -95,7 +95,7 @@ def standard_gamma(alpha: Tensor) -> Tensor:
     """Draws from ``Gamma(alpha, 1)`` shaped like ``alpha``, one fresh key per call.
 
     On CPU, element ``e``'s try ``k`` of Marsaglia and Tsang's method takes the float64
-    uniforms of blocks ``(key; e, 2k)`` and ``(key; e, 2k + 1)`` (``apg/kernels/random.c``
+    uniforms of blocks ``(key; e, 2k)`` and ``(key; e, 2k + 1)`` (``apg/kernels/gamma.h``
     spells the method out); the compiled pass and this twin compute in float64 and agree
     to rounding. A shape that is not positive and finite gives NaN.
     """

@@ -278,13 +278,17 @@ def test_normal_gamma_log_prob_is_the_textbook_density_with_its_gradients(f64, k
     assert torch.allclose(single.double(), got, rtol=1e-5, atol=1e-3)
 
 
-def test_normal_gamma_from_sums_proposes_like_its_separate_draw_and_scores(f64, kernel_path):
-    # propose (on CPU one call: the draw, and the log-densities of the new and the old
-    # values) is sample and two log_prob calls: the same draws for the same seed, the same
-    # log-densities, and the same gradient in the sums through the new values'.
+def test_normal_gamma_from_sums_proposes_like_its_separate_draw_and_scores(f64, monkeypatch):
+    # propose, compiled (one call: the draw, and the log-densities of the new and the old
+    # values), against sample and two log_prob calls of the PyTorch twin: the same draws for
+    # the same seed, the same log-densities, and the same gradient in the sums through the
+    # new values'; the draws carry no graph.
+    import apg.kernels
     from apg.blocks import propose, propose_separately
-    from apg.tasks.gmm import cluster_sums, normal_gamma_from_sums
+    from apg.tasks.gmm import NormalGammaFromSums, cluster_sums, normal_gamma_from_sums
 
+    if apg.kernels.native_library() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
     cfg = GMMConfig()
     resp = torch.softmax(2 * torch.randn(4, 3, 9, 3), -1)
     resp[0, 0, :, 2] = 0  # an empty cluster
@@ -293,10 +297,14 @@ def test_normal_gamma_from_sums_proposes_like_its_separate_draw_and_scores(f64, 
     weights = torch.rand(4, 3)
     results = []
     for how in (propose, propose_separately):
+        if how is propose_separately:
+            monkeypatch.setattr(apg.kernels, "native_library", lambda: None)
         torch.manual_seed(5)
-        new, lp_new, lp_old = how(normal_gamma_from_sums(cfg, sums), old)
+        q = normal_gamma_from_sums(cfg, sums)
+        assert isinstance(q, NormalGammaFromSums) == (how is propose)
+        new, lp_new, lp_old = how(q, old)
         (grad,) = torch.autograd.grad((weights * lp_new).sum(), sums)
-        assert not lp_old.requires_grad
+        assert not (lp_old.requires_grad or new["mu"].requires_grad or new["tau"].requires_grad)
         results.append((new["mu"], new["tau"], lp_new, lp_old, grad))
     for got, want in zip(*results, strict=True):
         assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
@@ -349,6 +357,7 @@ def test_normal_gamma_from_sums_is_the_conjugate_update_of_its_moments(f64, kern
         z_twin = twin.sample()
         for k in ("mu", "tau"):
             assert z[k].shape == (4, 3, 3, 2) and torch.allclose(z[k], z_twin[k], rtol=1e-12, atol=0)
+            assert not (z[k].requires_grad or z_twin[k].requires_grad)  # draws, not reparameterized
         z_old = twin.sample()
         for value in (z, z_old):
             lp, want = q.log_prob(value), twin.log_prob(value)

@@ -92,8 +92,10 @@ void categorical_sample_rows_##SUFFIX(const T *logits, long key, long *out, T *l
 }                                                                                              \
                                                                                                \
 /* sample_rows and rows_log_prob of the new and of the old indices in one pass over the rows, \
- * a group (particle) at a time: the same draws (row r takes uniform r % 2 of block r / 2),  \
- * the same lse, lq_new[g] and lq_old[g] the group's sums. */                                 \
+ * a group (particle) at a time: row r takes uniform r % 2 of block r / 2 as in sample_rows,  \
+ * so the draws are sample_rows' (blocks of rows start elsewhere, so an lse can differ in its \
+ * last bit, vector against scalar exp: a draw differs only for a uniform within that of a   \
+ * category's boundary); lq_new[g] and lq_old[g] are the group's sums. */                     \
 void categorical_propose_rows_##SUFFIX(const T *logits, const long *old, long key, long *out,  \
                                        T *lse, T *lq_new, T *lq_old, long G, long Nr, long K) { \
     _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 12))")                   \

@@ -9,14 +9,15 @@
  * Everything runs in float64 for both dtypes, so the builds and the twin agree to rounding.
  * Acceptance is at least 95% for a1 >= 1: the first try of a block of elements runs as one
  * vector loop (torch's own sampler is a serial loop, ~0.1 us per value here), and the few
- * rejected elements then try again one at a time, GAMMA_TRIES at most (a shape that is NaN
- * or not positive never accepts: its draw is NaN, as torch's is).
+ * rejected elements then try again one at a time, GAMMA_TRIES at most. A shape that is not
+ * positive and finite (checked on its bits: -ffast-math assumes no NaN or infinity) gets NaN.
  */
 #ifndef APG_GAMMA_H
 #define APG_GAMMA_H
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "philox.h"
 
@@ -34,6 +35,13 @@ static inline __attribute__((always_inline)) int gamma_try(uint64_t key, uint64_
     return v > 0 && log(u3) < x * x / 2 + d - d * v + d * log(v > 0 ? v : 1);
 }
 
+/* a > 0 and finite, from its bits (exponent not all ones) so that -ffast-math cannot fold it. */
+static inline int gamma_shape_valid(double a) {
+    uint64_t bits;
+    memcpy(&bits, &a, sizeof bits);
+    return ((bits >> 52) & 0x7FF) != 0x7FF && a > 0;
+}
+
 /* out[j] ~ Gamma(a[j], 1) for the elements e0 + j, j < m <= GAMMA_BLOCK. */
 static inline void gamma_block(uint64_t key, long e0, long m, const double *a, double *out) {
     double d[GAMMA_BLOCK], c[GAMMA_BLOCK], ub[GAMMA_BLOCK];
@@ -44,7 +52,7 @@ static inline void gamma_block(uint64_t key, long e0, long m, const double *a, d
         ok[j] = gamma_try(key, (uint64_t)(e0 + j), 0, d[j], c[j], &out[j], &ub[j]);
     }
     for (long j = 0; j < m; ++j) {
-        const int valid = a[j] > 0 && a[j] < INFINITY;
+        const int valid = gamma_shape_valid(a[j]);
         for (uint32_t k = 1; valid && !ok[j] && k < GAMMA_TRIES; ++k)
             ok[j] = gamma_try(key, (uint64_t)(e0 + j), k, d[j], c[j], &out[j], &ub[j]);
         if (a[j] < 1) out[j] *= pow(ub[j], 1 / a[j]);

@@ -627,8 +627,6 @@ void S(gmm_ng_sums_log_prob)(const T *sums, const T *consts, const T *X, const T
     }
 }
 
-/* Gradients in the sums (accumulated into gsums, zeroed by the caller, shaped as sums) and in
- * the values, from g (L, B). Parallel over datasets, so shared sums never race. */
 /* gmm_ng_sums_sample, then gmm_ng_sums_log_prob of the drawn values (lp_new) and of given old
  * ones (lp_old): NormalGammaFromSums.propose, a globals update's forward and reverse kernel in
  * one call. mu holds standard normal draws on entry, as for gmm_ng_sums_sample. */
@@ -640,6 +638,8 @@ void S(gmm_ng_sums_propose)(const T *sums, const T *consts, long key, T *mu, T *
     S(gmm_ng_sums_log_prob)(sums, consts, mu_old, tau_old, lp_old, L, B, I, D, per_particle);
 }
 
+/* Gradients in the sums (accumulated into gsums, zeroed by the caller, shaped as sums) and in
+ * the values, from g (L, B). Parallel over datasets, so shared sums never race. */
 void S(gmm_ng_sums_log_prob_backward)(const T *sums, const T *consts, const T *X, const T *TAU, const T *g,
                                       T *gsums, T *gX, T *gTAU, long L, long B, long I, long D,
                                       long per_particle) {

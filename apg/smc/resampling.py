@@ -118,9 +118,9 @@ def _native_systematic_gather(
     gradient are copied in the call (a copy in C is no autograd op); any other is gathered
     by ``_gather_flat``. In a training step ~17 small ops per resampling become ~7."""
     native = native_function("systematic_resample_gather", log_w) if log_w.dim() == 2 else None
-    if native is None or any(
-        t.device != log_w.device or t.shape[:2] != log_w.shape for t in tensors.values()
-    ):
+    if native is None or log_w.numel() == 0:  # an empty batch: nothing to copy
+        return None
+    if any(t.device != log_w.device or t.shape[:2] != log_w.shape for t in tensors.values()):
         return None
     num_particles, batch = log_w.shape
     copied = {k: t for k, t in tensors.items() if t.is_contiguous() and not t.requires_grad}

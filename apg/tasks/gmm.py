@@ -51,6 +51,7 @@ class NormalGamma:
     def __init__(self, mu: Tensor, nu: Tensor, alpha: Tensor, beta: Tensor):
         self.mu, self.nu, self.alpha, self.beta = mu, nu, alpha, beta
 
+    @torch.no_grad()  # draws, not reparameterized samples (BlockDistribution)
     def sample(self) -> Latents:
         shape = torch.broadcast_shapes(*(p.shape for p in (self.mu, self.nu, self.alpha, self.beta)))
         # clamped as torch's Gamma does: a tiny shape can round a draw to 0
@@ -390,7 +391,10 @@ class GMM(Model):
         """``_log_globals`` (prior included) of one or two ``(mu, tau)`` pairs under the same
         assignments ``c``; the assignments' moments are computed once."""
         native = self._native("gmm_log_globals", x, *globals_[0])
-        if native is None or len(globals_) > 2:
+        shape = globals_[0][0].shape
+        if len(globals_) > 2 or any(t.shape != shape for pair in globals_ for t in pair):
+            native = None
+        if native is None or self._native("gmm_log_globals", x, *globals_[-1]) is None:
             moments = self.assignment_moments(x, c)
             return [self._log_globals(m, t, moments) for m, t in globals_]
         outs = [x.new_empty(mu.shape[:2]) for mu, _ in globals_]
