@@ -75,27 +75,36 @@ static inline void block_pick_##SUFFIX(T e[][ROWS], const T *tot, const T *u, lo
  * takes the per-row functions above for wider rows. Threads from 4096 values on (36,000 at
  * the paper's GMM sizes: see gmm.c's PAR_MIN_WORK for the measurement). */
 #define DEFINE_ROWS(T, EXP, LOG, UNIFORMS, SUFFIX)                                             \
+/* Rows r0 .. r0 + n (n <= ROWS) drawn: row r takes uniform r % 2 of Philox block (key; r / 2,  \
+ * 0), whatever r0; out[r] and lse[r] written. */                                              \
+static inline void block_draw_##SUFFIX(const T *logits, long key, long r0, long n, long K,   \
+                                       long *out, T *lse) {                                    \
+    const long first = r0 / 2, blocks = (r0 + n - 1) / 2 - first + 1;                          \
+    T e[MAX_K][ROWS], m[ROWS], tot[ROWS], u[ROWS], u0[ROWS / 2 + 1], u1[ROWS / 2 + 1];          \
+    long el[ROWS / 2 + 1];                                                                     \
+    for (long j = 0; j < blocks; ++j) el[j] = first + j;                                       \
+    UNIFORMS((uint64_t)key, el, 0, blocks, u0, u1);                                            \
+    for (long j = 0; j < n; ++j) {                                                             \
+        const long r = r0 + j;                                                                 \
+        u[j] = r % 2 ? u1[r / 2 - first] : u0[r / 2 - first];                                  \
+    }                                                                                          \
+    block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                           \
+    for (long j = 0; j < n; ++j) lse[r0 + j] = m[j] + LOG(tot[j]);                             \
+    block_pick_##SUFFIX(e, tot, u, n, K, out + r0);                                            \
+}                                                                                              \
+                                                                                               \
 void categorical_sample_rows_##SUFFIX(const T *logits, long key, long *out, T *lse, long R,   \
                                       long K) {                                                \
     _Pragma("omp parallel for schedule(static) if (R * K > (1 << 12))")                        \
-    for (long r0 = 0; r0 < R; r0 += ROWS) {                                                    \
-        const long n = R - r0 < ROWS ? R - r0 : ROWS;                                          \
-        T e[MAX_K][ROWS], m[ROWS], tot[ROWS], u[ROWS], u0[ROWS / 2], u1[ROWS / 2];            \
-        long el[ROWS / 2];                                                                     \
-        for (long j = 0; j < ROWS / 2; ++j) el[j] = r0 / 2 + j; /* r0 is even */               \
-        UNIFORMS((uint64_t)key, el, 0, (n + 1) / 2, u0, u1);                                   \
-        for (long j = 0; j < n; ++j) u[j] = j % 2 ? u1[j / 2] : u0[j / 2];                     \
-        block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                       \
-        for (long j = 0; j < n; ++j) lse[r0 + j] = m[j] + LOG(tot[j]);                         \
-        block_pick_##SUFFIX(e, tot, u, n, K, out + r0);                                        \
-    }                                                                                          \
+    for (long r0 = 0; r0 < R; r0 += ROWS)                                                      \
+        block_draw_##SUFFIX(logits, key, r0, R - r0 < ROWS ? R - r0 : ROWS, K, out, lse);      \
 }                                                                                              \
                                                                                                \
 /* sample_rows and rows_log_prob of the new and of the old indices in one pass over the rows, \
- * a group (particle) at a time: row r takes uniform r % 2 of block r / 2 as in sample_rows,  \
- * so the draws are sample_rows' (blocks of rows start elsewhere, so an lse can differ in its \
- * last bit, vector against scalar exp: a draw differs only for a uniform within that of a   \
- * category's boundary); lq_new[g] and lq_old[g] are the group's sums. */                     \
+ * a group (particle) at a time: the same uniforms per row as sample_rows, so the same draws  \
+ * (blocks of rows start elsewhere, so an lse can differ in its last bit, vector against      \
+ * scalar exp: a draw differs only for a uniform within that of a category's boundary);      \
+ * lq_new[g] and lq_old[g] are the group's sums. */                                           \
 void categorical_propose_rows_##SUFFIX(const T *logits, const long *old, long key, long *out,  \
                                        T *lse, T *lq_new, T *lq_old, long G, long Nr, long K) { \
     _Pragma("omp parallel for schedule(static) if (G * Nr * K > (1 << 12))")                   \
@@ -103,18 +112,7 @@ void categorical_propose_rows_##SUFFIX(const T *logits, const long *old, long ke
         T total_new = 0, total_old = 0;                                                        \
         for (long b0 = 0; b0 < Nr; b0 += ROWS) {                                               \
             const long r0 = g * Nr + b0, n = Nr - b0 < ROWS ? Nr - b0 : ROWS;                  \
-            const long first = r0 / 2, blocks = (r0 + n - 1) / 2 - first + 1;                  \
-            T e[MAX_K][ROWS], m[ROWS], tot[ROWS], u[ROWS], u0[ROWS / 2 + 1], u1[ROWS / 2 + 1];  \
-            long el[ROWS / 2 + 1];                                                             \
-            for (long j = 0; j < blocks; ++j) el[j] = first + j;                               \
-            UNIFORMS((uint64_t)key, el, 0, blocks, u0, u1);                                    \
-            for (long j = 0; j < n; ++j) {                                                     \
-                const long r = r0 + j;                                                         \
-                u[j] = r % 2 ? u1[r / 2 - first] : u0[r / 2 - first];                          \
-            }                                                                                  \
-            block_exp_##SUFFIX(logits, r0, n, K, e, m, tot);                                   \
-            for (long j = 0; j < n; ++j) lse[r0 + j] = m[j] + LOG(tot[j]);                     \
-            block_pick_##SUFFIX(e, tot, u, n, K, out + r0);                                    \
+            block_draw_##SUFFIX(logits, key, r0, n, K, out, lse);                              \
             for (long j = 0; j < n; ++j) {                                                     \
                 const T *l = logits + (r0 + j) * K;                                            \
                 total_new += l[out[r0 + j]] - lse[r0 + j];                                     \

@@ -28,9 +28,9 @@ def multinomial(log_w: Tensor) -> Tensor:
 
 def systematic(log_w: Tensor) -> Tensor:
     """Systematic resampling: one uniform offset per dataset, L evenly spaced points."""
-    native = _native_systematic(log_w)
-    if native is not None:
-        return native[0]
+    ancestors = _native_systematic(log_w)
+    if ancestors is not None:
+        return ancestors
     num_particles, batch = log_w.shape
     w = normalized_weights(log_w).T  # (B, L)
     cdf = torch.cumsum(w, dim=1)
@@ -41,10 +41,11 @@ def systematic(log_w: Tensor) -> Tensor:
     return idx.T.contiguous()
 
 
-def _native_systematic(log_w: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Systematic resampling in one compiled pass (``apg/kernels/smc.c``), where it applies:
-    ancestors ``(L, B)``, their flat rows ``(L * B,)`` (see ``_flat_index``) and the
-    outgoing log-weights ``(L, B)``; the same offsets ``u`` as the PyTorch path draws."""
+def _native_systematic(log_w: Tensor) -> Tensor | None:
+    """The ancestors ``(L, B)`` of systematic resampling in one compiled pass
+    (``apg/kernels/smc.c``), where it applies; the same offsets ``u`` as the PyTorch path
+    draws. (The pass also writes the flat rows and outgoing log-weights that
+    ``_native_systematic_gather`` uses.)"""
     native = native_function("systematic_resample", log_w) if log_w.dim() == 2 else None
     if native is None:
         return None
@@ -54,7 +55,7 @@ def _native_systematic(log_w: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
     flat = torch.empty(num_particles * batch, dtype=torch.long)
     out_log_w = torch.empty_like(log_w)
     call(native, log_w, offset, ancestors, flat, out_log_w, num_particles, batch)
-    return ancestors, flat, out_log_w
+    return ancestors
 
 
 RESAMPLERS: dict[str, Resampler] = {"multinomial": multinomial, "systematic": systematic}
@@ -95,17 +96,12 @@ def resample(
     every update), so it is not checked again.
     """
     log_w = log_w.detach() if sanitized else sanitize(log_w.detach())
-    if resampler is systematic:
-        gathered = _native_systematic_gather(log_w, tensors)
-        if gathered is not None:
-            return gathered
-    native = _native_systematic(log_w) if resampler is systematic else None
-    if native is not None:
-        _, flat, new_log_w = native
-    else:
-        ancestors = resampler(log_w)
-        new_log_w = log_mean_exp(log_w, dim=0).expand_as(log_w).clone()
-        flat = _flat_index(ancestors)
+    gathered = _native_systematic_gather(log_w, tensors) if resampler is systematic else None
+    if gathered is not None:
+        return gathered
+    ancestors = resampler(log_w)
+    new_log_w = log_mean_exp(log_w, dim=0).expand_as(log_w).clone()
+    flat = _flat_index(ancestors)
     return new_log_w, {name: _gather_flat(t, flat) for name, t in tensors.items()}
 
 

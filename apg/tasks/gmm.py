@@ -390,15 +390,13 @@ class GMM(Model):
     def _log_globals_under(self, x: Tensor, c: Tensor, *globals_: tuple[Tensor, Tensor]) -> list[Tensor]:
         """``_log_globals`` (prior included) of one or two ``(mu, tau)`` pairs under the same
         assignments ``c``; the assignments' moments are computed once."""
-        native = self._native("gmm_log_globals", x, *globals_[0])
-        shape = globals_[0][0].shape
-        if len(globals_) > 2 or any(t.shape != shape for pair in globals_ for t in pair):
-            native = None
-        if native is None or self._native("gmm_log_globals", x, *globals_[-1]) is None:
+        (mu, tau), (mu2, tau2) = globals_[0], globals_[-1]
+        fits = len(globals_) <= 2 and all(t.shape == mu.shape for pair in globals_ for t in pair)
+        native = self._native("gmm_log_globals", x, mu, tau) if fits else None
+        if native is None or (len(globals_) == 2 and self._native("gmm_log_globals", x, mu2, tau2) is None):
             moments = self.assignment_moments(x, c)
             return [self._log_globals(m, t, moments) for m, t in globals_]
-        outs = [x.new_empty(mu.shape[:2]) for mu, _ in globals_]
-        (mu, tau), (mu2, tau2) = globals_[0], globals_[-1]
+        outs = [x.new_empty(mu.shape[:2]) for _ in globals_]
         consts = _consts(self.cfg, x.dtype)
         call(native, x, c, mu, tau, mu2, tau2, consts, outs[0], outs[-1], len(outs), *self._sizes(x, outs[0]))
         return outs
