@@ -26,6 +26,17 @@ from apg.smc.resampling import get_resampler
 from apg.smc.sampler import RESAMPLE_MODES
 from apg.tasks import get_task
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def learning_rate(cfg: TrainConfig, iteration: int) -> float:
+    """The rate of step ``iteration`` (0-based) under ``cfg.lr_schedule``."""
+    if cfg.lr_schedule == "constant" or cfg.iterations <= 1:
+        return cfg.lr
+    frac = min(iteration / (cfg.iterations - 1), 1.0)
+    floor = cfg.lr * cfg.lr_final_factor
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
 
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
@@ -42,6 +53,11 @@ class TrainConfig:
     batch_size: int = 20  # B
     iterations: int = 1000
     lr: float = 1e-4
+    # "constant", or "cosine": lr decays along a half cosine to lr * lr_final_factor at the
+    # last iteration. A decayed rate is what lets the stochastic objective settle on a plateau
+    # within a CPU-sized budget (a constant rate keeps the weights jittering at its noise level).
+    lr_schedule: str = "constant"
+    lr_final_factor: float = 0.01
     resample_mode: str = "block"
     resampler: str = "systematic"
     model: dict[str, Any] = field(default_factory=dict)  # task hyperparameters
@@ -60,6 +76,10 @@ class TrainConfig:
         _check_int("iterations", self.iterations, 0)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not (isinstance(self.lr_final_factor, (int, float)) and 0 <= self.lr_final_factor <= 1):
+            raise ValueError(f"lr_final_factor must be in [0, 1], got {self.lr_final_factor!r}")
         if self.resample_mode not in RESAMPLE_MODES:
             raise ValueError(f"resample_mode must be one of {RESAMPLE_MODES}, got {self.resample_mode!r}")
         get_resampler(self.resampler)
@@ -145,6 +165,9 @@ class Trainer:
                 f"loss became {loss.item()} at iteration {self.iteration + 1}; try a lower learning rate"
             )
         if self.optimizer is not None:
+            lr = learning_rate(cfg, self.iteration)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()

@@ -96,6 +96,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"wrote {path}: " + ", ".join(f"{k} {v.shape}" for k, v in arrays.items()))
 
 
+# --------------------------------------------------------------------------- smoke
+
+
+def cmd_smoke(args: argparse.Namespace) -> None:
+    from pipeline.smoke import run_smoke, timing_table
+
+    times, total = run_smoke(Path(args.params), Path(args.dir))
+    print(f"\nsmoke profile {args.params}: dvc repro from scratch in {total / 60:.1f} min\n")
+    print(timing_table(times, total))
+
+
 # --------------------------------------------------------------------------- train
 
 
@@ -108,6 +119,8 @@ def cmd_train(args: argparse.Namespace) -> None:
         batch_size=args.batch_size,
         iterations=args.iterations,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        lr_final_factor=args.lr_final_factor,
         resample_mode=args.resample_mode,
         resampler=args.resampler,
         model=_key_values(args.model, "--model"),
@@ -211,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=20)
     train.add_argument("--iterations", type=int, default=300)
     train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument(
+        "--lr-schedule", default="constant", help="constant or cosine (decay to lr * --lr-final-factor)"
+    )
+    train.add_argument("--lr-final-factor", type=float, default=0.01)
     train.add_argument("--resample-mode", default="block")
     train.add_argument("--resampler", default="systematic")
     train.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
@@ -240,6 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--out", required=True)
     ev.set_defaults(func=cmd_evaluate)
+
+    smoke = sub.add_parser(
+        "smoke", help="the whole pipeline from scratch on small params in a throwaway repo (minutes)"
+    )
+    smoke.add_argument(
+        "--params", default="params-smoke.yaml", help="params file to run (default: the smoke profile)"
+    )
+    smoke.add_argument("--dir", default="results/smoke", help="where the throwaway repo goes (replaced)")
+    smoke.set_defaults(func=cmd_smoke)
 
     for name, module, text in (
         ("sweep", "sweep", "stage: Ray Tune sweep of one task's grid (params.yaml)"),

@@ -49,6 +49,7 @@ SWEEP_KEYS: dict[str, Any] = {
     "log_every": int,
     "torch_threads": int,
     "storage": str,
+    "reuse_across_code": bool,  # development only: reuse cells trained by other code
 }
 TRACKING_KEYS: dict[str, Any] = {"experiment": str}
 REPORT_KEYS: dict[str, Any] = {"out": str, "figure_format": str, "scale": str}
@@ -78,11 +79,15 @@ TRAIN_KEYS: dict[str, Any] = {
     "batch_size": int,
     "iterations": int,
     "lr": (int, float),
+    "lr_schedule": str,  # constant | cosine (apg.training.learning_rate)
+    "lr_final_factor": (int, float),
     "resample_mode": str,
     "resampler": str,
     "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}
 }
-GRID_KEYS: dict[str, Any] = {"methods": list, "pairs": list, "budget": dict, "seeds": list}
+# ``train``: overrides of ``<task>.train`` for this entry's cells only (e.g. one iteration
+# for exact Gibbs, which has nothing to learn).
+GRID_KEYS: dict[str, Any] = {"methods": list, "pairs": list, "budget": dict, "seeds": list, "train": dict}
 BUDGET_KEYS: dict[str, Any] = {"total": int, "sweeps": list}
 EVALUATE_KEYS: dict[str, Any] = {
     "batch_size": int,
@@ -107,6 +112,10 @@ class Cell:
     particles: int
     seed: int
     train: TrainConfig
+    # Set by the sweep's plan: the id without the code, and the digest of the code that
+    # trains it (pipeline.provenance).
+    config_key: str | None = None
+    code_digest: str | None = None
 
     @property
     def name(self) -> str:
@@ -316,6 +325,11 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
             pairs += _budget_pairs(entry["budget"], f"{where}.budget")
         if not pairs:
             raise ParamsError(f"{where}: give pairs: [[K, L], ...] or budget: {{total: ..., sweeps: [...]}}")
+        overrides = entry.get("train") or {}
+        _check_mapping(
+            overrides, f"{where}.train", {k: v for k, v in TRAIN_KEYS.items() if k != "method_options"}
+        )
+        entry_train = {**train, **overrides}
         seeds = entry.get("seeds", [0])
         for j, seed in enumerate(seeds):
             if not isinstance(seed, int) or isinstance(seed, bool):
@@ -335,7 +349,7 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
                         model=dict(section.get("model", {})),
                         network=dict(section.get("network", {})),
                         method_options=dict(options.get(method, {})),
-                        **train,
+                        **entry_train,
                     )
                     try:
                         cfg.validate()
@@ -345,7 +359,8 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
                         if head == "method_options":
                             key = f"{task}.train.method_options.{method}" + (f".{rest}" if rest else "")
                         else:
-                            key = f"{task}.train.{field}" if field in TRAIN_KEYS else where
+                            section_key = f"{where}.train" if field in overrides else f"{task}.train"
+                            key = f"{section_key}.{field}" if field in TRAIN_KEYS else where
                         raise ParamsError(f"{key}: {_first_line(err)}") from None
                     cell = Cell(task, method, k, l, seed, cfg)
                     cells.setdefault(cell.name, cell)

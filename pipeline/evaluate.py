@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from pipeline.common import (
     with_network,
 )
 from pipeline.config import evaluation_pairs, evaluation_sets, load_params
+from pipeline.provenance import record_stage_time
 
 COLUMNS = [
     "task",
@@ -145,7 +147,14 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     figure_sweeps = ev.get("figure_sweeps", [1])
     frames, histories, samples, index = [], [], {}, []
     unique_pairs = sorted({tuple(p) for pairs in plan.values() for p in pairs})
-    for cell in summary["cells"]:
+    started = time.monotonic()
+    for done, cell in enumerate(summary["cells"]):
+        if done:
+            left = (time.monotonic() - started) / done * (len(summary["cells"]) - done)
+            print(
+                f"evaluate {task}: {done}/{len(summary['cells'])} cells done, ~{left / 60:.1f} min left",
+                flush=True,
+            )
         ckpt = root / cell["checkpoint"]
         if file_digest(ckpt) != cell["checkpoint_sha256"]:
             raise CheckpointError(f"checkpoint {ckpt} changed since the sweep recorded it; re-run the sweep")
@@ -179,7 +188,9 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                     ev.get("resample_mode", "block"),
                 )
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
-        hist = pd.read_csv(root / cell["history"])
+        # A cell with nothing to learn (exact Gibbs, 0 iterations) has an empty history.
+        history_file = root / cell["history"]
+        hist = pd.read_csv(history_file) if history_file.stat().st_size else pd.DataFrame({"iteration": []})
         histories.append(
             hist.melt(id_vars="iteration", var_name="metric", value_name="value").assign(
                 task=task,
@@ -333,7 +344,9 @@ def main(argv: list[str] | None = None) -> None:
         root = project_root()
         torch.set_num_threads(params["sweep"].get("torch_threads", 1))
         out = Path(args.out or root / "results" / "eval" / args.task)
+        start = time.monotonic()
         meta = evaluate_task(params, args.task, root, out)
+        record_stage_time(root, "evaluate", args.task, time.monotonic() - start)
         print(f"wrote {out} ({len(meta['cells'])} cells)")
 
     run_guarded(work)

@@ -18,6 +18,7 @@ keeps file digests, and thus the sweep's cell ids, stable: nothing is retrained.
 from __future__ import annotations
 
 import argparse
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ import torch
 
 from apg.data import DatasetError, atomic_write
 from apg.tasks import get_task
+from pipeline.common import project_root
 from pipeline.config import evaluation_sets, load_params
+from pipeline.provenance import record_stage_time
 
 
 def simulate_set(
@@ -96,8 +99,10 @@ def main(argv: list[str] | None = None) -> None:
         params = load_params(args.params)
         if args.task not in params["tasks"]:
             raise ValueError(f"task {args.task!r} is not listed in tasks: {params['tasks']}")
+        start = time.monotonic()
         for path in generate(args.task, params, Path(args.out or f"data/{args.task}")):
             print(f"wrote {path}")
+        record_stage_time(project_root(), "generate", args.task, time.monotonic() - start)
 
     run_guarded(work)
 

@@ -45,6 +45,7 @@ import yaml  # noqa: E402
 
 from apg.data import atomic_write  # noqa: E402
 from apg.tasks import get_task  # noqa: E402
+from pipeline import provenance  # noqa: E402
 from pipeline.common import project_root  # noqa: E402
 from pipeline.config import load_params  # noqa: E402
 
@@ -846,6 +847,9 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
     metrics = {p["task"]: p["metrics"] for p in parts}
     payload = json.dumps(metrics, indent=2, sort_keys=True)
     atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(payload + "\n"))
+    # What produced these results (code and params digests, commit): the CI check that
+    # committed results are the checkout's own reads it (pipeline.provenance).
+    provenance.write_record(params, root, out)
     return out
 
 

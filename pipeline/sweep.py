@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,6 +54,7 @@ from apg.training import TrainConfig, Trainer, build
 from pipeline import tracking
 from pipeline.common import file_digest, project_root, seed_everything
 from pipeline.config import Cell, grid_cells, load_params
+from pipeline.provenance import code_digest, record_stage_time
 
 DONE = "done.json"
 RESUME = "resume.pt"
@@ -74,14 +76,39 @@ class SweepError(ValueError):
 
 
 def plan(params: dict[str, Any], task: str, root: Path) -> tuple[dict[str, Cell], Path, Path]:
-    """``({cell_id: cell}, training data path, sweep directory)`` for the current grid."""
+    """``({cell_id: cell}, training data path, sweep directory)`` for the current grid.
+
+    A cell's id hashes its config, the training data, its networks' shapes and the code its
+    training runs (``pipeline.provenance.code_digest``), so a cell trained by other code is
+    never reused. ``sweep.reuse_across_code: true`` (development only) reuses the newest
+    finished cell of the same config whatever code trained it; the report names such cells
+    in bold.
+    """
     data = root / "data" / task / "train.npz"
     if not data.is_file():
         raise SweepError(f"training data {data} not found; run the generate stage first")
     digest = file_digest(data)
-    cells = {cell.cell_id(digest + architecture_digest(cell)): cell for cell in grid_cells(params, task)}
+    code = code_digest("sweep", task)
     sweep_dir = (root / params["sweep"].get("storage", "results/sweeps") / task).resolve()
+    reuse = params["sweep"].get("reuse_across_code", False)
+    cells = {}
+    for cell in grid_cells(params, task):
+        config_key = cell.cell_id(digest + architecture_digest(cell))
+        cell_id = cell.cell_id(config_key + code)
+        if reuse and not is_done(sweep_dir, cell_id):
+            cell_id = _done_by_other_code(sweep_dir, config_key) or cell_id
+        cells[cell_id] = dataclasses.replace(cell, config_key=config_key, code_digest=code)
     return cells, data.resolve(), sweep_dir
+
+
+def _done_by_other_code(sweep_dir: Path, config_key: str) -> str | None:
+    """The newest finished cell of the same config trained by other code (opt-in reuse)."""
+    found = []
+    for done in (sweep_dir / "cells").glob(f"*/{DONE}"):
+        record = json.loads(done.read_text())
+        if record.get("config_key") == config_key:
+            found.append((done.stat().st_mtime, done.parent.name))
+    return max(found)[1] if found else None
 
 
 def architecture_digest(cell: Cell) -> str:
@@ -251,6 +278,8 @@ def _finish_cell(
     done = {
         "cell_id": config["cell_id"],
         "name": config["name"],
+        "config_key": config.get("config_key"),
+        "code_digest": config.get("code_digest"),  # the code that trained it
         "iterations": trainer.iteration,
         "seconds_this_run": seconds,
         "mean_it_per_s": sum(rates) / len(rates) if rates else None,
@@ -371,6 +400,8 @@ def trial_configs(
         {
             "cell_id": cell_id,
             "name": cell.name,
+            "config_key": cell.config_key,
+            "code_digest": cell.code_digest,
             "seed": cell.seed,
             "train": cell.train.to_dict(),
             "data": str(data),
@@ -393,8 +424,92 @@ def shipped_data(path: Path) -> dict[str, Any] | None:
     return {"x": load_dataset(path)["x"]}
 
 
+class SweepProgress:
+    """Prints ``cells done / total, ~time left`` while the trials run (for ``dvc repro``).
+
+    The time left is the iterations still to run, each at the mean seconds per iteration
+    seen so far for its method (any method's mean before one is seen), divided by the
+    trials that run at once.
+    """
+
+    def __init__(
+        self, task: str, configs: list[dict[str, Any]], done_before: int, parallel: int, every: float = 30.0
+    ):
+        self.task, self.done_before, self.parallel, self.every = task, done_before, max(parallel, 1), every
+        self.total = {c["cell_id"]: c["train"]["iterations"] for c in configs}
+        self.method = {c["cell_id"]: c["train"]["method"] for c in configs}
+        self.at: dict[str, int] = {}
+        self.started: dict[str, tuple[float, int]] = {}
+        self.finished: set[str] = set()
+        self.seconds_per_it: dict[str, list[float]] = {}
+        self.start = self.last = time.monotonic()
+
+    def result(self, cell_id: str, iteration: int) -> None:
+        now = time.monotonic()
+        self.started.setdefault(cell_id, (now, iteration))
+        t0, i0 = self.started[cell_id]
+        self.at[cell_id] = iteration
+        if iteration > i0:
+            self.seconds_per_it[cell_id] = [(now - t0) / (iteration - i0)]
+        if now - self.last >= self.every:
+            self.print()
+
+    def complete(self, cell_id: str) -> None:
+        self.finished.add(cell_id)
+        self.at[cell_id] = self.total.get(cell_id, 0)
+        self.print()
+
+    def eta_seconds(self) -> float | None:
+        rates: dict[str, list[float]] = {}
+        for cid, (rate,) in self.seconds_per_it.items():
+            rates.setdefault(self.method[cid], []).append(rate)
+        if not rates:
+            return None
+        every = [r for rs in rates.values() for r in rs]
+        mean = {m: sum(rs) / len(rs) for m, rs in rates.items()}
+        left = sum(
+            (self.total[c] - self.at.get(c, 0)) * mean.get(self.method[c], sum(every) / len(every))
+            for c in self.total
+            if c not in self.finished
+        )
+        return left / min(self.parallel, max(len(self.total) - len(self.finished), 1))
+
+    def print(self) -> None:
+        self.last = time.monotonic()
+        total = len(self.total) + self.done_before
+        done = len(self.finished) + self.done_before
+        eta = self.eta_seconds()
+        left = "estimating time left" if eta is None else f"~{_minutes(eta)} left"
+        print(
+            f"sweep {self.task}: {done}/{total} cells done, {_minutes(self.last - self.start)} elapsed, {left}",
+            flush=True,
+        )
+
+
+def _minutes(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _tune_callback(progress: SweepProgress):
+    from ray.tune import Callback
+
+    class _Progress(Callback):
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            progress.result(trial.config["cell_id"], int(result.get("iteration", 0)))
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            progress.complete(trial.config["cell_id"])
+
+    return _Progress()
+
+
 def run_tuner(
-    configs: list[dict[str, Any]], params: dict[str, Any], sweep_dir: Path, data: dict[str, Any] | None = None
+    configs: list[dict[str, Any]],
+    params: dict[str, Any],
+    sweep_dir: Path,
+    data: dict[str, Any] | None = None,
+    progress: SweepProgress | None = None,
 ) -> None:
     from ray import tune
     from ray.tune.schedulers import FIFOScheduler
@@ -412,6 +527,7 @@ def run_tuner(
         tune.with_parameters(tune_trainable, cells=by_id, data=data),
         {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)},
     )
+    callbacks = [_tune_callback(progress)] if progress is not None else []
     if tune.Tuner.can_restore(str(storage / name)):
         tuner = tune.Tuner.restore(
             str(storage / name), trainable, resume_unfinished=True, resume_errored=True
@@ -432,7 +548,9 @@ def run_tuner(
                 storage_path=str(storage),  # must be absolute
                 failure_config=tune.FailureConfig(max_failures=sweep.get("max_failures", 2)),
                 checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
-                verbose=1,
+                callbacks=callbacks,
+                # Tune's own status table every few seconds drowns the progress lines.
+                verbose=0 if progress is not None else 1,
             ),
         )
     tuner.fit()
@@ -454,6 +572,9 @@ def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) ->
                 "L": cell.particles,
                 "seed": cell.seed,
                 "iterations": done["iterations"],
+                "code_digest": done.get("code_digest"),
+                # Reused across code changes (sweep.reuse_across_code): not this code's result.
+                "trained_by_other_code": done.get("code_digest") != cell.code_digest,
                 "mean_it_per_s": done["mean_it_per_s"],
                 "final": done["final"],
                 "checkpoint": os.path.relpath(cell_dir / MODEL, root),
@@ -506,12 +627,13 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
         start_ray(params)
         try:
             check_resources(params)
-            run_tuner(
-                trial_configs(todo, params, data, sweep_dir, uri, run_ids),
-                params,
-                sweep_dir,
-                shipped_data(data),
-            )
+            configs = trial_configs(todo, params, data, sweep_dir, uri, run_ids)
+            sweep = params["sweep"]
+            parallel = int(ray.cluster_resources().get("CPU", 1) // max(sweep.get("cpus_per_trial", 1), 1e-9))
+            if sweep.get("max_concurrent"):
+                parallel = min(parallel, sweep["max_concurrent"])
+            progress = SweepProgress(task, configs, len(cells) - len(todo), parallel)
+            run_tuner(configs, params, sweep_dir, shipped_data(data), progress)
         finally:
             ray.shutdown()
     failed = [cells[cid].name for cid in todo if not is_done(sweep_dir, cid)]
@@ -593,10 +715,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.task not in params["tasks"]:
             raise ValueError(f"task {args.task!r} is not listed in tasks: {params['tasks']}")
         root = project_root()
+        start = time.monotonic()
         summary = run_sweep(params, args.task, root, fetch=args.fetch)
         out = Path(args.out or root / "results" / args.task / "sweep.json")
         text = json.dumps(summary, indent=2)
         atomic_write(out, lambda tmp: tmp.write_text(text + "\n"))
+        record_stage_time(root, "sweep", args.task, time.monotonic() - start)
         print(f"wrote {out}")
 
     run_guarded(work)

@@ -359,3 +359,95 @@ def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
         "cells": [{"cell_id": "apg-K2-L3-s0-abc"}, {"cell_id": "rws-K2-L3-s0-def"}, {"cell_id": "none"}],
     }
     assert mlflow_run_ids(summary) == {"apg-K2-L3-s0-abc": trained, "rws-K2-L3-s0-def": fresh}
+
+
+def _planned(tmp_path, monkeypatch, code: str, reuse: bool = False):
+    from apg.data import save_dataset
+    from apg.tasks import get_task
+    from pipeline import sweep
+
+    data = tmp_path / "data" / "gmm" / "train.npz"
+    if not data.is_file():
+        task = get_task("gmm")
+        arrays = task.simulate(task.build_model(), 4, __import__("torch").Generator().manual_seed(0))
+        save_dataset(data, {k: v.numpy() for k, v in arrays.items()})
+    monkeypatch.setattr(sweep, "code_digest", lambda *args, **kwargs: code)
+    return sweep.plan(tiny(**{"sweep.reuse_across_code": reuse}), "gmm", tmp_path)
+
+
+def test_cells_trained_by_other_code_are_new_cells_unless_reuse_is_asked_for(tmp_path, monkeypatch):
+    cells, _, sweep_dir = _planned(tmp_path, monkeypatch, "code-1")
+    assert all(cell.code_digest == "code-1" for cell in cells.values())
+    old_id = next(cid for cid, cell in cells.items() if cell.method == "apg")
+    (sweep_dir / "cells" / old_id).mkdir(parents=True)
+    key = cells[old_id].config_key
+    (sweep_dir / "cells" / old_id / "done.json").write_text(
+        json.dumps({"config_key": key, "code_digest": "code-1"})
+    )
+
+    changed, _, _ = _planned(tmp_path, monkeypatch, "code-2")
+    assert old_id not in changed  # other code: the finished cell is not reused
+    assert {c.config_key for c in changed.values()} == {c.config_key for c in cells.values()}
+
+    reused, _, _ = _planned(tmp_path, monkeypatch, "code-2", reuse=True)
+    assert old_id in reused and reused[old_id].code_digest == "code-2"  # flagged by summarize
+    assert len(reused) == len(cells)
+
+
+def test_sweep_progress_counts_cells_and_estimates_the_time_left(capsys):
+    from pipeline.sweep import SweepProgress
+
+    configs = [
+        {"cell_id": "a", "train": {"iterations": 100, "method": "apg"}},
+        {"cell_id": "b", "train": {"iterations": 100, "method": "apg"}},
+        {"cell_id": "c", "train": {"iterations": 50, "method": "rws-mlp"}},
+    ]
+    progress = SweepProgress("gmm", configs, done_before=1, parallel=2, every=1e9)
+    assert progress.eta_seconds() is None
+    progress.started["a"] = (progress.start - 10.0, 0)  # a ran 50 iterations in 10 s
+    progress.result("a", 50)
+    # left: a 50 + b 100 + c 50 iterations at 0.2 s (c's method unseen: the mean), 2 at once
+    assert progress.eta_seconds() == pytest.approx(200 * 0.2 / 2, rel=0.01)
+    progress.complete("a")
+    assert "gmm: 2/4 cells done" in capsys.readouterr().out
+
+
+def test_smoke_profile_mirrors_the_defaults():
+    # The smoke profile is only worth running if it exercises what params.yaml runs.
+    full, smoke = (yaml.safe_load((REPO / name).read_text()) for name in ("params.yaml", "params-smoke.yaml"))
+    assert smoke["tasks"] == full["tasks"]
+    assert set(smoke["sweep"]) == set(full["sweep"])
+    for task in full["tasks"]:
+        assert set(smoke[task]) == set(full[task]), task
+        assert set(smoke[task]["train"]) == set(full[task]["train"]), task
+        methods = [[sorted(e["methods"]), sorted(e)] for e in full[task]["grid"]]
+        assert [[sorted(e["methods"]), sorted(e)] for e in smoke[task]["grid"]] == methods, task
+        assert set(smoke[task]["evaluate"]) == set(full[task]["evaluate"]), task
+
+
+@pytest.mark.slow
+def test_smoke_profile_runs_every_stage_of_every_task_from_scratch(tmp_path):
+    mnist = os.environ.get("APG_MNIST_DIR") or str(REPO.parent / "shared" / "data" / "mnist")
+    if not Path(mnist).is_dir():
+        pytest.skip("Bouncing MNIST needs the MNIST IDX files ($APG_MNIST_DIR)")
+    box = tmp_path / "smoke"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "smoke", "--dir", str(box)],
+        cwd=REPO,
+        env={**env(), "APG_MNIST_DIR": mnist},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    tasks = yaml.safe_load((REPO / "params-smoke.yaml").read_text())["tasks"]
+    for task in tasks:
+        for stage in ("generate", "sweep", "evaluate"):
+            assert f"`{stage}@{task}`" in proc.stdout, (stage, task)
+        assert f"sweep {task}: " in proc.stdout  # progress lines
+    assert "smoke profile params-smoke.yaml: dvc repro from scratch in" in proc.stdout
+    report = (box / "reports" / "README.md").read_text()
+    assert "Claims of the paper" in report
+    from pipeline import provenance
+
+    assert provenance.check(box)[0]  # the record matches the sandbox's code and params

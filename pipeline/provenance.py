@@ -1,0 +1,256 @@
+"""What produced the results: digests of the code and params behind every stage.
+
+Two uses:
+
+- **Cell ids.** A sweep cell's id includes :func:`code_digest` of the code its training
+  runs (the ``sweep`` stage's code deps in ``dvc.yaml``), so a cell trained by other code
+  is never reused silently.
+- **Committed results are HEAD's.** The report stage writes ``reports/provenance.json``:
+  the digest of every code file and params key any stage reads, and the commit they were
+  made at. ``python -m pipeline.provenance check`` compares that record with the working
+  tree and says either that the results are current or ``stale since <commit>: <what
+  changed>``; ``--mark`` writes that line at the top of the results sections of
+  ``README.md`` and ``reports/README.md`` (and removes it once the results are current
+  again), and the test suite fails when the two disagree. So a commit that changes code
+  without regenerating either says so where the numbers are read, or does not pass CI.
+
+The code each stage reads is taken from ``dvc.yaml`` (one list, so the cell ids, the
+provenance record and DVC's own change detection agree); paths that are not code
+(``data/``, ``results/``) are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECORD = "provenance.json"
+TIMINGS = "results/timings"  # one {stage}@{task}.json per stage run: its wall time
+CODE_PREFIXES = ("apg", "pipeline")
+# The results sections the stale line is written into: (file, heading it follows).
+BANNER_PLACES = (("README.md", "## Results"), ("reports/README.md", "# Reproduction report"))
+BANNER_START, BANNER_END = "<!-- provenance:stale -->", "<!-- /provenance:stale -->"
+
+
+def package_root() -> Path:
+    """The directory holding ``apg/`` and ``pipeline/`` as imported (the repo, when
+    installed with ``pip install -e``)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def _stages(root: Path) -> dict[str, Any] | None:
+    path = root / "dvc.yaml"
+    if not path.is_file():
+        return None
+    return yaml.safe_load(path.read_text())["stages"]
+
+
+def _expand(value: Any, task: str | None) -> Any:
+    return value.replace("${item}", task) if isinstance(value, str) and task is not None else value
+
+
+def stage_code(root: Path, stage: str, task: str | None = None) -> list[str]:
+    """Code paths (files or folders, relative to ``root``) that ``stage`` depends on.
+
+    Without a ``dvc.yaml`` (the package installed without its repo) every code folder counts.
+    """
+    stages = _stages(root)
+    if stages is None:
+        return list(CODE_PREFIXES)
+    spec = stages[stage]
+    spec = spec.get("do", spec)
+    deps = [_expand(d, task) for d in spec.get("deps", [])]
+    return [d for d in deps if d.split("/", 1)[0] in CODE_PREFIXES]
+
+
+def stage_params(root: Path, stage: str, task: str | None = None) -> list[str]:
+    """The params keys ``stage`` reads, as dotted names."""
+    stages = _stages(root)
+    if stages is None:
+        return []
+    spec = stages[stage]
+    spec = spec.get("do", spec)
+    return [_expand(p, task) for p in spec.get("params", []) if isinstance(p, str)]
+
+
+def code_files(root: Path, paths: list[str]) -> list[str]:
+    """The files under ``paths``, sorted; bytecode and caches excluded."""
+    out: set[str] = set()
+    for rel in paths:
+        path = root / rel
+        candidates = [path] if path.is_file() else sorted(path.rglob("*")) if path.is_dir() else []
+        for f in candidates:
+            if f.is_file() and "__pycache__" not in f.parts and f.suffix not in (".pyc", ".so", ".o"):
+                out.add(f.relative_to(root).as_posix())
+    return sorted(out)
+
+
+def file_digests(root: Path, paths: list[str]) -> dict[str, str]:
+    return {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:16] for f in code_files(root, paths)}
+
+
+def code_digest(stage: str = "sweep", task: str | None = None, root: Path | None = None) -> str:
+    """One digest of the code ``stage`` runs for ``task`` (12 hex digits)."""
+    root = root or package_root()
+    digests = file_digests(root, stage_code(root, stage, task))
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _lookup(params: dict[str, Any], dotted: str) -> Any:
+    node: Any = params
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def params_digests(params: dict[str, Any], keys: list[str]) -> dict[str, str]:
+    return {
+        k: hashlib.sha256(json.dumps(_lookup(params, k), sort_keys=True).encode()).hexdigest()[:16]
+        for k in sorted(set(keys))
+    }
+
+
+def _all_stage_inputs(root: Path, tasks: list[str]) -> tuple[list[str], list[str]]:
+    stages = _stages(root) or {}
+    code, keys = [], []
+    for stage, spec in stages.items():
+        for task in tasks if "foreach" in spec else [None]:
+            code += stage_code(root, stage, task)
+            keys += stage_params(root, stage, task)
+    return code, keys
+
+
+def git_commit(root: Path) -> str:
+    proc = subprocess.run(
+        ["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
+    """What produced the results of ``params`` in ``root``: commit, code and params digests."""
+    code, keys = _all_stage_inputs(root, params["tasks"])
+    digests = file_digests(root, code)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", *sorted(digests)], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "commit": git_commit(root),
+        # Code that differed from that commit when the results were made.
+        "uncommitted": [line[3:] for line in dirty.splitlines()],
+        "code": digests,
+        "params": params_digests(params, keys),
+    }
+
+
+def write_record(params: dict[str, Any], root: Path, out: Path) -> Path:
+    from apg.data import atomic_write
+
+    text = json.dumps(record(params, root), indent=2, sort_keys=True)
+    path = out / RECORD
+    atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+    return path
+
+
+def changes(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
+    """Code files and params keys whose digests differ from ``recorded`` (sorted)."""
+    now = record(params, root)
+    out = []
+    for kind in ("code", "params"):
+        old, new = recorded.get(kind, {}), now[kind]
+        out += sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return out
+
+
+def stale_line(recorded: dict[str, Any], changed: list[str]) -> str:
+    shown = ", ".join(f"`{c}`" for c in changed[:8]) + (
+        f" and {len(changed) - 8} more" if len(changed) > 8 else ""
+    )
+    return (
+        f"**Stale since {recorded.get('commit', 'unknown')}:** {shown} changed after these results "
+        "were made; `dvc repro` regenerates them."
+    )
+
+
+def check(root: Path, params_file: str = "params.yaml", reports: str = "reports") -> tuple[bool, str]:
+    """``(current, message)`` for the committed results of ``root``."""
+    path = root / reports / RECORD
+    if not path.is_file():
+        return False, f"no {reports}/{RECORD}: the results were not made by the report stage"
+    recorded = json.loads(path.read_text())
+    params = yaml.safe_load((root / params_file).read_text())
+    changed = changes(root, params, recorded)
+    if not changed:
+        return True, f"results are current (made at {recorded.get('commit')})"
+    return False, stale_line(recorded, changed)
+
+
+def record_stage_time(root: Path, stage: str, task: str | None, seconds: float) -> None:
+    """Note how long a stage took (the README's per-stage breakdown; never a metric)."""
+    from apg.data import atomic_write
+
+    name = f"{stage}@{task}" if task else stage
+    text = json.dumps({"stage": name, "seconds": round(seconds, 1)})
+    atomic_write(root / TIMINGS / f"{name}.json", lambda tmp: tmp.write_text(text + "\n"))
+
+
+def banner(text: str) -> str:
+    return f"{BANNER_START}\n> {text}\n{BANNER_END}\n"
+
+
+def current_banners(root: Path) -> dict[str, str | None]:
+    """The stale line each results section opens with now (None: none)."""
+    out: dict[str, str | None] = {}
+    for rel, _ in BANNER_PLACES:
+        text = (root / rel).read_text() if (root / rel).is_file() else ""
+        start, end = text.find(BANNER_START), text.find(BANNER_END)
+        out[rel] = (
+            text[start + len(BANNER_START) : end].strip().removeprefix("> ") if 0 <= start < end else None
+        )
+    return out
+
+
+def mark(root: Path, message: str | None) -> None:
+    """Put ``message`` (or nothing, when None) right under each results section's heading."""
+    for rel, heading in BANNER_PLACES:
+        path = root / rel
+        text = path.read_text()
+        start, end = text.find(BANNER_START), text.find(BANNER_END)
+        if 0 <= start < end:
+            text = text[:start] + text[end + len(BANNER_END) :].lstrip("\n")
+        if message is not None:
+            at = text.find(heading)
+            if at < 0:
+                raise ValueError(f"{rel} has no '{heading}' heading to put the stale line under")
+            at = text.index("\n", at) + 1
+            text = text[:at] + "\n" + banner(message) + text[at:].lstrip("\n")
+            text = text.replace(BANNER_END + "\n", BANNER_END + "\n\n", 1)
+        path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="are the committed results the code's own?")
+    parser.add_argument(
+        "action", choices=["check", "mark"], help="check: say; mark: also write the stale line"
+    )
+    parser.add_argument("--root", default=".")
+    args = parser.parse_args(argv)
+    root = Path(args.root).resolve()
+    current, message = check(root)
+    if args.action == "mark":
+        mark(root, None if current else message)
+    print(message)
+    return 0 if current or args.action == "mark" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Results are the code's own: code digests in cell ids, and the committed reports' record.
+
+The last test is the CI check of the issue "results are HEAD's": the committed
+``reports/provenance.json`` must match this checkout's code and params, or the results
+sections of README.md and reports/README.md must open with the stale line that
+``python -m pipeline.provenance mark`` writes (naming what changed since).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pipeline import provenance
+
+REPO = Path(__file__).resolve().parents[1]
+
+DVC = {
+    "stages": {
+        "sweep": {
+            "foreach": ["a", "b"],
+            "do": {
+                "cmd": "x",
+                "deps": ["apg/tasks/${item}.py", "apg/core.py", "data/${item}/train.npz"],
+                "params": ["${item}.train", "sweep"],
+            },
+        },
+        "report": {"cmd": "y", "deps": ["pipeline/report.py", "results/eval"], "params": ["report"]},
+    }
+}
+PARAMS = {
+    "tasks": ["a", "b"],
+    "sweep": {"n": 1},
+    "a": {"train": {"lr": 1}},
+    "b": {"train": {"lr": 2}},
+    "report": {},
+}
+
+
+def make_project(root: Path) -> Path:
+    for rel, text in (
+        ("apg/tasks/a.py", "A = 1\n"),
+        ("apg/tasks/b.py", "B = 1\n"),
+        ("apg/core.py", "CORE = 1\n"),
+        ("pipeline/report.py", "R = 1\n"),
+        ("README.md", "# x\n\n## Results\n\nnumbers\n"),
+        ("reports/README.md", "# Reproduction report\n\ntable\n"),
+    ):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (root / "dvc.yaml").write_text(yaml.safe_dump(DVC))
+    (root / "params.yaml").write_text(yaml.safe_dump(PARAMS))
+    return root
+
+
+def test_stage_code_is_the_code_deps_of_dvc_yaml(tmp_path):
+    root = make_project(tmp_path)
+    assert provenance.stage_code(root, "sweep", "a") == ["apg/tasks/a.py", "apg/core.py"]
+    assert provenance.stage_params(root, "sweep", "b") == ["b.train", "sweep"]
+
+
+def test_code_digest_follows_exactly_the_stage_code(tmp_path):
+    root = make_project(tmp_path)
+    a, b = (provenance.code_digest("sweep", t, root) for t in "ab")
+    (root / "apg/tasks/b.py").write_text("B = 2\n")  # task b's code: a's cells keep their id
+    assert provenance.code_digest("sweep", "a", root) == a
+    assert provenance.code_digest("sweep", "b", root) != b
+    (root / "apg/core.py").write_text("CORE = 2\n")  # shared code: every cell changes
+    assert provenance.code_digest("sweep", "a", root) != a
+    (root / "apg/__pycache__").mkdir()
+    (root / "apg/__pycache__/core.pyc").write_bytes(b"\0")  # bytecode is not code
+    assert provenance.code_digest("sweep", "a", root) == provenance.code_digest("sweep", "a", root)
+
+
+def test_check_names_what_changed_and_mark_writes_then_clears_the_stale_line(tmp_path):
+    root = make_project(tmp_path)
+    provenance.write_record(PARAMS, root, root / "reports")
+    assert provenance.check(root)[0]
+    (root / "apg/core.py").write_text("CORE = 2\n")
+    params = {**PARAMS, "a": {"train": {"lr": 5}}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    current, message = provenance.check(root)
+    assert not current
+    assert "`apg/core.py`" in message and "`a.train`" in message and "`b.train`" not in message
+    provenance.mark(root, message)
+    assert set(provenance.current_banners(root).values()) == {message}
+    readme = (root / "README.md").read_text()
+    assert readme.index("## Results") < readme.index(message) < readme.index("numbers")
+    provenance.mark(root, message)  # idempotent: one stale line, not two
+    assert (root / "README.md").read_text().count(provenance.BANNER_START) == 1
+    provenance.write_record(params, root, root / "reports")  # regenerated: current again
+    assert provenance.check(root)[0]
+    provenance.mark(root, None)
+    assert set(provenance.current_banners(root).values()) == {None}
+    assert (root / "README.md").read_text() == "# x\n\n## Results\n\nnumbers\n"
+
+
+def test_committed_results_are_this_checkouts_or_say_they_are_stale():
+    current, message = provenance.check(REPO)
+    banners = provenance.current_banners(REPO)
+    if current:
+        assert set(banners.values()) == {None}, f"results are current but a stale line remains: {banners}"
+    else:
+        assert set(banners.values()) == {message}, (
+            f"committed results are stale and not marked so ({message}); run `dvc repro`, or "
+            "`python -m pipeline.provenance mark` to say so in README.md and reports/README.md"
+        )
