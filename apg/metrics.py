@@ -1,7 +1,10 @@
-"""Evaluation metrics: log joint, ESS/L, log-evidence estimates, inclusive KL, MSE.
+"""Evaluation metrics: log joint, ESS/L, log-evidence estimates, inclusive KL, MSE,
+cluster recovery (adjusted Rand index).
 
 All functions return per-dataset values ``(B,)`` (or per-sweep lists of them), so
 callers can average over datasets and runs themselves and report a spread.
+
+Legend: L particles, B datasets, N points.
 """
 
 from __future__ import annotations
@@ -95,3 +98,50 @@ def importance_log_evidence(
     stacked = torch.stack(parts)  # (chunks, B)
     log_frac = torch.log(torch.tensor(sizes, dtype=stacked.dtype, device=stacked.device) / num_samples)
     return torch.logsumexp(stacked + log_frac.unsqueeze(-1), dim=0)
+
+
+def adjusted_rand_index(labels_true: Tensor, labels_pred: Tensor) -> Tensor:
+    """Adjusted Rand index (Hubert and Arabie 1985) of two partitions per dataset, ``(B,)``.
+
+    ``labels_true``, ``labels_pred``: non-negative integer cluster labels ``(B, N)``
+    (``(N,)`` for one dataset gives a 0-d result). With ``n_ij`` the contingency table,
+    ``a_i`` / ``b_j`` its row / column sums and ``C(m) = m (m - 1) / 2`` pairs::
+
+        ARI = (sum_ij C(n_ij) - E) / ((sum_i C(a_i) + sum_j C(b_j)) / 2 - E),
+        E = sum_i C(a_i) sum_j C(b_j) / C(N).
+
+    It is 1 for the same partition under any relabeling, 0 in expectation for a random
+    one with the same cluster sizes, and can be negative. The denominator vanishes only
+    when both partitions are trivial and equal (one cluster each, or all singletons):
+    that case is 1, as in scikit-learn.
+    """
+    if labels_true.shape != labels_pred.shape or labels_true.dim() not in (1, 2):
+        raise ValueError(
+            f"labels must be shaped alike, (N,) or (B, N); got {tuple(labels_true.shape)} "
+            f"and {tuple(labels_pred.shape)}"
+        )
+    if labels_true.dtype.is_floating_point or labels_pred.dtype.is_floating_point:
+        raise ValueError(f"labels must be integers, got {labels_true.dtype} and {labels_pred.dtype}")
+    single = labels_true.dim() == 1
+    t, p = (labels.reshape(-1, labels.shape[-1]).long() for labels in (labels_true, labels_pred))
+    if t.numel() and (t.min() < 0 or p.min() < 0):
+        raise ValueError("labels must be non-negative")
+    num_datasets, n = t.shape
+    rows, cols = int(t.max()) + 1 if t.numel() else 1, int(p.max()) + 1 if p.numel() else 1
+    # One flat bincount fills every dataset's contingency table at once: (B, rows, cols).
+    flat = (torch.arange(num_datasets, device=t.device).unsqueeze(-1) * rows + t) * cols + p
+    table = torch.bincount(flat.reshape(-1), minlength=num_datasets * rows * cols)
+    table = table.reshape(num_datasets, rows, cols).to(torch.float64)
+
+    def pairs(counts: Tensor) -> Tensor:
+        return counts * (counts - 1) / 2
+
+    index = pairs(table).sum((-1, -2))
+    sum_a, sum_b = pairs(table.sum(-1)).sum(-1), pairs(table.sum(-2)).sum(-1)
+    expected = sum_a * sum_b / max(n * (n - 1) / 2, 1.0)
+    maximum = (sum_a + sum_b) / 2
+    denom = maximum - expected
+    ari = torch.where(
+        denom == 0, torch.ones_like(denom), (index - expected) / torch.where(denom == 0, 1.0, denom)
+    )
+    return ari[0] if single else ari

@@ -12,12 +12,21 @@
   ``dataset`` the index of the held-out dataset in its set, ``sweep`` 1..K for curves; metrics of
   the final particles only (``kl_<block>``) have ``sweep = K``. Every cell is evaluated at
   each test-time pair of ``<task>.evaluate.pairs`` (Table 1, convergence curves) and of
-  ``<task>.evaluate.budget`` (Figure 2: ``L = total // K``, section 5.4).
+  ``<task>.evaluate.budget`` (Figure 2: ``L = total // K``, section 5.4). A cell that only
+  a ``budget`` grid entry trains (Figure 2 retrained per budget) is evaluated at its own
+  training pair only: that is the one point of the figure it stands for.
+  Held-out sets that carry the true assignments ``c`` (GMM, rings) add the final metric
+  ``ari``: the adjusted Rand index of the highest-weight particle's ``c`` against the
+  true ``c`` (NaN for a method whose particles have no ``c``); tasks with a known
+  Bayes-optimal assignment rule (the GMM: ``argmax_i p(c_n = i | x_n, mu, tau)`` at the
+  true parameters) add ``ari_ceiling``, the ARI of that rule, the same for every cell.
 - ``training.parquet``: the training curves recorded by the sweep (iteration, metric, value).
 - ``samples.npz``: the highest-weight particle after selected sweeps on the figure sets,
   for Figure-1-style pictures; ``samples.json`` indexes it.
 - ``meta.json``: the scale everything was made at (iterations, dataset counts, seeds),
-  which the report prints under every figure.
+  which the report prints under every figure, and each cell's ``roles``: ``main`` (a
+  ``pairs`` grid entry trains it: Table 1, the method tables, the claims) and/or
+  ``budget`` (a ``budget`` grid entry trains it: Figure 2 retrained per budget).
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ import pandas as pd
 import torch
 
 from apg.checkpoint import CheckpointError
-from apg.data import atomic_write
+from apg.data import atomic_write, load_dataset
+from apg.metrics import adjusted_rand_index
 from apg.tasks import get_task
 from apg.training import evaluate as evaluate_cell
 from apg.training import make_method
@@ -45,7 +55,7 @@ from pipeline.common import (
     seed_everything,
     with_network,
 )
-from pipeline.config import evaluation_pairs, evaluation_sets, load_params
+from pipeline.config import evaluation_pairs, evaluation_sets, grid_cells, load_params
 from pipeline.provenance import record_stage_time
 
 COLUMNS = [
@@ -127,6 +137,96 @@ def best_particles(
     return out
 
 
+# --------------------------------------------------------------------------- cluster recovery
+
+
+def final_assignments(
+    cfg, model, proposals, x: torch.Tensor, sweeps: int, particles: int, batch_size: int, resample_mode: str
+) -> np.ndarray | None:
+    """Each dataset's highest-weight particle's assignments ``c`` after the method's last
+    sweep at budget ``(sweeps, particles)``, ``(M, N)``; ``None`` when the method's
+    particles have no ``c`` (nothing to score).
+
+    A run of its own: ``apg.training.evaluate`` does not hand out its final particles.
+    """
+    method = make_method(cfg)
+    device = next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+    chunks = []
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
+            result = method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler)
+            if "c" not in result.z:
+                return None
+            best = result.log_weights.argmax(0)  # (B,)
+            chunks.append(result.z["c"][best, torch.arange(xb.shape[0], device=device)].cpu().numpy())
+    return np.concatenate(chunks)
+
+
+def gmm_bayes_assignments(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """``argmax_i p(c_n = i | x_n, mu, tau)`` at the true ``mu, tau`` of each dataset, ``(M, N)``:
+    the best any sampler can do per point (the prior on ``c`` is uniform, so the
+    likelihood decides)."""
+    from apg.tasks.gmm import assignment_logits
+
+    x, mu, tau = (torch.from_numpy(arrays[k]).to(torch.float64) for k in ("x", "mu", "tau"))
+    return assignment_logits(x, mu[None], tau[None])[0].argmax(-1).numpy()
+
+
+# Tasks whose held-out files hold enough truth for a best-possible assignment rule.
+# (A ``TaskSpec`` hook would be the natural home; the rings would need their true ring
+# shape, which the simulator fixes but the model learns.)
+ASSIGNMENT_CEILINGS = {"gmm": gmm_bayes_assignments}
+
+
+def ari_scores(true_c: np.ndarray, pred_c: np.ndarray | None) -> np.ndarray:
+    """Per-dataset ARI ``(M,)`` of ``pred_c (M, N)`` against ``true_c (M, N)``; NaN when
+    there are no predicted assignments."""
+    if pred_c is None:
+        return np.full(len(true_c), np.nan)
+    return adjusted_rand_index(torch.from_numpy(true_c), torch.from_numpy(pred_c)).numpy()
+
+
+def assignment_truth(task: str, path: Path) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The true ``c (M, N)`` of a held-out file (None without one) and the ceiling's
+    per-dataset ARI ``(M,)`` (None for tasks without a ceiling rule)."""
+    arrays = load_dataset(path)
+    if "c" not in arrays:
+        return None, None
+    true_c = arrays["c"].astype(np.int64)
+    rule = ASSIGNMENT_CEILINGS.get(task)
+    return true_c, (ari_scores(true_c, rule(arrays)) if rule else None)
+
+
+# --------------------------------------------------------------------------- which cells are what
+
+
+def cell_roles(params: dict[str, Any], task: str) -> dict[str, list[str]]:
+    """``{cell name: roles}``: ``main`` for cells a grid entry's ``pairs`` trains, ``budget``
+    for cells its ``budget`` trains (a cell can be both: the budget's K=5 cell may be the
+    main K=5 cell). Each half of each entry is expanded by ``grid_cells`` itself, so the
+    names are exactly the sweep's."""
+    section = params[task]
+    roles: dict[str, set[str]] = {}
+    for entry in section.get("grid", []):
+        for role, key, other in (("main", "pairs", "budget"), ("budget", "budget", "pairs")):
+            if key not in entry:
+                continue
+            half = {k: v for k, v in entry.items() if k != other}
+            for cell in grid_cells({**params, task: {**section, "grid": [half]}}, task):
+                roles.setdefault(cell.name, set()).add(role)
+    return {name: sorted(r) for name, r in roles.items()}
+
+
+def cell_pairs(roles: list[str], cell: dict[str, Any], pairs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Test-time pairs a cell is evaluated at: every pair, except that a cell trained only
+    for Figure 2's retrained curve stands for one point, its own training pair (and
+    evaluating it elsewhere would cost as much as the main cells' evaluation)."""
+    if roles == ["budget"]:
+        return [(cell["K"], cell["L"])]
+    return pairs
+
+
 def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) -> dict[str, Any]:
     summary_path = root / "results" / task / "sweep.json"
     if not summary_path.is_file():
@@ -142,11 +242,14 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     sets = evaluation_sets(section)
     for entry in sets:
         entry["x"] = load_task_data(task, data_dir / f"{entry['stem']}.npz", model_hparams)
+        if entry["kind"] == "test":
+            entry["true_c"], entry["ari_ceiling"] = assignment_truth(task, data_dir / f"{entry['stem']}.npz")
     test_sets = [e for e in sets if e["kind"] == "test"]
     figure_sets = [e for e in sets if e["kind"] == "figure"]
     figure_sweeps = ev.get("figure_sweeps", [1])
     frames, histories, samples, index = [], [], {}, []
     unique_pairs = sorted({tuple(p) for pairs in plan.values() for p in pairs})
+    roles = cell_roles(params, task)
     started = time.monotonic()
     for done, cell in enumerate(summary["cells"]):
         if done:
@@ -159,6 +262,8 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         if file_digest(ckpt) != cell["checkpoint_sha256"]:
             raise CheckpointError(f"checkpoint {ckpt} changed since the sweep recorded it; re-run the sweep")
         cfg, model, proposals = load_trained(ckpt)
+        # Cells of an earlier grid still in the summary have no entry now: treat as main.
+        cell_role = roles.get(cell["name"], ["main"])
         ids = {
             "task": task,
             "method": cell["method"],
@@ -174,19 +279,16 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                 "test_set": entry["name"],
                 "test_sizes": json.dumps(entry.get("sizes", {}), sort_keys=True),
             }
-            for k, l in unique_pairs:
+            for k, l in cell_pairs(cell_role, cell, unique_pairs):
                 # Same seed for every cell at a pair: methods see the same randomness budget.
                 seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
-                metrics = evaluate_cell(
-                    set_cfg,
-                    model,
-                    set_proposals,
-                    entry["x"],
-                    k,
-                    l,
-                    ev.get("batch_size", 20),
-                    ev.get("resample_mode", "block"),
-                )
+                run_args = (ev.get("batch_size", 20), ev.get("resample_mode", "block"))
+                metrics = evaluate_cell(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
+                if entry["true_c"] is not None:
+                    pred = final_assignments(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
+                    metrics["ari"] = ari_scores(entry["true_c"], pred)
+                    if entry["ari_ceiling"] is not None:
+                        metrics["ari_ceiling"] = entry["ari_ceiling"]
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
         # A cell with nothing to learn (exact Gibbs, 0 iterations) has an empty history.
         history_file = root / cell["history"]
@@ -201,7 +303,8 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                 cell_id=cell["cell_id"],
             )
         )
-        for i, entry in enumerate(figure_sets):
+        # Figure 2's retrained cells stand for one number each; the pictures show main cells.
+        for i, entry in enumerate(figure_sets if "main" in cell_role else []):
             stem, x = entry["stem"], entry["x"]
             samples[f"x__{stem}"] = x.numpy()
             set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
@@ -270,6 +373,9 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                     )
                 },
                 "mlflow_run_id": run_ids.get(c["cell_id"]),
+                "roles": roles.get(c["name"], ["main"]),
+                # Reused from other code (sweep.reuse_across_code): the report says so in bold.
+                "trained_by_other_code": bool(c.get("trained_by_other_code", False)),
             }
             for c in summary["cells"]
         ],

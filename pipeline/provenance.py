@@ -203,6 +203,17 @@ def record_stage_time(root: Path, stage: str, task: str | None, seconds: float) 
     atomic_write(root / TIMINGS / f"{name}.json", lambda tmp: tmp.write_text(text + "\n"))
 
 
+def stage_times(root: Path) -> dict[str, float]:
+    """``{stage@task: seconds}`` recorded by the stages of the last run in ``root``, in
+    pipeline order (generate, sweep, evaluate per task)."""
+    folder = root / TIMINGS
+    if not folder.is_dir():
+        return {}
+    order = {"generate": 0, "sweep": 1, "evaluate": 2}
+    times = {p.stem: json.loads(p.read_text())["seconds"] for p in folder.glob("*.json")}
+    return dict(sorted(times.items(), key=lambda kv: (order.get(kv[0].split("@")[0], 3), kv[0])))
+
+
 def banner(text: str) -> str:
     return f"{BANNER_START}\n> {text}\n{BANNER_END}\n"
 

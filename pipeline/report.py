@@ -3,13 +3,21 @@
 ``python -m pipeline.report`` reads ``results/eval/<task>/`` for every task in
 ``tasks`` and writes into ``reports/``:
 
-- ``README.md``: the index, with every table and figure and the scale it was made at;
+- ``README.md``: the index, with every table and figure and the scale it was made at; it
+  opens with the claims table: the paper's claims (``paper_numbers.yaml``, ``claims``)
+  checked against the evaluation metrics with 95% intervals over seeds (``check_claim``);
+- ``tables/<task>_training.{md,csv}``: per cell, whether its training log joint has
+  plateaued (``plateau``: the OLS trend over the last fifth of training against its
+  standard error). Rows of every other table (and claims) whose numbers come from a
+  cell that has not plateaued carry ``†`` (not assessable: ``‡``);
 - ``tables/<task>_table1.{md,csv}``: Table 1 (our numbers, the paper's beside them);
 - ``tables/<task>_methods.{md,csv}``: every method at the same sample budgets K*L: held-out
   log joint, ESS/L, both log-evidence estimates and HMC's acceptance rate, mean and std
   over seeds, with the cell ids and MLflow run ids each number comes from;
-- ``figures/<task>_budget.png``: Figure 2, log joint and ESS/L versus K at K*L fixed;
-- ``figures/<task>_sweeps.png``: convergence versus sweeps; ``<task>_training.png``;
+- ``figures/<task>_budget.png``: Figure 2, log joint and ESS/L versus K at K*L fixed: cells
+  retrained per budget (solid) and one model at test-time budgets (dashed);
+- ``figures/<task>_sweeps.png``: convergence versus sweeps; ``<task>_training.png``: the
+  training log joint of every cell, one panel per method;
 - ``figures/<task>_methods_sweeps.png``: every method's held-out log joint versus sweeps
   (when several methods run sweeps: APG and the companion-paper samplers on the GMM);
 - ``figures/<task>_kl.png``: inclusive KL of the block kernels to the exact Gibbs
@@ -18,7 +26,11 @@
   evaluations per dataset, ``Method.model_evaluations``), per held-out set;
 - ``figures/<task>_samples.png``: Figure-1-style pictures (the task's ``draw`` hook),
   and ``<task>_samples.gif`` when the task has an ``animate`` hook;
-- ``metrics.json``: headline numbers for ``dvc metrics show`` / ``dvc exp show``.
+- ``metrics.json``: headline numbers for ``dvc metrics show`` / ``dvc exp show``, and under
+  ``claims`` each checked claim (``task/id``: value, lo, hi, target, pass).
+
+Table 1, the method tables and the claims use each method's main cells (trained at its
+grid ``pairs``); cells trained only for Figure 2 (grid ``budget``) feed its solid curve.
 
 Every number is a mean over seeds and held-out datasets; ``std`` columns and shaded
 bands are the standard deviation over the same (seed, dataset) pairs (the methods-sweeps
@@ -29,8 +41,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 import matplotlib.ticker
@@ -98,6 +111,187 @@ def primary_test_set(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
     return frame[frame["test_set"] == sets[0]["name"]]
 
 
+def main_rows(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
+    """Rows of the cells Table 1, the method tables and the claims use: those a ``pairs``
+    grid entry trained (``roles`` in meta.json). Cells trained only for Figure 2's retrained
+    curve (``budget``) would otherwise be averaged into Table 1 with cells trained at another
+    (K, L). A method with no ``main`` cell, and results written before roles existed, keep
+    every cell."""
+    roles = {c["cell_id"]: c.get("roles", ["main"]) for c in meta["cells"]}
+    is_main = {cid: "main" in r for cid, r in roles.items()}
+    has_main = {c["method"] for c in meta["cells"] if is_main[c["cell_id"]]}
+    keep = [
+        is_main.get(cid, True) or method not in has_main
+        for cid, method in zip(frame["cell_id"], frame["method"], strict=True)
+    ]
+    return frame[keep]
+
+
+def retrained_rows(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
+    """Rows of the cells a ``budget`` grid entry trained, evaluated at their own training
+    pair: Figure 2 retrained per budget (one point per cell)."""
+    budget = {c["cell_id"] for c in meta["cells"] if "budget" in c.get("roles", [])}
+    own = (frame["K"] == frame["train_K"]) & (frame["L"] == frame["train_L"])
+    return frame[frame["cell_id"].isin(budget) & own]
+
+
+# --------------------------------------------------------------------------- training plateau
+
+# A cell has plateaued when its training log joint over the last fifth of its iterations
+# shows no trend larger than 3 standard errors; fewer than 5 logged points there cannot
+# tell a trend from noise.
+PLATEAU_FRACTION = 0.2
+PLATEAU_MIN_POINTS = 5
+PLATEAU_Z = 3.0
+NOT_PLATEAUED, NOT_ASSESSABLE = "†", "‡"
+FLAG_NOTES = {
+    NOT_PLATEAUED: "not plateaued: see the training table",
+    NOT_ASSESSABLE: f"plateau not assessable (fewer than {PLATEAU_MIN_POINTS} logged points in the last "
+    "fifth of training): see the training table",
+}
+
+
+class Plateau(NamedTuple):
+    """The trend of a training curve over its last fifth (``plateau``).
+
+    points: logged values in the window. start, end: first and last iteration in it.
+    final: mean value in the window (the smoothed final training log joint).
+    delta: OLS slope x (end - start), the change the trend makes across the window.
+    se: the slope's standard error x (end - start). z: delta / se.
+    plateaued: ``|z| < PLATEAU_Z``; None when the window has fewer than
+    ``PLATEAU_MIN_POINTS`` points (not assessable).
+    """
+
+    points: int
+    start: float
+    end: float
+    final: float
+    delta: float
+    se: float
+    z: float
+    plateaued: bool | None
+
+
+def plateau(iteration: np.ndarray, value: np.ndarray, fraction: float = PLATEAU_FRACTION) -> Plateau:
+    """Fit ``value ~ a + b iteration`` by ordinary least squares over the logged points with
+    ``iteration > (1 - fraction) * last iteration`` and test the trend: ``Delta = b (end -
+    start)``, ``se(Delta) = se(b) (end - start)`` with ``se(b)^2 = s^2 / sum (t - mean t)^2``
+    and ``s^2`` the residual variance on ``n - 2`` degrees of freedom, ``z = Delta / se``.
+
+    The logged values are single training batches, so their scatter around the line is
+    the batch-to-batch noise the trend is compared with.
+    """
+    t, v = np.asarray(iteration, dtype=float), np.asarray(value, dtype=float)
+    finite = np.isfinite(t) & np.isfinite(v)
+    t, v = t[finite], v[finite]
+    nan = float("nan")
+    if not len(t):
+        return Plateau(0, nan, nan, nan, nan, nan, nan, None)
+    window = t > (1.0 - fraction) * t.max()
+    t, v = t[window], v[window]
+    n = len(t)
+    start, end, final = float(t.min()), float(t.max()), float(v.mean())
+    delta = se = z = nan
+    if n >= 3:
+        dt = t - t.mean()
+        sxx = float(dt @ dt)
+        slope = float(dt @ (v - v.mean())) / sxx
+        resid = v - v.mean() - slope * dt
+        se_slope = math.sqrt(float(resid @ resid) / (n - 2) / sxx)
+        delta, se = slope * (end - start), se_slope * (end - start)
+        # A perfectly straight window: no noise to compare with; any trend is significant.
+        z = delta / se if se > 0 else (0.0 if delta == 0 else math.copysign(math.inf, delta))
+    ok = bool(abs(z) < PLATEAU_Z) if n >= PLATEAU_MIN_POINTS else None
+    return Plateau(n, start, end, final, delta, se, z, ok)
+
+
+def training_table(training: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
+    """One row per cell: its training log joint's ``plateau`` statistics and verdict
+    (``yes`` / ``no`` / ``not assessable``; ``not trained`` for cells with nothing to
+    learn, e.g. exact Gibbs at 0 iterations), its iterations and mean iterations/s."""
+    lj = training[training["metric"] == "log_joint"] if not training.empty else training
+    rows = []
+    for cell in meta["cells"]:
+        curve = lj[lj["cell_id"] == cell["cell_id"]] if not lj.empty else lj
+        stat = plateau(curve["iteration"].to_numpy(), curve["value"].to_numpy()) if len(curve) else None
+        if not cell["iterations"] or stat is None:
+            verdict = "not trained" if not cell["iterations"] else "not assessable"
+        else:
+            verdict = {True: "yes", False: "no", None: "not assessable"}[stat.plateaued]
+        rows.append(
+            {
+                "cell": cell["name"],
+                "cell_id": cell["cell_id"],
+                "method": cell["method"],
+                "K": cell["K"],
+                "L": cell["L"],
+                "seed": cell["seed"],
+                "iterations": cell["iterations"],
+                "it_per_s": cell.get("mean_it_per_s"),
+                "points": stat.points if stat else 0,
+                "window_start": stat.start if stat else np.nan,
+                "final_log_joint": stat.final if stat else np.nan,
+                "delta": stat.delta if stat else np.nan,
+                "se": stat.se if stat else np.nan,
+                "z": stat.z if stat else np.nan,
+                "plateaued": verdict,
+            }
+        )
+    table = pd.DataFrame(rows)
+    return table.sort_values(["method", "K", "L", "seed"]).reset_index(drop=True) if rows else table
+
+
+def cell_flags(training: pd.DataFrame) -> dict[str, str]:
+    """``{cell_id: mark}``: ``†`` for a cell that has not plateaued, ``‡`` for one whose
+    plateau cannot be assessed, nothing for the rest (``training_table`` rows)."""
+    marks = {"no": NOT_PLATEAUED, "not assessable": NOT_ASSESSABLE}
+    return {r.cell_id: marks[r.plateaued] for r in training.itertuples(index=False) if r.plateaued in marks}
+
+
+def row_flag(cell_ids: Any, flags: dict[str, str]) -> str:
+    """The marks of every cell a table row's numbers come from, each once (``†‡``)."""
+    marks = {flags.get(cid, "") for cid in cell_ids}
+    return "".join(m for m in (NOT_PLATEAUED, NOT_ASSESSABLE) if m in marks)
+
+
+def with_flags(
+    table: pd.DataFrame, frame: pd.DataFrame, keys: list[str], flags: dict[str, str]
+) -> pd.DataFrame:
+    """``table`` with a ``flag`` column: the marks of the cells whose rows in ``frame``
+    share the table row's ``keys`` (e.g. method, K, L)."""
+    cells = frame.groupby(keys)["cell_id"].unique()
+    marks = [
+        row_flag(cells.get(tuple(r) if len(keys) > 1 else r[0], []), flags)
+        for r in table[keys].itertuples(index=False)
+    ]
+    return table.assign(flag=marks)
+
+
+def flag_notes(marks: str) -> str:
+    """Footnotes for the marks used in a table."""
+    return " ".join(f"{m} {FLAG_NOTES[m]}." for m in (NOT_PLATEAUED, NOT_ASSESSABLE) if m in marks)
+
+
+def training_markdown(table: pd.DataFrame) -> str:
+    header = ["cell", "iterations", "it/s", "final log p(x,z)", "Δ last fifth", "se(Δ)", "z", "plateaued"]
+    rows = [header, ["---"] * len(header)]
+    for r in table.itertuples(index=False):
+        rows.append(
+            [
+                f"`{r.cell}`",
+                str(r.iterations),
+                _num(r.it_per_s),
+                _num(r.final_log_joint),
+                _num(r.delta),
+                _num(r.se),
+                "" if not np.isfinite(r.z) else f"{r.z:.1f}",
+                r.plateaued
+                + {"no": f" {NOT_PLATEAUED}", "not assessable": f" {NOT_ASSESSABLE}"}.get(r.plateaued, ""),
+            ]
+        )
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+
+
 # --------------------------------------------------------------------------- Table 1
 
 
@@ -161,17 +355,19 @@ def metric_order(metrics: list[str]) -> list[str]:
     head = [m for m in ("d_log_joint", "log_joint", "ess") if m in metrics]
     ess = [m for m in metrics if m.startswith("ess_")]
     kl = [m for m in metrics if m.startswith("kl_")]
-    rest = [m for m in metrics if m not in head + ess + kl]
-    return head + ess + kl + rest
+    ari = [m for m in ("ari", "ari_ceiling") if m in metrics]
+    rest = [m for m in metrics if m not in head + ess + kl + ari]
+    return head + ess + kl + ari + rest
 
 
 def paper_column(paper: dict[str, Any] | None, index: pd.MultiIndex, metric: str) -> list[float] | None:
     """The paper's value for each of our rows, matched by method and (if given) K."""
-    if not paper or not any(metric in row for row in paper["rows"]):
+    rows = (paper or {}).get("rows") or []
+    if not any(metric in row for row in rows):
         return None
     values = []
     for method, k, _ in index:
-        match = [r for r in paper["rows"] if r["method"] == method and r.get("K", k) == k]
+        match = [r for r in rows if r["method"] == method and r.get("K", k) == k]
         values.append(match[0].get(metric, np.nan) if match else np.nan)
     return values
 
@@ -183,7 +379,7 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
     metrics = [
         c
         for c in table.columns
-        if c not in ("method", "K", "L") and not c.endswith("_std") and not c.startswith("paper_")
+        if c not in ("method", "K", "L", "flag") and not c.endswith("_std") and not c.startswith("paper_")
     ]
     header, cells = ["method", "K", "L"], []
     for m in metrics:
@@ -191,14 +387,24 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
         if f"paper_{m}" in table:
             header.append("paper")
     for row in table.to_dict("records"):
-        line = [row["method"], str(row["K"]), str(row["L"])]
+        line = [_flagged(row["method"], row.get("flag")), str(row["K"]), str(row["L"])]
         for m in metrics:
             line.append(_pm(row[m], row.get(f"{m}_std")))
             if f"paper_{m}" in table:
                 line.append(_num(row[f"paper_{m}"]))
         cells.append(line)
     rows = ["| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *cells]]
-    return "\n".join(rows)
+    return "\n".join(rows) + _footnote(table)
+
+
+def _flagged(text: str, flag: Any) -> str:
+    return f"{text} {flag}" if isinstance(flag, str) and flag else text
+
+
+def _footnote(table: pd.DataFrame) -> str:
+    """The flags' footnote under a Markdown table (nothing when no row is flagged)."""
+    marks = "".join(table["flag"].dropna()) if "flag" in table else ""
+    return f"\n\n{flag_notes(marks)}" if marks else ""
 
 
 def _label(metric: str, labels: dict[str, str] | None) -> str:
@@ -208,7 +414,16 @@ def _label(metric: str, labels: dict[str, str] | None) -> str:
     for prefix in ("ess_", "kl_"):
         if metric.startswith(prefix) and labels and metric[len(prefix) :] in labels:
             return f"{prefix.rstrip('_')} {labels[metric[len(prefix) :]]}"
-    return {"d_log_joint": "Δ log p(x,z)", "log_joint": "log p(x,z)", "ess": "ESS/L"}.get(metric, metric)
+    return METRIC_LABELS.get(metric, metric)
+
+
+METRIC_LABELS = {
+    "d_log_joint": "Δ log p(x,z)",
+    "log_joint": "log p(x,z)",
+    "ess": "ESS/L",
+    "ari": "ARI",
+    "ari_ceiling": "ARI ceiling",
+}
 
 
 def _num(v: Any) -> str:
@@ -224,7 +439,7 @@ def _pm(mean: Any, std: Any) -> str:
 
 # --------------------------------------------------------------------------- method comparison
 
-COMPARISON_METRICS = ("log_joint", "ess", "log_evidence", "log_evidence_is", "accept")
+COMPARISON_METRICS = ("log_joint", "ess", "log_evidence", "log_evidence_is", "ari", "accept")
 
 
 def comparison_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
@@ -265,6 +480,7 @@ def comparison_markdown(table: pd.DataFrame) -> str:
         "ess": "ESS/L",
         "log_evidence": "log p(x) SMC",
         "log_evidence_is": "log p(x) IS",
+        "ari": "ARI",
         "accept": "HMC accept",
     }
     metrics = [m for m in COMPARISON_METRICS if m in table]
@@ -278,7 +494,7 @@ def comparison_markdown(table: pd.DataFrame) -> str:
         rows.append(
             [
                 str(row["budget"]),
-                row["method"],
+                _flagged(row["method"], row.get("flag")),
                 str(row["K"]),
                 str(row["L"]),
                 *(_pm(row[m], row.get(f"{m}_std")) for m in metrics),
@@ -286,7 +502,316 @@ def comparison_markdown(table: pd.DataFrame) -> str:
                 trace,
             ]
         )
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + _footnote(table)
+
+
+# --------------------------------------------------------------------------- claims
+
+# Claims need an interval over seeds; with fewer seeds the verdict rests on the mean alone.
+MIN_SEEDS = 3
+# Student-t 0.975 quantiles for 1..30 degrees of freedom (beyond: Cornish-Fisher, ``t975``).
+# fmt: off
+_T975 = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
+)
+# fmt: on
+CLAIM_KINDS = ("threshold", "gap", "above", "at_least", "within_noise", "increasing", "budget_above")
+VERDICT_RULES = (
+    "Each number is a mean over seeds of the per-seed mean over the held-out datasets of the "
+    f"first test set; [lo, hi] is a Student-t 95% interval over those seed means (needs ≥ {MIN_SEEDS} "
+    "seeds; with fewer it is n/a and the verdict, marked with the seed count, rests on the means). "
+    "Threshold claims (≥, ≤, within a gap) use the mean. 'A above B' needs non-overlapping 95% "
+    "intervals (with fewer seeds: A's mean above B's). 'A ≥ B' compares the means. 'Within noise' "
+    "needs overlapping intervals (no verdict with fewer seeds). 'Increasing with K' needs the mean "
+    "to increase at every step. 'not run': the method, budget or metric is absent from these results."
+)
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (table up to 30,
+    then the Cornish-Fisher expansion about the normal quantile, within 1e-4 there)."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+class Estimate(NamedTuple):
+    """A mean over seeds with its Student-t 95% interval ``[lo, hi]`` (NaN with fewer than
+    ``MIN_SEEDS`` seeds); ``n``: seeds; ``cells``: the cell ids it averages."""
+
+    mean: float
+    lo: float
+    hi: float
+    n: int
+    cells: tuple[str, ...] = ()
+
+
+def seed_interval(values: Any, cells: tuple[str, ...] = ()) -> Estimate:
+    """Mean and Student-t 95% interval of per-seed values (NaN ones dropped)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    n = len(v)
+    if not n:
+        return Estimate(math.nan, math.nan, math.nan, 0, cells)
+    mean = float(v.mean())
+    if n < MIN_SEEDS:
+        return Estimate(mean, math.nan, math.nan, n, cells)
+    half = t975(n - 1) * float(v.std(ddof=1)) / math.sqrt(n)
+    return Estimate(mean, mean - half, mean + half, n, cells)
+
+
+def seed_estimate(
+    fin: pd.DataFrame, method: str, metric: str, pair: tuple[int, int], reference: str | None = None
+) -> Estimate:
+    """``metric`` of ``method``'s final particles at test-time ``pair``: per seed the mean
+    over held-out datasets, then ``seed_interval``. With ``reference``, the per-dataset
+    difference ``reference - metric`` (same cell, same dataset) instead."""
+    k, l = pair
+    at = fin[(fin["method"] == method) & (fin["K"] == k) & (fin["L"] == l)]
+    rows = at[at["metric"] == metric].set_index(["cell_id", "dataset"])
+    if rows.empty:
+        return seed_interval([])
+    values = rows["value"]
+    if reference is not None:
+        ref = at[at["metric"] == reference].set_index(["cell_id", "dataset"])["value"]
+        values = ref.reindex(values.index) - values
+    per_seed = values.groupby(rows["seed"]).mean()
+    return seed_interval(per_seed.to_numpy(), tuple(sorted(set(rows.index.get_level_values("cell_id")))))
+
+
+def retrained_estimates(retrained: pd.DataFrame, method: str, metric: str) -> dict[tuple[int, int], Estimate]:
+    """``{(K, L): Estimate}`` over the cells retrained per budget (Figure 2), each evaluated
+    at its own training pair."""
+    sub = retrained[(retrained["method"] == method) & (retrained["metric"] == metric)]
+    return {
+        (int(k), int(l)): seed_estimate(part, method, metric, (int(k), int(l)))
+        for (k, l), part in sub.groupby(["K", "L"])
+    }
+
+
+class ClaimResult(NamedTuple):
+    """One checked claim: ``ours`` and ``target`` as printed; ``passed`` None when no verdict
+    can be given (not run, too few seeds for 'within noise'); ``note`` qualifies the
+    verdict (``1 seed``); ``value``/``lo``/``hi``/``target_value`` for metrics.json."""
+
+    task: str
+    id: str
+    claim: str
+    section: str
+    ours: str
+    target: str
+    passed: bool | None
+    note: str
+    value: Any
+    lo: Any
+    hi: Any
+    target_value: Any
+    cells: tuple[str, ...]
+
+
+def _est(e: Estimate) -> str:
+    """``mean [lo, hi]``, or ``mean (n/a, 1 seed)``."""
+    if not e.n:
+        return "n/a"
+    if e.n < MIN_SEEDS:
+        return f"{_cnum(e.mean)} (interval n/a, {e.n} seed{'s' if e.n > 1 else ''})"
+    return f"{_cnum(e.mean)} [{_cnum(e.lo)}, {_cnum(e.hi)}]"
+
+
+def _cnum(v: float) -> str:
+    """Small numbers (KL, ESS gaps) keep 2 significant digits; the rest as in the tables."""
+    return f"{v:.2g}" if v != 0 and abs(v) < 0.01 else _num(v)
+
+
+def _seed_note(*estimates: Estimate) -> str:
+    n = min(e.n for e in estimates)
+    return f"{n} seed{'s' if n > 1 else ''}" if n < MIN_SEEDS else ""
+
+
+def _overlap(a: Estimate, b: Estimate) -> bool:
+    return a.lo <= b.hi and b.lo <= a.hi
+
+
+OPS = {">=": (lambda a, b: a >= b, "≥"), "<=": (lambda a, b: a <= b, "≤")}
+
+
+def claim_target(spec: dict[str, Any]) -> str:
+    """What a claim asks for, as printed in the claims table's ``target`` column."""
+    kind, label = spec["kind"], METRIC_LABELS.get(spec["metric"], spec["metric"])
+    if kind == "threshold":
+        return f"{OPS[spec['op']][1]} {spec['target']}"
+    if kind == "gap":
+        return f"{METRIC_LABELS.get(spec['reference'], spec['reference'])} − {label} ≤ {spec['target']}"
+    if kind == "above":
+        return f"above {spec['other']} (non-overlapping 95% intervals)"
+    if kind == "at_least":
+        return f"≥ {spec['other']} (means)"
+    if kind == "within_noise":
+        return f"within noise of {spec['other']} (overlapping 95% intervals)"
+    if kind == "increasing":
+        return "increasing at every step of K " + "→".join(str(k) for k, _ in spec["pairs"])
+    return "largest K above smallest K (non-overlapping 95% intervals)"  # budget_above
+
+
+def check_claim(spec: dict[str, Any], task: str, fin: pd.DataFrame, retrained: pd.DataFrame) -> ClaimResult:
+    """Evaluate one claim of ``<task>.claims`` (pipeline/paper_numbers.yaml) on the final
+    metrics ``fin`` of the main cells (and the ``retrained`` budget cells), by the rules
+    in ``VERDICT_RULES``."""
+    kind = spec["kind"]
+    if kind not in CLAIM_KINDS:
+        raise ValueError(f"claim {task}/{spec['id']}: unknown kind {kind!r}; known: {CLAIM_KINDS}")
+    method, metric = spec["method"], spec["metric"]
+    pair = tuple(spec.get("pair", (0, 0)))
+    if "train" in spec:  # only the cells trained at this (K, L)
+        k, l = spec["train"]
+        fin = fin[(fin["train_K"] == k) & (fin["train_L"] == l)]
+    label = METRIC_LABELS.get(metric, metric)
+    head = (task, spec["id"], spec["claim"], spec.get("section", ""))
+    target = claim_target(spec)
+
+    def result(ours, passed, note, value, lo, hi, target_value, cells) -> ClaimResult:
+        return ClaimResult(*head, ours, target, passed, note, value, lo, hi, target_value, tuple(cells))
+
+    not_run = result("not run", None, "not run", None, None, None, None, ())
+
+    if kind in ("threshold", "gap"):
+        reference = spec.get("reference") if kind == "gap" else None
+        e = seed_estimate(fin, method, metric, pair, reference)
+        if not e.n:
+            return not_run
+        ok = e.mean <= spec["target"] if kind == "gap" else OPS[spec["op"]][0](e.mean, spec["target"])
+        ours = f"{method} K={pair[0]} L={pair[1]}: {_est(e)}"
+        if kind == "gap":  # print both numbers, not only their difference
+            mine = seed_estimate(fin, method, metric, pair)
+            ceiling = seed_estimate(fin, method, reference, pair)
+            ours = (
+                f"{method} K={pair[0]} L={pair[1]}: {label} {_est(mine)}; "
+                f"{METRIC_LABELS.get(reference, reference)} {_est(ceiling)}; gap {_est(e)}"
+            )
+        return result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["target"], e.cells)
+
+    if kind in ("above", "at_least", "within_noise"):
+        other = spec["other"]
+        a, b = seed_estimate(fin, method, metric, pair), seed_estimate(fin, other, metric, pair)
+        if not a.n or not b.n:
+            return not_run
+        note = _seed_note(a, b)
+        if kind == "above":
+            ok = a.mean > b.mean if note else a.lo > b.hi
+        elif kind == "at_least":
+            ok = a.mean >= b.mean
+        else:
+            ok = None if note else _overlap(a, b)
+        ours = f"K={pair[0]} L={pair[1]}: {method} {_est(a)} vs {other} {_est(b)}"
+        ref = {"method": other, "value": b.mean, "lo": b.lo, "hi": b.hi}
+        return result(ours, ok, note, a.mean, a.lo, a.hi, ref, a.cells + b.cells)
+
+    if kind == "increasing":
+        pairs = [tuple(p) for p in spec["pairs"]]
+        ests = [seed_estimate(fin, method, metric, p) for p in pairs]
+        if any(not e.n for e in ests):
+            return not_run
+        ok = all(b.mean > a.mean for a, b in zip(ests, ests[1:], strict=False))
+        ours = f"{method}: " + "; ".join(f"K={k}: {_est(e)}" for (k, _), e in zip(pairs, ests, strict=True))
+        cells = tuple(c for e in ests for c in e.cells)
+        return result(
+            ours,
+            ok,
+            _seed_note(*ests),
+            [e.mean for e in ests],
+            [e.lo for e in ests],
+            [e.hi for e in ests],
+            "increasing",
+            cells,
+        )
+
+    # budget_above: Figure 2 from cells retrained at each (K, L = total // K)
+    ests = retrained_estimates(retrained, method, metric)
+    if len(ests) < 2:
+        return not_run
+    pairs = sorted(ests)
+    low, high = ests[pairs[0]], ests[pairs[-1]]
+    note = _seed_note(low, high)
+    ok = high.mean > low.mean if note else high.lo > low.hi
+    ours = f"{method} retrained, {label}: " + "; ".join(
+        f"K={k} L={l}: {_est(ests[(k, l)])}" for k, l in pairs
+    )
+    cells = tuple(c for e in ests.values() for c in e.cells)
+    return result(
+        ours,
+        ok,
+        note,
+        [ests[p].mean for p in pairs],
+        [ests[p].lo for p in pairs],
+        [ests[p].hi for p in pairs],
+        "increasing in K",
+        cells,
+    )
+
+
+def claims_not_run(task: str, specs: list[dict[str, Any]], why: str) -> list[ClaimResult]:
+    """Claims of a task this run has no results for, listed so the table shows what was not checked."""
+    blank = {"passed": None, "note": "not run", "value": None, "lo": None, "hi": None, "target_value": None}
+    return [
+        ClaimResult(task, s["id"], s["claim"], s.get("section", ""), why, claim_target(s), cells=(), **blank)
+        for s in specs
+    ]
+
+
+def verdict(r: ClaimResult) -> str:
+    if r.note == "not run":
+        return "not run"
+    mark = {True: "✓", False: "✗", None: "–"}[r.passed]
+    return f"{mark} ({r.note})" if r.note else mark
+
+
+def claims_markdown(results: list[ClaimResult], flags: dict[str, str], unclaimed: list[str]) -> str:
+    """The claims table with its verdict rules; a claim whose numbers come from a cell that
+    has not plateaued carries that cell's mark."""
+    header = ["task", "claim (paper section)", "ours (95% interval over seeds)", "target", "✓/✗"]
+    rows = [header, ["---"] * len(header)]
+    marks = ""
+    for r in results:
+        flag = row_flag(r.cells, flags)
+        marks += flag
+        section = f" ({r.section})" if r.section else ""
+        rows.append([r.task, f"{r.claim}{section}", _flagged(r.ours, flag), r.target, verdict(r)])
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", f"Verdict rules: {VERDICT_RULES}"]
+    if marks:
+        lines += ["", flag_notes(marks)]
+    if unclaimed:
+        lines += ["", f"No claims defined yet for: {', '.join(unclaimed)}."]
+    return "\n".join(lines)
+
+
+def claims_json(results: list[ClaimResult]) -> dict[str, Any]:
+    """``{task/id: {value, lo, hi, target, pass}}`` for metrics.json (NaN as null)."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        if isinstance(v, (float, np.floating)):
+            return float(v) if math.isfinite(v) else None
+        return v
+
+    return {
+        f"{r.task}/{r.id}": {
+            "value": clean(r.value),
+            "lo": clean(r.lo),
+            "hi": clean(r.hi),
+            "target": clean(r.target_value),
+            "pass": r.passed,
+        }
+        for r in results
+    }
 
 
 # --------------------------------------------------------------------------- figures
@@ -296,26 +821,54 @@ def mean_std(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
     return frame.groupby(by)["value"].agg(["mean", "std"]).fillna(0.0).reset_index()
 
 
-def budget_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path) -> bool:
-    """Figure 2: final log joint and ESS/L versus K at K*L fixed, shaded std."""
-    if not meta.get("budget"):
-        return False
-    pairs = {tuple(p) for p in meta["budget"]["pairs"]}
+def budget_figure(
+    frame: pd.DataFrame, retrained: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path
+) -> bool:
+    """Figure 2: final log joint and ESS/L versus K at K*L fixed. Solid: cells retrained at
+    each (K, L = total // K), each evaluated at its own pair; dashed: each method's main
+    cells at the test-time budget pairs (one model, as the paper did). Shaded: std over
+    seeds x datasets."""
+    pairs = {tuple(p) for p in (meta.get("budget") or {}).get("pairs", [])}
     fin = finals(frame)
-    fin = fin[[(k, l) in pairs for k, l in zip(fin["K"], fin["L"], strict=False)]]
+    test_time = fin[[(k, l) in pairs for k, l in zip(fin["K"], fin["L"], strict=False)]]
+    own = finals(retrained)
+    if test_time.empty and own.empty:
+        return False
+    methods = sorted(set(test_time["method"]) | set(own["method"]))
+    colors = dict(zip(methods, sns.color_palette("tab10", len(methods)), strict=False))
+    totals = sorted({int(k * l) for k, l in zip(own["K"], own["L"], strict=False)})
+    total = (meta.get("budget") or {}).get("total") or (totals[-1] if totals else None)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, CURVE_METRICS, strict=False):
-        stats = mean_std(fin[fin["metric"] == metric], ["method", "K"])
-        for (method, group), color in zip(stats.groupby("method"), sns.color_palette(), strict=False):
-            ax.plot(group["K"], group["mean"], marker="o", label=method, color=color)
-            ax.fill_between(
-                group["K"], group["mean"] - group["std"], group["mean"] + group["std"], alpha=0.2, color=color
-            )
+        for part, style, what in (
+            (own, "-", "retrained per budget"),
+            (test_time, "--", "one model, test-time budgets"),
+        ):
+            stats = mean_std(part[part["metric"] == metric], ["method", "K"])
+            for method, group in stats.groupby("method"):
+                ax.plot(
+                    group["K"],
+                    group["mean"],
+                    marker="o",
+                    ls=style,
+                    color=colors[method],
+                    label=f"{method}: {what}",
+                )
+                ax.fill_between(
+                    group["K"],
+                    group["mean"] - group["std"],
+                    group["mean"] + group["std"],
+                    alpha=0.15,
+                    color=colors[method],
+                )
         ax.set_xscale("log")
-        ax.set_xlabel(f"K sweeps (L = {meta['budget']['total']} // K)")
+        ks = sorted(set(test_time["K"]) | set(own["K"]))
+        ax.set_xticks(ks, [str(k) for k in ks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlabel("K sweeps (L = total // K)")
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
-    axes[0].legend()
-    fig.suptitle(f"Fixed budget K*L = {meta['budget']['total']} (Figure 2)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Fixed budget K*L = {total} (Figure 2)" if total else "Fixed budget K*L (Figure 2)")
     _save(fig, path, caption)
     return True
 
@@ -537,30 +1090,60 @@ def mse_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
     ).reset_index(drop=True)
 
 
-def training_figure(training: pd.DataFrame, caption: str, path: Path) -> bool:
-    if training.empty:
+def smoothed(values: pd.Series, points: int = 50) -> pd.Series:
+    """Trailing rolling mean over ~1/``points`` of the curve (at least 1 point): the logged
+    values are single training batches, too noisy to read as they are."""
+    return values.rolling(max(1, len(values) // points), min_periods=1).mean()
+
+
+def training_figure(training: pd.DataFrame, table: pd.DataFrame, caption: str, path: Path) -> bool:
+    """Training log joint (rolling mean) versus iteration, one panel per method, one colour
+    per training (K, L), one thin line per seed; the last fifth of training (where
+    ``plateau`` fits its trend) is shaded."""
+    lj = training[training["metric"] == "log_joint"] if not training.empty else training
+    if lj.empty:
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for ax, metric in zip(axes, ("log_joint", "ess", "it_per_s"), strict=False):
-        sub = training[training["metric"] == metric].copy()
-        sub["cell"] = (
-            sub["method"]
-            + " K"
-            + sub["K"].astype(str)
-            + " L"
-            + sub["L"].astype(str)
-            + " s"
-            + sub["seed"].astype(str)
-        )
-        sns.lineplot(data=sub, x="iteration", y="value", hue="cell", ax=ax, legend=ax is axes[0])
-        ax.set_ylabel(
-            {"log_joint": "log p(x, z) (training batch)", "ess": "ESS / L", "it_per_s": "iterations / s"}[
-                metric
-            ]
-        )
-    if axes[0].get_legend():
-        axes[0].legend(fontsize=7)
-    fig.suptitle("Training curves (last sweep of each training batch)")
+    methods = sorted(set(lj["method"]))
+    cols = min(3, len(methods))
+    rows = -(-len(methods) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols, 3.4 * rows), squeeze=False)
+    verdict_of = dict(zip(table["cell_id"], table["plateaued"], strict=False)) if len(table) else {}
+    for ax, method in zip(axes.flat, methods, strict=False):
+        part = lj[lj["method"] == method]
+        budgets = sorted({(k, l) for k, l in zip(part["K"], part["L"], strict=False)})
+        colors = dict(zip(budgets, sns.color_palette("viridis", len(budgets)), strict=False))
+        late = []  # smoothed values after the first tenth: the y range (early RWS values are far off)
+        windows = set()  # shaded once each: overlapping spans would darken with every seed
+        for (cell_id, k, l), curve in part.groupby(["cell_id", "K", "L"]):
+            curve = curve.sort_values("iteration")
+            smooth = smoothed(curve["value"])
+            flag = {"no": f" {NOT_PLATEAUED}", "not assessable": f" {NOT_ASSESSABLE}"}.get(
+                verdict_of.get(cell_id), ""
+            )
+            ax.plot(curve["iteration"], smooth, lw=0.8, color=colors[(k, l)], label=f"K{k} L{l}")
+            if flag:  # the cell's mark at its last point, so a not-plateaued curve is visible
+                ax.annotate(flag.strip(), (curve["iteration"].iloc[-1], smooth.iloc[-1]), fontsize=8)
+            last = curve["iteration"].max()
+            windows.add(((1 - PLATEAU_FRACTION) * last, last))
+            late.append(smooth[curve["iteration"] > 0.1 * last])
+        for lo_it, hi_it in windows:
+            ax.axvspan(lo_it, hi_it, color="grey", alpha=0.12, lw=0)
+        values = pd.concat(late)
+        if len(values) and np.isfinite(values).any():
+            lo, hi = float(values.min()), float(values.max())
+            pad = 0.05 * (hi - lo) or 1.0
+            ax.set_ylim(lo - pad, hi + pad)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles, strict=False))  # one entry per (K, L), not per seed
+        ax.legend(unique.values(), unique.keys(), fontsize=7, title="trained at", title_fontsize=7)
+        ax.set_title(method, fontsize=9)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("log p(x, z), training batch (rolling mean)", fontsize=8)
+    for ax in list(axes.flat)[len(methods) :]:
+        ax.axis("off")
+    fig.suptitle(
+        "Training log joint per cell (one thin line per seed; shaded: last fifth, the plateau test window)"
+    )
     _save(fig, path, caption)
     return True
 
@@ -675,29 +1258,42 @@ def report_task(
     label: str,
     fmt: str,
 ) -> dict[str, Any]:
-    meta, all_sets = results["meta"], results["metrics"]
+    meta, everything = results["meta"], results["metrics"]
+    all_sets = main_rows(everything, meta)
     frame = primary_test_set(all_sets, meta)
+    retrained = retrained_rows(primary_test_set(everything, meta), meta)
     caption = scale_caption(meta, label)
-    table = table1(frame, meta, paper)
     tables, figures = out / "tables", out / "figures"
+    training = training_table(results["training"], meta)
+    flags = cell_flags(training)
+    atomic_write(tables / f"{task}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
+    training_md = training_markdown(training)
+    atomic_write(tables / f"{task}_training.md", lambda tmp: tmp.write_text(training_md + "\n"))
+    table = with_flags(table1(frame, meta, paper), frame, ["method", "K", "L"], flags)
     atomic_write(tables / f"{task}_table1.csv", lambda tmp: table.to_csv(tmp, index=False))
     md = table_markdown(table, (paper or {}).get("block_labels"))
     atomic_write(tables / f"{task}_table1.md", lambda tmp: tmp.write_text(md + "\n"))
     methods = comparison_table(frame, meta)
+    methods = methods.assign(flag=[row_flag(ids.split(), flags) for ids in methods["cells"]])
     atomic_write(tables / f"{task}_methods.csv", lambda tmp: methods.to_csv(tmp, index=False))
     methods_md = comparison_markdown(methods)
     atomic_write(tables / f"{task}_methods.md", lambda tmp: tmp.write_text(methods_md + "\n"))
     mse = mse_table(all_sets, meta)
     mse_md = ""
     if not mse.empty:
+        mse = with_flags(mse, all_sets.assign(test_set=all_sets.get("test_set", "test")), MSE_KEYS, flags)
         atomic_write(tables / f"{task}_mse.csv", lambda tmp: mse.to_csv(tmp, index=False))
         mse_md = "\n".join(
             ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
             + [
-                f"| {r.test_set} | {r.method} | {r.K} | {r.L} | {_pm(r.mean, r.std)} |"
+                f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | {_pm(r.mean, r.std)} |"
                 for r in mse.itertuples(index=False)
             ]
-        )
+        ) + _footnote(mse)
+    claims = [
+        check_claim(spec, task, finals(frame), finals(retrained))
+        for spec in (paper or {}).get("claims") or []
+    ]
     made = {}
     for name, ok in (
         ("mse", mse_figure(all_sets, meta, caption, figures / f"{task}_mse.{fmt}")),
@@ -710,9 +1306,12 @@ def report_task(
             "kl",
             kl_figure(frame, meta, caption, figures / f"{task}_kl.{fmt}", (paper or {}).get("block_labels")),
         ),
-        ("budget", budget_figure(frame, meta, caption, figures / f"{task}_budget.{fmt}")),
+        ("budget", budget_figure(frame, retrained, meta, caption, figures / f"{task}_budget.{fmt}")),
         ("sweeps", sweeps_figure(frame, meta, caption, figures / f"{task}_sweeps.{fmt}")),
-        ("training", training_figure(results["training"], caption, figures / f"{task}_training.{fmt}")),
+        (
+            "training",
+            training_figure(results["training"], training, caption, figures / f"{task}_training.{fmt}"),
+        ),
         (
             "samples",
             samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}"),
@@ -724,7 +1323,7 @@ def report_task(
     headline = {
         f"{row.method}/K{row.K}/L{row.L}": {
             m: float(getattr(row, m))
-            for m in ("log_joint", "d_log_joint", "ess")
+            for m in ("log_joint", "d_log_joint", "ess", "ari", "ari_ceiling")
             if m in table and np.isfinite(getattr(row, m))
         }
         for row in table.itertuples(index=False)
@@ -742,8 +1341,15 @@ def report_task(
         "metrics": headline,
         "paper": paper,
         "mse_md": mse_md,
+        "training_md": training_md,
+        "cell_flags": flags,
+        "claims": claims,
+        "cells": meta["cells"],
         "primary": sets[0]["name"] if len(sets) > 1 else None,
     }
+
+
+MSE_KEYS = ["test_set", "method", "K", "L"]
 
 
 FIGURE_TEXT = {
@@ -751,25 +1357,31 @@ FIGURE_TEXT = {
     "compute": "Reconstruction MSE per pixel versus compute, per held-out set. Compute: likelihood evaluations per dataset, in units of one evaluation of log p(x | z) over the whole dataset for one particle (for a video: all T frames; a gradient counts 2, a block's Markov blanket its share of the data; the proposal networks' own cost is not counted). APG: L (1 + 4 (k - 1)) after sweep k (every block's blanket before and after its update), drawn as a line over its sweeps; RWS: K*L (one encoder pass); AVF: K*L (1 + 4 n) for n inference iterations per frame and for the codes. Error bars: std over seeds x videos.",
     "methods_sweeps": "Held-out log joint versus sweep for every method at each test-time budget (K, L): APG, exact population Gibbs (gibbs), bootstrapped Gibbs, HMC-RWS (K-1 HMC transitions), and the one-step methods (RWS, reparam: K*L particles at once) as dashed levels; shaded: standard error of the mean over seeds x datasets (the same held-out datasets for every method; their spread is in Table 1).",
     "kl": "Inclusive KL (eq. 4) of each method's block kernels to the exact Gibbs conditionals, per block, using the final particles of each test-time budget as samples of the other blocks (4 exact draws each); gibbs uses the exact kernels (0 by construction) and gibbs-bootstrap the prior for the global block. Error bars: std over seeds x datasets.",
-    "budget": "Figure 2: log joint and ESS/L of the final sweep versus K at a fixed budget K*L (test time, each trained cell); shaded: std over seeds x datasets.",
+    "budget": "Figure 2: log joint and ESS/L of the final sweep versus K at a fixed budget K*L. Solid: APG retrained at each (K, L = total // K) and evaluated at that same (K, L); dashed: each method's main cell (trained at its grid pair) run at the test-time budgets, one model for every K, as the paper did. Shaded: std over seeds x datasets.",
     "sweeps": "Log joint and ESS/L versus sweep at the largest evaluation budget; RWS (one step with K*L particles) as a dashed level.",
-    "training": "Training curves recorded by the sweep (last sweep of each training batch) and per-trial iterations/s.",
+    "training": "Training log joint of every cell (last sweep of each training batch; rolling mean over 1/50 of the logged points), one panel per method, one thin line per seed, coloured by the (K, L) it was trained at. Shaded: the last fifth of training, where the plateau test of the training table fits its trend; † / ‡ at a curve's end: not plateaued / not assessable.",
     "samples": "Figure 1/3 style: each method's highest-weight sample after k sweeps, on held-out datasets of different sizes (the task's draw hook: for videos, frames with the inferred digit boxes).",
     "animation": "Animated sample (the task's animate hook): for videos, each frame | its reconstruction, with the inferred boxes.",
 }
 
 
-def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
+def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> str:
     lines = [
         "# Reproduction report",
         "",
-        "Generated by `dvc repro` (stage `report`) from recorded results in `results/eval/`; "
-        "do not edit by hand. Paper: Wu et al., *Amortized Population Gibbs Samplers with "
-        "Neural Sufficient Statistics* (arXiv 1911.01382).",
+        f"**Scale: {label}.** Generated by `dvc repro` (stage `report`) from recorded results in "
+        "`results/eval/`; do not edit by hand. Paper: Wu et al., *Amortized Population Gibbs "
+        "Samplers with Neural Sufficient Statistics* (arXiv 1911.01382). Our numbers come from far "
+        "shorter training than the paper's and are not expected to match them; the paper's numbers "
+        "are shown beside ours (`paper` columns), never in place of them. Each task's section "
+        "states the iterations, datasets and seeds its numbers were made with.",
         "",
-        f"**Scale: {label}.** Our numbers come from far shorter training than the paper's and are "
-        "not expected to match them; the paper's numbers are shown beside ours (`paper` columns), "
-        "never in place of them.",
+        "## Claims of the paper, checked",
+        "",
+        "Computed by the report stage from the evaluation metrics (claim definitions: "
+        "`pipeline/paper_numbers.yaml`, `claims`); ✓ holds, ✗ does not, – no verdict.",
+        "",
+        claims_md,
         "",
     ]
     for part in parts:
@@ -781,7 +1393,7 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
                 "Figure 4 and the MSE table cover every set.",
                 "",
             ]
-        if part["paper"]:
+        if (part["paper"] or {}).get("scale"):
             lines += [f"Paper scale: {part['paper']['scale']}.", ""]
         lines += [
             f"### Table 1 ([csv](tables/{task}_table1.csv))",
@@ -790,8 +1402,13 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
             "paper's value for the column to its left (Table 1), where it reports one. Δ log p(x,z): "
             "paired difference (same dataset) to the baseline method at the same budget; ESS/L: eq. 11; "
             "`ess`/`kl` per block: ESS/L after the block update and inclusive KL (eq. 4); numbered "
-            "blocks (one per video frame) are averaged over t. RWS rows "
-            "spend K*L particles in one step. The CSV has every column unrounded.",
+            "blocks (one per video frame) are averaged over t. ARI: adjusted Rand index of the "
+            "highest-weight particle's assignments c against the true c (1: the true clustering up to "
+            "relabeling, 0: chance); blank for a method whose particles carry no c. ARI ceiling: the "
+            "ARI of argmax_i p(c_n = i | x_n, true mu, true tau), the best any sampler can do, the same "
+            "for every row (GMM only). RWS rows "
+            "spend K*L particles in one step. Rows average the cells trained at each method's grid "
+            "pair (Figure 2's retrained cells appear only there). The CSV has every column unrounded.",
             "",
             part["table_md"],
             "",
@@ -810,6 +1427,20 @@ def index_markdown(parts: list[dict[str, Any]], label: str) -> str:
             part["methods_md"],
             "",
         ]
+        if part.get("training_md"):
+            lines += [
+                f"### Training: has every cell plateaued? ([csv](tables/{task}_training.csv))",
+                "",
+                "Per cell, over the last fifth of its training iterations: the mean training log joint "
+                "(`final`), the change Δ an ordinary least-squares line through the logged values makes "
+                "across that window, its standard error, and z = Δ / se(Δ). A cell has plateaued when "
+                f"|z| < {PLATEAU_Z:g}; with fewer than {PLATEAU_MIN_POINTS} logged points in the window "
+                "it is not assessable. Rows elsewhere whose numbers come from a cell that has not "
+                f"plateaued carry {NOT_PLATEAUED} (not assessable: {NOT_ASSESSABLE}).",
+                "",
+                part["training_md"],
+                "",
+            ]
         if part.get("mse_md"):
             lines += [
                 f"### Reconstruction MSE per held-out set ([csv](tables/{task}_mse.csv))",
@@ -842,15 +1473,82 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
     for task in params["tasks"]:
         results = load_results(root / "results" / "eval" / task)
         parts.append(report_task(task, results, paper_all.get(task), out, root, label, fmt))
-    text = index_markdown(parts, label)
+    claims = [c for p in parts for c in p["claims"]]
+    for task, section in paper_all.items():
+        if task not in params["tasks"] and (section or {}).get("claims"):
+            claims += claims_not_run(task, section["claims"], "not run (task not in this run)")
+    unclaimed = [t for t in params["tasks"] if not (paper_all.get(t) or {}).get("claims")]
+    flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
+    claims_md = claims_markdown(claims, flags, unclaimed)
+    text = index_markdown(parts, label, claims_md)
+    times = provenance.stage_times(root)
+    lead = reused_cells_markdown(parts) + pipeline_time_markdown(times)
+    text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
+    readme = root / "README.md"
+    if readme.is_file() and RESULTS_START in readme.read_text():
+        block = readme_results(claims, claims_md, times, label, out.relative_to(root).as_posix())
+        write_readme_results(readme, block)
     metrics = {p["task"]: p["metrics"] for p in parts}
+    metrics["claims"] = claims_json(claims)
     payload = json.dumps(metrics, indent=2, sort_keys=True)
     atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(payload + "\n"))
     # What produced these results (code and params digests, commit): the CI check that
     # committed results are the checkout's own reads it (pipeline.provenance).
     provenance.write_record(params, root, out)
     return out
+
+
+RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def reused_cells_markdown(parts: list[dict[str, Any]]) -> str:
+    """A bold warning naming cells trained by other code (``sweep.reuse_across_code``)."""
+    names = [c["name"] for p in parts for c in p.get("cells", []) if c.get("trained_by_other_code")]
+    if not names:
+        return ""
+    return (
+        f"**Reused across code changes: {len(names)} cell(s) were trained by other code than this "
+        f"report's ({', '.join(names)}; `sweep.reuse_across_code: true`). Their numbers are not "
+        "this code's results.**\n\n"
+    )
+
+
+def pipeline_time_markdown(times: dict[str, float]) -> str:
+    """Wall time of each stage of the run that made these results (``results/timings``)."""
+    if not times:
+        return ""
+    rows = "\n".join(f"| `{name}` | {seconds / 60:.1f} |" for name, seconds in times.items())
+    total = sum(times.values()) / 60
+    return (
+        "## Time\n\nWall time per stage of the run that made these results (2 trials at once on a "
+        "2-core machine unless the params say otherwise):\n\n| stage | minutes |\n| --- | ---: |\n"
+        f"{rows}\n| **sum** | **{total:.1f}** |\n\n"
+    )
+
+
+def readme_results(
+    claims: list[Any], claims_md: str, times: dict[str, float], label: str, report_dir: str
+) -> str:
+    """The project README's results section: what the main command gives, from this run."""
+    judged = [c for c in claims if c.passed is not None]
+    held = sum(bool(c.passed) for c in judged)
+    total = sum(times.values()) / 60 if times else None
+    took = f" took {total:.0f} minutes (sum of the stages' wall times)" if total is not None else ""
+    claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/")
+    return (
+        f"Written by the report stage of the run that made the committed [`{report_dir}/`]"
+        f"({report_dir}/README.md) ({label}). Its from-scratch `dvc repro`{took}; the report has "
+        f"the per-stage times, every table and figure, and each cell's training curve and plateau "
+        f"check. {held} of the {len(judged)} claims with a verdict hold:\n\n{claims_md}\n"
+    )
+
+
+def write_readme_results(readme: Path, block: str) -> None:
+    text = readme.read_text()
+    start, end = text.index(RESULTS_START), text.index(RESULTS_END)
+    new = text[: start + len(RESULTS_START)] + "\n" + block + text[end:]
+    atomic_write(readme, lambda tmp: tmp.write_text(new))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,14 +9,13 @@ beside a full reproduction. CI runs it; use it to try a change before a full ``d
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
-from pipeline.provenance import TIMINGS, package_root
+from pipeline.provenance import package_root, stage_times
 
 COPIED = ("apg", "pipeline", "dvc.yaml", ".dvcignore", ".gitignore")
 
@@ -43,16 +42,6 @@ def make_sandbox(directory: Path, params_file: Path) -> Path:
     ):
         subprocess.run(cmd, cwd=directory, check=True, capture_output=True)
     return directory
-
-
-def stage_times(root: Path) -> dict[str, float]:
-    """``{stage@task: seconds}`` recorded by the stages of the last run in ``root``."""
-    folder = root / TIMINGS
-    return (
-        {p.stem: json.loads(p.read_text())["seconds"] for p in sorted(folder.glob("*.json"))}
-        if folder.is_dir()
-        else {}
-    )
 
 
 def timing_table(times: dict[str, float], total: float) -> str:

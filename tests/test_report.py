@@ -1,0 +1,632 @@
+"""The report stage's statistics: cluster recovery (ARI), the per-cell plateau test, the
+claims table and its intervals, and which cells feed which table.
+
+All fast: synthetic frames shaped like ``results/eval/<task>/`` (pipeline.evaluate's
+columns), except a few tiny untrained models for the evaluate-side helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from test_pipeline import tiny
+
+from apg.metrics import adjusted_rand_index
+from pipeline import report
+from pipeline.evaluate import COLUMNS
+
+# --------------------------------------------------------------------------- ARI
+
+
+def test_ari_is_one_for_the_same_partition_under_any_relabeling():
+    true = torch.tensor([0, 0, 1, 1, 2, 2, 2])
+    for perm in ([1, 2, 0], [2, 0, 1], [0, 2, 1]):
+        pred = torch.tensor(perm)[true] + 5  # relabelled, and labels need not start at 0
+        assert adjusted_rand_index(true, pred).item() == pytest.approx(1.0)
+
+
+def test_ari_hand_computed_examples():
+    # [0,0,0,1,1,1] vs [0,0,1,1,2,2]: pairs together in both 2, row pairs 3+3=6, column pairs
+    # 1+1+1=3, all pairs C(6,2)=15: expected 6*3/15=1.2, max (6+3)/2=4.5 -> (2-1.2)/(4.5-1.2).
+    a = torch.tensor([0, 0, 0, 1, 1, 1])
+    b = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert adjusted_rand_index(a, b).item() == pytest.approx(0.8 / 3.3)
+    assert adjusted_rand_index(b, a).item() == pytest.approx(0.8 / 3.3)  # symmetric
+    # [0,0,1,1] vs [0,1,0,1]: no pair together in both; expected 2*2/6 -> (0-2/3)/(2-2/3) = -1/2.
+    assert adjusted_rand_index(
+        torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1])
+    ).item() == pytest.approx(-0.5)
+    # One cluster against all singletons: the index is 0 = its expectation.
+    assert adjusted_rand_index(torch.zeros(4, dtype=torch.long), torch.arange(4)).item() == pytest.approx(0.0)
+    # Both trivial and equal: defined as 1 (the 0/0 case).
+    assert (
+        adjusted_rand_index(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)).item() == 1.0
+    )
+
+
+def test_ari_is_batched_per_dataset():
+    true = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 1, 2, 0, 1, 2]])
+    pred = torch.tensor([[0, 0, 1, 1, 2, 2], [1, 1, 0, 0, 1, 1], [0, 1, 2, 0, 1, 2]])
+    got = adjusted_rand_index(true, pred)
+    assert got.shape == (3,)
+    singles = torch.stack([adjusted_rand_index(t, p) for t, p in zip(true, pred, strict=True)])
+    torch.testing.assert_close(got, singles)
+    assert got[1].item() == pytest.approx(1.0) and got[2].item() == pytest.approx(1.0)
+
+
+def test_ari_matches_scikit_learn_on_random_partitions():
+    metrics = pytest.importorskip("sklearn.metrics")
+    gen = torch.Generator().manual_seed(0)
+    true = torch.randint(3, (20, 40), generator=gen)
+    pred = torch.where(
+        torch.rand(20, 40, generator=gen) < 0.7, true, torch.randint(4, (20, 40), generator=gen)
+    )
+    want = [metrics.adjusted_rand_score(t.numpy(), p.numpy()) for t, p in zip(true, pred, strict=True)]
+    np.testing.assert_allclose(adjusted_rand_index(true, pred).numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "true, pred, message",
+    [
+        (torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.long), "shaped alike"),
+        (torch.zeros(3), torch.zeros(3), "integers"),
+        (torch.tensor([0, -1]), torch.tensor([0, 1]), "non-negative"),
+    ],
+)
+def test_ari_rejects_bad_labels(true, pred, message):
+    with pytest.raises(ValueError, match=message):
+        adjusted_rand_index(true, pred)
+
+
+# --------------------------------------------------------------------------- evaluate side
+
+
+def test_gmm_ceiling_recovers_well_separated_clusters():
+    from pipeline.evaluate import ari_scores, gmm_bayes_assignments
+
+    gen = torch.Generator().manual_seed(1)
+    c = torch.randint(3, (2, 50), generator=gen)
+    mu = torch.tensor([[[-10.0, 0.0], [0.0, 10.0], [10.0, 0.0]]]).expand(2, -1, -1).double()
+    tau = torch.full((2, 3, 2), 4.0, dtype=torch.float64)
+    x = mu.gather(1, c.unsqueeze(-1).expand(-1, -1, 2)) + 0.5 * torch.randn(2, 50, 2, generator=gen).double()
+    arrays = {"x": x.numpy(), "mu": mu.numpy(), "tau": tau.numpy(), "c": c.numpy()}
+    best = gmm_bayes_assignments(arrays)
+    assert best.shape == (2, 50)
+    np.testing.assert_array_equal(best, c.numpy())
+    np.testing.assert_allclose(ari_scores(c.numpy(), best), [1.0, 1.0])
+    assert np.isnan(ari_scores(c.numpy(), None)).all()
+
+
+@pytest.mark.parametrize("method", ["apg", "rws-mlp", "reparam"])
+def test_final_assignments_of_every_gmm_method(method):
+    # The continuous-view baselines draw c from its exact conditional, so they have one too.
+    from apg.tasks import get_task
+    from apg.training import TrainConfig, build
+    from pipeline.evaluate import final_assignments
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(task="gmm", method=method, sweeps=2, particles=3, network={"hidden": 8}).validate()
+    model, proposals = build(cfg)
+    x = get_task("gmm").simulate(model, 5, torch.Generator().manual_seed(0), num_points=12)["x"].float()
+    c = final_assignments(cfg, model, proposals, x, 2, 3, batch_size=2, resample_mode="block")
+    assert c.shape == (5, 12) and c.dtype == np.int64 and ((c >= 0) & (c < 3)).all()
+
+
+def test_cell_roles_split_pairs_from_budget_entries():
+    from pipeline.evaluate import cell_pairs, cell_roles
+
+    params = tiny(
+        **{
+            "gmm.grid": [
+                {"methods": ["apg", "rws-mlp"], "pairs": [[2, 3]], "seeds": [0]},
+                {"methods": ["apg"], "budget": {"total": 6, "sweeps": [2, 3]}, "seeds": [0]},
+            ]
+        }
+    )
+    roles = cell_roles(params, "gmm")
+    assert roles == {
+        "gmm/apg/K2/L3/seed0": ["budget", "main"],
+        "gmm/rws-mlp/K2/L3/seed0": ["main"],
+        "gmm/apg/K3/L2/seed0": ["budget"],
+    }
+    everything = [(2, 3), (3, 2), (4, 3)]
+    assert cell_pairs(["budget"], {"K": 3, "L": 2}, everything) == [(3, 2)]
+    assert cell_pairs(["budget", "main"], {"K": 2, "L": 3}, everything) == everything
+
+
+# --------------------------------------------------------------------------- plateau
+
+
+def test_plateau_matches_ordinary_least_squares():
+    rng = np.random.default_rng(0)
+    it = np.arange(10, 1010, 10)
+    value = -300 + 0.01 * it + rng.normal(0, 2.0, len(it))
+    stat = report.plateau(it, value)
+    window = it > 800
+    t, v = it[window], value[window]
+    (slope, _), cov = np.polyfit(t, v, 1, cov="unscaled")
+    resid = v - np.polyval([slope, _], t)
+    se_slope = math.sqrt(resid @ resid / (len(t) - 2) * cov[0, 0])
+    span = t.max() - t.min()
+    assert stat.points == window.sum() == 20
+    assert (stat.start, stat.end) == (810, 1000)
+    assert stat.final == pytest.approx(v.mean())
+    assert stat.delta == pytest.approx(slope * span)
+    assert stat.se == pytest.approx(se_slope * span)
+    assert stat.z == pytest.approx(stat.delta / stat.se)
+
+
+def test_plateau_verdicts():
+    rng = np.random.default_rng(1)
+    it = np.arange(1, 2001)
+    flat = report.plateau(it, -280 + rng.normal(0, 1.0, len(it)))
+    assert flat.plateaued is True and abs(flat.z) < 3
+    rising = report.plateau(it, -280 + 0.01 * it + rng.normal(0, 1.0, len(it)))
+    assert rising.plateaued is False and rising.z > 3 and rising.delta == pytest.approx(4.0, rel=0.2)
+    few = report.plateau(np.array([2, 4, 6]), np.array([-3.0, -2.0, -1.0]))
+    assert few.points == 1 and few.plateaued is None and math.isnan(few.z)
+    four = report.plateau(np.arange(1, 21), np.arange(20.0))  # 4 points in the window
+    assert four.points == 4 and four.plateaued is None
+    straight = report.plateau(np.arange(1, 101), np.arange(100.0))  # no noise: a trend is a trend
+    assert straight.plateaued is False and straight.z == math.inf
+    assert report.plateau(np.array([]), np.array([])).points == 0
+
+
+# --------------------------------------------------------------------------- synthetic results
+
+
+def cell(method, k, l, seed, roles=("main",), iterations=1000):
+    cid = f"{method}-K{k}-L{l}-s{seed}"
+    return {
+        "cell_id": cid,
+        "name": f"gmm/{method}/K{k}/L{l}/seed{seed}",
+        "method": method,
+        "K": k,
+        "L": l,
+        "seed": seed,
+        "iterations": iterations,
+        "mean_it_per_s": 10.0,
+        "checkpoint": "",
+        "mlflow_run_id": None,
+        "roles": list(roles),
+    }
+
+
+def metric_rows(c, k, l, values: dict[str, list[float]]) -> pd.DataFrame:
+    """Final-sweep rows of one cell at test pair (k, l): ``{metric: per-dataset values}``."""
+    frames = []
+    for metric, per_dataset in values.items():
+        frames.append(
+            pd.DataFrame(
+                {
+                    "task": "gmm",
+                    "method": c["method"],
+                    "K": k,
+                    "L": l,
+                    "seed": c["seed"],
+                    "train_K": c["K"],
+                    "train_L": c["L"],
+                    "cell_id": c["cell_id"],
+                    "test_set": "test",
+                    "test_sizes": "{}",
+                    "dataset": np.arange(len(per_dataset)),
+                    "sweep": k,
+                    "metric": metric,
+                    "value": np.asarray(per_dataset, dtype=float),
+                }
+            )
+        )
+    return pd.concat(frames, ignore_index=True)[COLUMNS]
+
+
+def seeds_frame(method, means_by_pair, metric="log_joint", seeds=(0, 1, 2), spread=0.1, roles=("main",)):
+    """Cells of ``method`` (one per seed, trained at (5, 10)) whose per-seed dataset mean of
+    ``metric`` at each test pair is ``means_by_pair[pair] + offset(seed)``."""
+    cells, frames = [], []
+    for seed in seeds:
+        c = cell(method, 5, 10, seed, roles)
+        cells.append(c)
+        for (k, l), mean in means_by_pair.items():
+            m = mean + spread * (seed - 1)
+            frames.append(metric_rows(c, k, l, {metric: [m - 1.0, m, m + 1.0]}))
+    return cells, pd.concat(frames, ignore_index=True)
+
+
+def test_student_t_quantiles():
+    assert report.t975(2) == pytest.approx(4.3027)
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 3, 9, 30, 31, 45, 200):
+        assert report.t975(df) == pytest.approx(stats.t.ppf(0.975, df), abs=2e-4)
+
+
+def test_seed_interval():
+    e = report.seed_interval([1.0, 2.0, 3.0])
+    half = 4.3027 * 1.0 / math.sqrt(3)
+    assert (e.mean, e.lo, e.hi, e.n) == pytest.approx((2.0, 2.0 - half, 2.0 + half, 3))
+    one = report.seed_interval([5.0, float("nan")])
+    assert one.mean == 5.0 and one.n == 1 and math.isnan(one.lo)
+    assert report._est(one) == "5.000 (interval n/a, 1 seed)"
+
+
+def test_threshold_and_increasing_claims():
+    cells, fin = seeds_frame(
+        "apg", {(5, 10): 0.90, (10, 10): 0.96, (15, 10): 0.97}, metric="ess_c", spread=0.001
+    )
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "kind": "threshold",
+        "metric": "ess_c",
+        "method": "apg",
+        "pair": [10, 10],
+    }
+    ok = report.check_claim({**spec, "op": ">=", "target": 0.95}, "gmm", fin, fin.iloc[:0])
+    assert ok.passed is True and ok.note == "" and ok.value == pytest.approx(0.96)
+    assert ok.lo < 0.96 < ok.hi and "[" in ok.ours
+    assert report.check_claim({**spec, "op": ">=", "target": 0.99}, "gmm", fin, fin.iloc[:0]).passed is False
+    assert report.check_claim({**spec, "op": "<=", "target": 0.99}, "gmm", fin, fin.iloc[:0]).passed is True
+    missing = report.check_claim(
+        {**spec, "pair": [7, 7], "op": ">=", "target": 0.9}, "gmm", fin, fin.iloc[:0]
+    )
+    assert missing.passed is None and report.verdict(missing) == "not run"
+
+    inc = {**spec, "kind": "increasing", "pairs": [[5, 10], [10, 10], [15, 10]]}
+    assert report.check_claim(inc, "gmm", fin, fin.iloc[:0]).passed is True
+    dec = {**inc, "pairs": [[10, 10], [5, 10], [15, 10]]}
+    result = report.check_claim(dec, "gmm", fin, fin.iloc[:0])
+    assert result.passed is False and len(result.value) == 3
+
+
+def test_comparison_claims_use_the_intervals():
+    _, apg = seeds_frame("apg", {(10, 10): -275.0})
+    _, near = seeds_frame("gibbs", {(10, 10): -275.05})
+    _, far = seeds_frame("rws-mlp", {(10, 10): -290.0})
+    fin = pd.concat([apg, near, far], ignore_index=True)
+    spec = {"id": "x", "claim": "c", "metric": "log_joint", "method": "apg", "pair": [10, 10]}
+    above = report.check_claim({**spec, "kind": "above", "other": "rws-mlp"}, "gmm", fin, fin.iloc[:0])
+    assert above.passed is True and above.target_value["method"] == "rws-mlp"
+    # Means differ by 0.05 but the intervals overlap: not "above", but "within noise".
+    assert (
+        report.check_claim({**spec, "kind": "above", "other": "gibbs"}, "gmm", fin, fin.iloc[:0]).passed
+        is False
+    )
+    within = report.check_claim({**spec, "kind": "within_noise", "other": "gibbs"}, "gmm", fin, fin.iloc[:0])
+    assert within.passed is True
+    far_off = report.check_claim(
+        {**spec, "kind": "within_noise", "other": "rws-mlp"}, "gmm", fin, fin.iloc[:0]
+    )
+    assert far_off.passed is False
+    assert report.check_claim({**spec, "kind": "at_least", "other": "gibbs"}, "gmm", fin, fin.iloc[:0]).passed
+
+
+def test_one_seed_claims_say_so():
+    _, apg = seeds_frame("apg", {(10, 10): -275.0}, seeds=(0,))
+    _, rws = seeds_frame("rws-mlp", {(10, 10): -290.0}, seeds=(0,))
+    fin = pd.concat([apg, rws], ignore_index=True)
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "metric": "log_joint",
+        "method": "apg",
+        "pair": [10, 10],
+        "other": "rws-mlp",
+    }
+    above = report.check_claim({**spec, "kind": "above"}, "gmm", fin, fin.iloc[:0])
+    assert above.passed is True and report.verdict(above) == "✓ (1 seed)"
+    assert "interval n/a, 1 seed" in above.ours
+    within = report.check_claim({**spec, "kind": "within_noise"}, "gmm", fin, fin.iloc[:0])
+    assert within.passed is None and report.verdict(within) == "– (1 seed)"
+
+
+def test_gap_claim_is_paired_per_dataset_and_prints_both_numbers():
+    cells, fin = seeds_frame("apg", {(10, 10): 0.90}, metric="ari")
+    ceiling = pd.concat(
+        [metric_rows(c, 10, 10, {"ari_ceiling": [0.96, 0.96, 0.96]}) for c in cells], ignore_index=True
+    )
+    fin = pd.concat([fin, ceiling], ignore_index=True)
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "kind": "gap",
+        "metric": "ari",
+        "reference": "ari_ceiling",
+        "method": "apg",
+    }
+    close = report.check_claim({**spec, "pair": [10, 10], "target": 0.1}, "gmm", fin, fin.iloc[:0])
+    assert close.passed is True and close.value == pytest.approx(0.06)
+    assert "ARI ceiling" in close.ours and "gap" in close.ours
+    assert (
+        report.check_claim({**spec, "pair": [10, 10], "target": 0.05}, "gmm", fin, fin.iloc[:0]).passed
+        is False
+    )
+
+
+def test_budget_claim_uses_the_retrained_cells_at_their_own_pair():
+    frames, meta_cells = [], []
+    for k, l, mean in ((2, 25, -285.0), (5, 10, -280.0), (10, 5, -276.0)):
+        for seed in range(3):
+            c = cell("apg", k, l, seed, roles=("budget",))
+            meta_cells.append(c)
+            m = mean + 0.1 * seed
+            frames.append(metric_rows(c, k, l, {"log_joint": [m - 1, m, m + 1]}))
+            # the same cell at another pair must not count
+            frames.append(metric_rows(c, 1, 50, {"log_joint": [0.0, 0.0, 0.0]}))
+    everything = pd.concat(frames, ignore_index=True)
+    retrained = report.retrained_rows(everything, {"cells": meta_cells})
+    assert set(zip(retrained["K"], retrained["L"], strict=True)) == {(2, 25), (5, 10), (10, 5)}
+    spec = {"id": "x", "claim": "c", "kind": "budget_above", "metric": "log_joint", "method": "apg"}
+    result = report.check_claim(spec, "gmm", retrained.iloc[:0], report.finals(retrained))
+    assert result.passed is True and result.value == pytest.approx([-284.9, -279.9, -275.9])
+    assert "K=2 L=25" in result.ours and "K=10 L=5" in result.ours
+    empty = report.check_claim(spec, "gmm", retrained.iloc[:0], retrained.iloc[:0])
+    assert report.verdict(empty) == "not run"
+
+
+def test_main_rows_keep_figure2_cells_out_of_the_tables():
+    main = cell("apg", 5, 10, 0, roles=("main", "budget"))
+    budget_only = cell("apg", 10, 5, 0, roles=("budget",))
+    only_budget_method = cell("avf", 3, 4, 0, roles=("budget",))
+    old = {k: v for k, v in cell("rws-mlp", 5, 10, 0).items() if k != "roles"}
+    meta = {"cells": [main, budget_only, only_budget_method, old]}
+    frame = pd.concat([metric_rows(c, 10, 5, {"log_joint": [1.0]}) for c in meta["cells"]], ignore_index=True)
+    kept = set(report.main_rows(frame, meta)["cell_id"])
+    assert kept == {main["cell_id"], only_budget_method["cell_id"], old["cell_id"]}
+    assert set(report.retrained_rows(frame, meta)["cell_id"]) == {budget_only["cell_id"]}
+
+
+# --------------------------------------------------------------------------- the stage on synthetic results
+
+
+def write_results(root, with_training_trend: bool):
+    """A results/eval/gmm directory: APG and RWS-MLP main cells (3 seeds), APG retrained
+    at (2, 25) and (10, 5), a gibbs cell with nothing to learn."""
+    meta_cells, frames, histories = [], [], []
+    rng = np.random.default_rng(0)
+    pairs = [(5, 10), (10, 10), (15, 10)]
+    for seed in range(3):
+        specs = [
+            ("apg", 5, 10, ("main", "budget"), -276.0),
+            ("rws-mlp", 5, 10, ("main",), -290.0),
+            ("gibbs", 5, 10, ("main",), -275.5),
+            ("apg", 2, 25, ("budget",), -282.0),
+            ("apg", 10, 5, ("budget",), -275.0),
+        ]
+        for method, k, l, roles, level in specs:
+            c = cell(method, k, l, seed, roles, iterations=0 if method == "gibbs" else 1000)
+            meta_cells.append(c)
+            evaluated = [(k, l)] if roles == ("budget",) else pairs + [(2, 25), (10, 5)]
+            for tk, tl in evaluated:
+                m = level + 0.1 * tk + 0.05 * seed
+                values = {
+                    "log_joint": rng.normal(m, 1.0, 4),
+                    "ess": rng.uniform(0.5, 0.9, 4),
+                    "ari": rng.uniform(0.8, 0.9, 4),
+                    "ari_ceiling": np.full(4, 0.92),
+                }
+                if method != "rws-mlp":
+                    values |= {
+                        "ess_globals": np.full(4, 0.96 + 0.001 * tk),
+                        "ess_c": np.full(4, 0.8 + 0.001 * tk),
+                        "kl_globals": np.full(4, 0.004),
+                        "kl_c": np.full(4, 0.02),
+                    }
+                frames.append(metric_rows(c, tk, tl, values))
+            if c["iterations"]:
+                it = np.arange(10, 1010, 10)
+                trend = 0.02 * it if (with_training_trend and method == "rws-mlp" and seed == 0) else 0.0
+                value = level - 50 * np.exp(-it / 100) + trend + rng.normal(0, 1.0, len(it))
+                histories.append(
+                    pd.DataFrame({"iteration": it, "metric": "log_joint", "value": value}).assign(
+                        task="gmm", method=method, K=k, L=l, seed=seed, cell_id=c["cell_id"]
+                    )
+                )
+    out = root / "results" / "eval" / "gmm"
+    out.mkdir(parents=True)
+    pd.concat(frames, ignore_index=True).to_parquet(out / "metrics.parquet", index=False)
+    pd.concat(histories, ignore_index=True).to_parquet(out / "training.parquet", index=False)
+    np.savez(out / "samples.npz", none=np.zeros(1))
+    meta = {
+        "task": "gmm",
+        "iterations": [0, 1000],
+        "train_datasets": 100,
+        "train_sizes": {},
+        "test_datasets": 4,
+        "test_sizes": {},
+        "test_sets": [
+            {"name": "test", "file": "test.npz", "num_datasets": 4, "shape": [4, 60, 2], "sizes": {}}
+        ],
+        "batch_size": 20,
+        "lr": 0.01,
+        "seeds": [0, 1, 2],
+        "cells": meta_cells,
+        "pairs": [list(p) for p in pairs],
+        "budget": {"total": 50, "pairs": [[2, 25], [5, 10], [10, 5]]},
+        "baseline": "rws-mlp",
+        "figure_sets": [],
+        "samples": [],
+    }
+    (out / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.fixture
+def synthetic_report(tmp_path):
+    write_results(tmp_path, with_training_trend=True)
+    params = {
+        "tasks": ["gmm"],
+        "report": {"out": "reports", "figure_format": "png", "scale": "synthetic"},
+    }
+    torch.set_num_threads(1)
+    report.make_report(params, tmp_path)
+    return tmp_path / "reports"
+
+
+def test_report_opens_with_the_claims_table(synthetic_report):
+    text = (synthetic_report / "README.md").read_text()
+    lines = text.splitlines()
+    assert lines[0] == "# Reproduction report"
+    body = [line for line in lines[1:] if line and not line.startswith("<!--") and not line.startswith(">")]
+    assert body[0].startswith("**Scale: synthetic.**")
+    assert body[1] == "## Claims of the paper, checked"
+    claims = [line for line in lines if line.startswith("| gmm |")]
+    claim_ids = yaml.safe_load(report.PAPER_NUMBERS.read_text())["gmm"]["claims"]
+    assert len(claims) == len(claim_ids)
+    verdicts = [line.rstrip(" |").split("| ")[-1].strip() for line in claims]
+    assert set(verdicts) <= {"✓", "✗", "–", "not run"}, verdicts
+    lstm = next(line for line in claims if "RWS LSTM" in line)
+    assert lstm.endswith("| not run |")  # no rws-lstm cells in these results
+    # tasks not run: their claims are listed as not run; bmnist has none yet
+    assert "| dgmm |" in text and "not run (task not in this run)" in text
+    assert "Verdict rules:" in text
+
+    metrics = json.loads((synthetic_report / "metrics.json").read_text())
+    checked = metrics["claims"]
+    assert checked["gmm/apg_ess_globals"]["pass"] is True
+    assert checked["gmm/apg_log_joint_above_rws_mlp"]["pass"] is True
+    assert checked["gmm/apg_kl_c"]["pass"] is True
+    assert checked["gmm/apg_ari_vs_ceiling"]["pass"] is False  # ARI ~0.85 against a ceiling of 0.92
+    budget = checked["gmm/apg_budget_more_sweeps"]
+    assert len(budget["value"]) == 3 and budget["pass"] is True
+    assert checked["dgmm/apg_ess_mu_with_K"]["pass"] is None
+
+
+def test_training_table_flags_cells_that_have_not_plateaued(synthetic_report):
+    table = pd.read_csv(synthetic_report / "tables" / "gmm_training.csv")
+    assert len(table) == 15
+    verdicts = dict(zip(table["cell_id"], table["plateaued"], strict=True))
+    assert verdicts["rws-mlp-K5-L10-s0"] == "no"
+    assert verdicts["gibbs-K5-L10-s0"] == "not trained"
+    assert verdicts["apg-K5-L10-s1"] == "yes"
+    md = (synthetic_report / "tables" / "gmm_training.md").read_text()
+    assert "| `gmm/rws-mlp/K5/L10/seed0` |" in md and "no †" in md
+
+    # Rows from the not-plateaued cell carry the mark, with its footnote, and only those.
+    table1 = (synthetic_report / "tables" / "gmm_table1.md").read_text()
+    assert "| rws-mlp † | 10 | 10 |" in table1 and "| apg | 10 | 10 |" in table1
+    assert "† not plateaued: see the training table" in table1
+    methods = pd.read_csv(synthetic_report / "tables" / "gmm_methods.csv")
+    assert set(methods[methods["flag"].fillna("") == "†"]["method"]) == {"rws-mlp"}
+    readme = (synthetic_report / "README.md").read_text()
+    claim = next(line for line in readme.splitlines() if "beats the RWS MLP" in line)
+    assert "†" in claim
+
+
+def test_tables_use_main_cells_and_the_budget_figure_exists(synthetic_report):
+    table1 = pd.read_csv(synthetic_report / "tables" / "gmm_table1.csv")
+    # the APG row at (10, 5) of Table 1's pairs is absent: (10, 5) is only a budget pair,
+    # and the retrained (10, 5) cells do not enter Table 1
+    assert sorted(set(zip(table1["method"], table1["K"], strict=True))) == [
+        ("apg", 5),
+        ("apg", 10),
+        ("apg", 15),
+        ("gibbs", 5),
+        ("gibbs", 10),
+        ("gibbs", 15),
+        ("rws-mlp", 5),
+        ("rws-mlp", 10),
+        ("rws-mlp", 15),
+    ]
+    assert {"ari", "ari_ceiling"} <= set(table1.columns)
+    methods = pd.read_csv(synthetic_report / "tables" / "gmm_methods.csv")
+    apg = methods[(methods["method"] == "apg") & (methods["K"] == 10)]
+    assert apg["cells"].str.contains("K5-L10").all() and not apg["cells"].str.contains("K10-L5").any()
+    for name in ("gmm_budget.png", "gmm_training.png"):
+        assert (synthetic_report / "figures" / name).stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- evaluate -> report, no Ray
+
+
+def fake_sweep(root, params) -> None:
+    """``results/gmm/sweep.json`` and its cells as the sweep stage writes them, trained for
+    a few steps here instead of by Ray (grid_cells gives the same cells the sweep would)."""
+    from apg.checkpoint import save_checkpoint
+    from apg.data import load_dataset
+    from apg.training import Trainer
+    from pipeline.common import file_digest
+    from pipeline.config import grid_cells
+
+    train_x = torch.from_numpy(load_dataset(root / "data" / "gmm" / "train.npz")["x"])
+    cells = []
+    for i, c in enumerate(grid_cells(params, "gmm")):
+        torch.manual_seed(i)
+        trainer = Trainer(c.train, train_x)
+        history = [{"iteration": trainer.iteration, **row} for row in trainer.run()]
+        cell_dir = root / "cells" / f"cell{i}"
+        model = save_checkpoint(cell_dir / "model.pt", c.train.to_dict(), trainer.state_dict())
+        pd.DataFrame(history).to_csv(cell_dir / "history.csv", index=False)
+        cells.append(
+            {
+                "cell_id": f"cell{i}",
+                "name": c.name,
+                "method": c.method,
+                "K": c.sweeps,
+                "L": c.particles,
+                "seed": c.seed,
+                "iterations": trainer.iteration,
+                "mean_it_per_s": 1.0,
+                "checkpoint": f"cells/cell{i}/model.pt",
+                "checkpoint_sha256": file_digest(model),
+                "history": f"cells/cell{i}/history.csv",
+            }
+        )
+    (root / "results" / "gmm").mkdir(parents=True)
+    (root / "results" / "gmm" / "sweep.json").write_text(json.dumps({"cells": cells}))
+
+
+def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path):
+    from pipeline.evaluate import evaluate_task
+    from pipeline.generate import generate
+
+    torch.set_num_threads(1)
+    params = tiny(
+        **{
+            "gmm.train.iterations": 2,
+            "gmm.grid": [
+                {"methods": ["apg", "rws-mlp"], "pairs": [[2, 3]], "seeds": [0]},
+                {"methods": ["apg"], "budget": {"total": 6, "sweeps": [2, 3]}, "seeds": [0]},
+            ],
+        }
+    )
+    generate("gmm", params, tmp_path / "data" / "gmm")
+    fake_sweep(tmp_path, params)
+    meta = evaluate_task(params, "gmm", tmp_path, tmp_path / "results" / "eval" / "gmm")
+
+    roles = {c["name"]: c["roles"] for c in meta["cells"]}
+    assert roles == {
+        "gmm/apg/K2/L3/seed0": ["budget", "main"],
+        "gmm/rws-mlp/K2/L3/seed0": ["main"],
+        "gmm/apg/K3/L2/seed0": ["budget"],
+    }
+    frame = pd.read_parquet(tmp_path / "results" / "eval" / "gmm" / "metrics.parquet")
+    budget_only = next(c["cell_id"] for c in meta["cells"] if c["roles"] == ["budget"])
+    own = frame[frame["cell_id"] == budget_only]
+    assert set(zip(own["K"], own["L"], strict=True)) == {(3, 2)}  # its own pair only
+    assert budget_only not in {s["cell_id"] for s in meta["samples"]}  # pictures: main cells
+    ari = frame[frame["metric"] == "ari"]
+    ceiling = frame[frame["metric"] == "ari_ceiling"]
+    # every (cell, pair) has one ARI per held-out dataset, at the final sweep, and finite
+    per_run = ari.groupby(["cell_id", "K", "L"])
+    assert (per_run["dataset"].nunique() == 3).all() and (per_run["sweep"].max() == per_run["K"].max()).all()
+    assert ari["value"].between(-1, 1).all() and ari["value"].map(math.isfinite).all()
+    # the ceiling depends on the data only: one value per dataset whatever the cell
+    assert (ceiling.groupby("dataset")["value"].nunique() == 1).all()
+    assert len(ceiling) == len(ari)
+
+    report.make_report(params, tmp_path)
+    reports = tmp_path / "reports"
+    table1 = pd.read_csv(reports / "tables" / "gmm_table1.csv")
+    assert table1["ari"].map(math.isfinite).all() and table1["ari_ceiling"].map(math.isfinite).all()
+    training = pd.read_csv(reports / "tables" / "gmm_training.csv")
+    assert len(training) == 3 and set(training["plateaued"]) == {"not assessable"}  # 1 logged point each
+    readme = (reports / "README.md").read_text()
+    assert "apg ‡" in (reports / "tables" / "gmm_table1.md").read_text()
+    assert "## Claims of the paper, checked" in readme
+    claims = json.loads((reports / "metrics.json").read_text())["claims"]
+    assert claims["gmm/apg_ess_globals"]["pass"] is None  # no (10, 10) in these results: not run
+    assert (reports / "figures" / "gmm_budget.png").is_file()
