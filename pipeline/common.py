@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,16 @@ def project_root() -> Path:
 
 
 def seed_everything(seed: int) -> None:
-    """Seed torch at an entry point (library code never seeds)."""
+    """Seed torch at an entry point (library code never seeds).
+
+    Every draw the library makes comes from torch's default generator (the compiled kernels'
+    Philox keys included, ``apg.random.new_key``), so this fixes a run; numpy's and Python's
+    generators are seeded too, so that no later use of them makes runs differ (a Ray actor
+    reused for the next trial would otherwise carry their state over).
+    """
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 def check_budget(sweeps: int, particles: int) -> None:

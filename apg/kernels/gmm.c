@@ -58,6 +58,7 @@
 #include <string.h>
 
 #include "gamma.h"
+#include "thread_order.h"
 
 #define GMM_CAT_(a, b) a##b
 #define GMM_CAT(a, b) GMM_CAT_(a, b)
@@ -379,7 +380,13 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *Wr, const 
             }
         }
     }
-#pragma omp parallel if (B * N * I * R > PAR_MIN_WORK)
+    /* each thread's gWr, gWs (as gw: K F) and gbr, gbs (K), in one row */
+    const int parallel = B * N * I * R > PAR_MIN_WORK;
+    T *parts = parallel ? THREAD_PARTS(T, K * F + K) : NULL;
+    T fallback[MAX_OUTPUTS * (MAX_OUTPUTS + 1)]; /* K F + K <= 16 * 17 */
+    if (!parts) memset(fallback, 0, sizeof(T) * (K * F + K));
+    int team = 1;
+#pragma omp parallel if (parts != NULL)
     {
         T gw[MAX_OUTPUTS * MAX_OUTPUTS], gb[MAX_OUTPUTS], o[MAX_OUTPUTS][BLOCK], go[MAX_OUTPUTS][BLOCK];
         memset(gw, 0, sizeof(T) * K * F);
@@ -424,12 +431,19 @@ void S(gmm_soft_moments_backward)(const T *X, const long *C, const T *Wr, const 
                 }
             }
         }
-#pragma omp critical
         {
-            for (long q = 0; q < K * F; ++q) (q < I * F ? gWr + q : gWs + q - I * F)[0] += gw[q];
-            for (long q = 0; q < K; ++q) (q < I ? gbr + q : gbs + q - I)[0] += gb[q];
+            T *mine = MY_ROW(parts, fallback, K * F + K);
+            for (long q = 0; q < K * F; ++q) mine[q] += gw[q];
+            for (long q = 0; q < K; ++q) mine[K * F + q] += gb[q];
         }
+        TEAM_SIZE(team);
     }
+    for (int t = 0; t < team; ++t) {
+        const T *row = ROW(parts, fallback, K * F + K, t);
+        for (long q = 0; q < K * F; ++q) (q < I * F ? gWr + q : gWs + q - I * F)[0] += row[q];
+        for (long q = 0; q < K; ++q) (q < I ? gbr + q : gbs + q - I)[0] += row[K * F + q];
+    }
+    free(parts);
     free(gtable);
 }
 

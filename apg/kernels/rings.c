@@ -45,6 +45,7 @@
 
 #include "fast_tanh.h" /* the tanh layer's float32 tanh, as in tanh_layers.c */
 #include "philox.h"    /* the von Mises draws' uniforms */
+#include "thread_order.h"
 
 static const double I0E_A[30] = {
     -4.41534164647933937950E-18, 3.33079451882223809783E-17, -2.43127984654795469359E-16,
@@ -237,7 +238,13 @@ static inline void S(skip_features)(T dx, T dy, const T *consts, T *f) {
 void S(local_backward)(const T *X, const T *MU, const T *P, const T *C, const T *Wt,
                        const T *consts, const T *G, T *gP, T *gC, T *gWt, T *gbias, T *gWs, long L,
                        long B, long N, long I, long H) {
-#pragma omp parallel
+    /* each thread's gWt, gbias and gWs, in one row */
+    const long part = OUT * H + OUT + OUT * SKIP;
+    T *parts = THREAD_PARTS(T, part);
+    T fallback[parts ? 1 : part];
+    if (!parts) memset(fallback, 0, sizeof(fallback));
+    int team = 1;
+#pragma omp parallel if (parts != NULL)
     {
         T t[H], a[H], gp[H], gwt[OUT * H], gb[OUT], gws[OUT * SKIP], f[SKIP];
         memset(gwt, 0, sizeof(gwt));
@@ -283,13 +290,21 @@ void S(local_backward)(const T *X, const T *MU, const T *P, const T *C, const T 
                         for (long h = 0; h < H; ++h) gpr[h] += gp[h];
                     }
                 }
-#pragma omp critical
         {
-            for (long k = 0; k < OUT * H; ++k) gWt[k] += gwt[k];
-            for (long k = 0; k < OUT; ++k) gbias[k] += gb[k];
-            for (long k = 0; k < OUT * SKIP; ++k) gWs[k] += gws[k];
+            T *mine = MY_ROW(parts, fallback, part);
+            for (long k = 0; k < OUT * H; ++k) mine[k] += gwt[k];
+            for (long k = 0; k < OUT; ++k) mine[OUT * H + k] += gb[k];
+            for (long k = 0; k < OUT * SKIP; ++k) mine[OUT * H + OUT + k] += gws[k];
         }
+        TEAM_SIZE(team);
     }
+    for (int t = 0; t < team; ++t) {
+        const T *row = ROW(parts, fallback, part, t);
+        for (long k = 0; k < OUT * H; ++k) gWt[k] += row[k];
+        for (long k = 0; k < OUT; ++k) gbias[k] += row[OUT * H + k];
+        for (long k = 0; k < OUT * SKIP; ++k) gWs[k] += row[OUT * H + OUT + k];
+    }
+    free(parts);
 }
 
 /* Rows are taken CHUNK at a time, and every loop runs over the chunk's rows (row axis
