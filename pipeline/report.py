@@ -137,8 +137,9 @@ def retrained_rows(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
 
 # --------------------------------------------------------------------------- training plateau
 
-# A cell has plateaued when its training log joint over the last fifth of its iterations
-# shows no trend larger than 3 standard errors; fewer than 5 logged points there cannot
+# A cell has plateaued when neither its training log joint nor its training ESS/L over the
+# last fifth of its iterations shows a trend larger than 3 standard errors; fewer than 5
+# logged points there cannot
 # tell a trend from noise.
 PLATEAU_FRACTION = 0.2
 PLATEAU_MIN_POINTS = 5
@@ -205,19 +206,36 @@ def plateau(iteration: np.ndarray, value: np.ndarray, fraction: float = PLATEAU_
     return Plateau(n, start, end, final, delta, se, z, ok)
 
 
+# The training curves a cell must have settled on: the log joint (what every method
+# improves) and ESS/L (what the proposals' own objective, an inclusive KL, moves; it keeps
+# rising after the log joint is flat).
+PLATEAU_METRICS = ("log_joint", "ess")
+
+
 def training_table(training: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
-    """One row per cell: its training log joint's ``plateau`` statistics and verdict
-    (``yes`` / ``no`` / ``not assessable``; ``not trained`` for cells with nothing to
-    learn, e.g. exact Gibbs at 0 iterations), its iterations and mean iterations/s."""
-    lj = training[training["metric"] == "log_joint"] if not training.empty else training
+    """One row per cell: the ``plateau`` statistics of its training log joint and ESS/L,
+    and a verdict (``yes`` when both are flat, ``no`` when either moves; ``not assessable``;
+    ``not trained`` for cells with nothing to learn, e.g. exact Gibbs at 0 iterations), its
+    iterations and mean iterations/s."""
     rows = []
     for cell in meta["cells"]:
-        curve = lj[lj["cell_id"] == cell["cell_id"]] if not lj.empty else lj
-        stat = plateau(curve["iteration"].to_numpy(), curve["value"].to_numpy()) if len(curve) else None
-        if not cell["iterations"] or stat is None:
+        stats = {}
+        for metric in PLATEAU_METRICS:
+            curve = (
+                training[(training["metric"] == metric) & (training["cell_id"] == cell["cell_id"])]
+                if not training.empty
+                else training
+            )
+            if len(curve):
+                stats[metric] = plateau(curve["iteration"].to_numpy(), curve["value"].to_numpy())
+        verdicts = [st.plateaued for st in stats.values()]
+        if not cell["iterations"] or not stats:
             verdict = "not trained" if not cell["iterations"] else "not assessable"
+        elif False in verdicts:
+            verdict = "no"
         else:
-            verdict = {True: "yes", False: "no", None: "not assessable"}[stat.plateaued]
+            verdict = "not assessable" if None in verdicts else "yes"
+        lj, ess = stats.get("log_joint"), stats.get("ess")
         rows.append(
             {
                 "cell": cell["name"],
@@ -228,12 +246,15 @@ def training_table(training: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame
                 "seed": cell["seed"],
                 "iterations": cell["iterations"],
                 "it_per_s": cell.get("mean_it_per_s"),
-                "points": stat.points if stat else 0,
-                "window_start": stat.start if stat else np.nan,
-                "final_log_joint": stat.final if stat else np.nan,
-                "delta": stat.delta if stat else np.nan,
-                "se": stat.se if stat else np.nan,
-                "z": stat.z if stat else np.nan,
+                "points": lj.points if lj else 0,
+                "window_start": lj.start if lj else np.nan,
+                "final_log_joint": lj.final if lj else np.nan,
+                "delta": lj.delta if lj else np.nan,
+                "se": lj.se if lj else np.nan,
+                "z": lj.z if lj else np.nan,
+                "final_ess": ess.final if ess else np.nan,
+                "ess_delta": ess.delta if ess else np.nan,
+                "ess_z": ess.z if ess else np.nan,
                 "plateaued": verdict,
             }
         )
@@ -273,7 +294,19 @@ def flag_notes(marks: str) -> str:
 
 
 def training_markdown(table: pd.DataFrame) -> str:
-    header = ["cell", "iterations", "it/s", "final log p(x,z)", "Δ last fifth", "se(Δ)", "z", "plateaued"]
+    header = [
+        "cell",
+        "iterations",
+        "it/s",
+        "final log p(x,z)",
+        "Δ last fifth",
+        "se(Δ)",
+        "z",
+        "final ESS/L",
+        "Δ ESS/L",
+        "z (ESS/L)",
+        "plateaued",
+    ]
     rows = [header, ["---"] * len(header)]
     for r in table.itertuples(index=False):
         rows.append(
@@ -285,6 +318,9 @@ def training_markdown(table: pd.DataFrame) -> str:
                 _num(r.delta),
                 _num(r.se),
                 "" if not np.isfinite(r.z) else f"{r.z:.1f}",
+                _num(r.final_ess),
+                _cnum(r.ess_delta) if np.isfinite(r.ess_delta) else "",
+                "" if not np.isfinite(r.ess_z) else f"{r.ess_z:.1f}",
                 r.plateaued
                 + {"no": f" {NOT_PLATEAUED}", "not assessable": f" {NOT_ASSESSABLE}"}.get(r.plateaued, ""),
             ]
@@ -1433,8 +1469,10 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> s
                 "",
                 "Per cell, over the last fifth of its training iterations: the mean training log joint "
                 "(`final`), the change Δ an ordinary least-squares line through the logged values makes "
-                "across that window, its standard error, and z = Δ / se(Δ). A cell has plateaued when "
-                f"|z| < {PLATEAU_Z:g}; with fewer than {PLATEAU_MIN_POINTS} logged points in the window "
+                "across that window, its standard error, and z = Δ / se(Δ); the same for the training "
+                "ESS/L (the proposals' objective, an inclusive KL, shows there after the log joint is "
+                "flat). A cell has plateaued when "
+                f"|z| < {PLATEAU_Z:g} for both; with fewer than {PLATEAU_MIN_POINTS} logged points in the window "
                 "it is not assessable. Rows elsewhere whose numbers come from a cell that has not "
                 f"plateaued carry {NOT_PLATEAUED} (not assessable: {NOT_ASSESSABLE}).",
                 "",
