@@ -24,7 +24,14 @@ class CheckpointError(ValueError):
 
 def save_checkpoint(path: str | os.PathLike, config: dict[str, Any], state: dict[str, Any]) -> Path:
     payload = {"format": "apg-checkpoint-1", "config": json.dumps(config), "state": state}
-    return atomic_write(path, lambda tmp: torch.save(payload, tmp))
+
+    def write(tmp: Path) -> None:
+        # Through a file object: given a path, torch.save names the archive's root folder
+        # after the (random) temporary file, so two equal checkpoints would differ in bytes.
+        with open(tmp, "wb") as handle:
+            torch.save(payload, handle)
+
+    return atomic_write(path, write)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> tuple[dict, dict]:

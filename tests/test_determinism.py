@@ -137,3 +137,16 @@ def test_philox_draws_do_not_depend_on_the_thread_count():
     two = draws()
     for a, b in zip(one, two, strict=True):
         assert torch.equal(a, b)
+
+
+def test_equal_checkpoints_are_equal_files(tmp_path):
+    # dvc.lock hashes every model.pt: two runs that train the same weights must write the
+    # same bytes (torch.save given a path names the archive after the temporary file).
+    from apg.checkpoint import load_checkpoint, save_checkpoint
+
+    state = {"weight": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(7)}
+    first = save_checkpoint(tmp_path / "a.pt", {"lr": 0.01}, state).read_bytes()
+    second = save_checkpoint(tmp_path / "b.pt", {"lr": 0.01}, state).read_bytes()
+    assert first == second
+    config, loaded = load_checkpoint(tmp_path / "a.pt")
+    assert config == {"lr": 0.01} and torch.equal(loaded["weight"], state["weight"])
