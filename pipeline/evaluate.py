@@ -20,6 +20,11 @@
   true ``c`` (NaN for a method whose particles have no ``c``); tasks with a known
   Bayes-optimal assignment rule (the GMM: ``argmax_i p(c_n = i | x_n, mu, tau)`` at the
   true parameters) add ``ari_ceiling``, the ARI of that rule, the same for every cell.
+  Held-out videos that carry the simulator's digit positions (Bouncing MNIST) add the
+  curves ``pos_err`` (pixels between inferred and true digits after the best matching of
+  digits) and ``tracked`` (fraction of frames with every digit within 3 px) of the
+  highest-weight particle after each sweep (``apg.tasks.bmnist.position_errors``); their
+  figure sets add ``truth__<set>__z_where`` to ``samples.npz`` for the pictures' true paths.
 - ``training.parquet``: the training curves recorded by the sweep (iteration, metric, value).
 - ``samples.npz``: the highest-weight particle after selected sweeps on the figure sets,
   for Figure-1-style pictures; ``samples.json`` indexes it.
@@ -198,6 +203,47 @@ def assignment_truth(task: str, path: Path) -> tuple[np.ndarray | None, np.ndarr
     return true_c, (ari_scores(true_c, rule(arrays)) if rule else None)
 
 
+# --------------------------------------------------------------------------- tracking
+
+
+def position_truth(task: str, path: Path) -> np.ndarray | None:
+    """The simulator's digit positions ``(M, T, D, 2)`` of a held-out video file, for tasks
+    that track (Bouncing MNIST); None otherwise."""
+    if task != "bmnist":
+        return None
+    return load_dataset(path).get("z_where")
+
+
+def tracking_errors(
+    cfg, model, proposals, x: torch.Tensor, true_where: np.ndarray, sweeps: int, particles: int,
+    batch_size: int, resample_mode: str,
+) -> dict[str, np.ndarray]:
+    """Curves ``(K, M)``: the position error (pixels) and tracked-frame fraction of each
+    video's highest-weight particle after each sweep, against the simulator's positions
+    (``apg.tasks.bmnist.position_errors``). A run of its own, like ``final_assignments``."""
+    from apg.tasks.bmnist import position_errors, stack_where
+
+    device = next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+    method = make_method(cfg)
+    per_sweep: dict[int, list[np.ndarray]] = {}
+
+    def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
+        rows = torch.arange(log_w.shape[1], device=log_w.device)
+        where = stack_where(z, z_frames)[log_w.argmax(0), rows]  # (B, T, D, 2)
+        per_sweep.setdefault(k, []).append(where.cpu().numpy())
+
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
+            z_frames = xb.shape[1]
+            method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect])
+    curves: dict[str, list[np.ndarray]] = {}
+    for k in sorted(per_sweep):
+        for name, value in position_errors(true_where, np.concatenate(per_sweep[k])).items():
+            curves.setdefault(name, []).append(value)
+    return {name: np.stack(values) for name, values in curves.items()}
+
+
 # --------------------------------------------------------------------------- which cells are what
 
 
@@ -242,6 +288,7 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     sets = evaluation_sets(section)
     for entry in sets:
         entry["x"] = load_task_data(task, data_dir / f"{entry['stem']}.npz", model_hparams)
+        entry["true_where"] = position_truth(task, data_dir / f"{entry['stem']}.npz")
         if entry["kind"] == "test":
             entry["true_c"], entry["ari_ceiling"] = assignment_truth(task, data_dir / f"{entry['stem']}.npz")
     test_sets = [e for e in sets if e["kind"] == "test"]
@@ -289,6 +336,10 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                     metrics["ari"] = ari_scores(entry["true_c"], pred)
                     if entry["ari_ceiling"] is not None:
                         metrics["ari_ceiling"] = entry["ari_ceiling"]
+                if entry["true_where"] is not None:
+                    metrics.update(
+                        tracking_errors(set_cfg, model, set_proposals, entry["x"], entry["true_where"], k, l, *run_args)
+                    )
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
         # A cell with nothing to learn (exact Gibbs, 0 iterations) has an empty history.
         history_file = root / cell["history"]
@@ -307,6 +358,8 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         for i, entry in enumerate(figure_sets if "main" in cell_role else []):
             stem, x = entry["stem"], entry["x"]
             samples[f"x__{stem}"] = x.numpy()
+            if entry["true_where"] is not None:
+                samples[f"truth__{stem}__z_where"] = entry["true_where"]
             set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
             seed_everything(ev.get("seed", 0) + i)
             best = best_particles(

@@ -553,13 +553,18 @@ _T975 = (
     2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
 )
 # fmt: on
-CLAIM_KINDS = ("threshold", "gap", "above", "at_least", "within_noise", "increasing", "budget_above")
+CLAIM_KINDS = (
+    "threshold", "gap", "above", "below", "at_least", "within_noise", "increasing", "falls_over_sweeps",
+    "budget_above",
+)
 VERDICT_RULES = (
     "Each number is a mean over seeds of the per-seed mean over the held-out datasets of the "
-    f"first test set; [lo, hi] is a Student-t 95% interval over those seed means (needs ≥ {MIN_SEEDS} "
+    "first test set (or of the set a claim names); [lo, hi] is a Student-t 95% interval over those "
+    f"seed means (needs ≥ {MIN_SEEDS} "
     "seeds; with fewer it is n/a and the verdict, marked with the seed count, rests on the means). "
-    "Threshold claims (≥, ≤, within a gap) use the mean. 'A above B' needs non-overlapping 95% "
-    "intervals (with fewer seeds: A's mean above B's). 'A ≥ B' compares the means. 'Within noise' "
+    "Threshold claims (≥, ≤, within a gap) use the mean. 'A above B' ('below') needs non-overlapping "
+    "95% intervals (with fewer seeds: A's mean above (below) B's). 'Falls over sweeps': the last "
+    "sweep's value below the first sweep's, by the same rule. 'A ≥ B' compares the means. 'Within noise' "
     "needs overlapping intervals (no verdict with fewer seeds). 'Increasing with K' needs the mean "
     "to increase at every step. 'not run': the method, budget or metric is absent from these results."
 )
@@ -683,8 +688,11 @@ def claim_target(spec: dict[str, Any]) -> str:
         return f"{OPS[spec['op']][1]} {spec['target']}"
     if kind == "gap":
         return f"{METRIC_LABELS.get(spec['reference'], spec['reference'])} − {label} ≤ {spec['target']}"
-    if kind == "above":
-        return f"above {spec['other']} (non-overlapping 95% intervals)"
+    if kind in ("above", "below"):
+        at = f" at K={spec['other_pair'][0]} L={spec['other_pair'][1]}" if "other_pair" in spec else ""
+        return f"{kind} {spec['other']}{at} (non-overlapping 95% intervals)"
+    if kind == "falls_over_sweeps":
+        return "last sweep below sweep 1 (non-overlapping 95% intervals)"
     if kind == "at_least":
         return f"≥ {spec['other']} (means)"
     if kind == "within_noise":
@@ -694,15 +702,27 @@ def claim_target(spec: dict[str, Any]) -> str:
     return "largest K above smallest K (non-overlapping 95% intervals)"  # budget_above
 
 
-def check_claim(spec: dict[str, Any], task: str, fin: pd.DataFrame, retrained: pd.DataFrame) -> ClaimResult:
+def check_claim(
+    spec: dict[str, Any],
+    task: str,
+    fin: pd.DataFrame,
+    retrained: pd.DataFrame,
+    curves: pd.DataFrame | None = None,
+) -> ClaimResult:
     """Evaluate one claim of ``<task>.claims`` (pipeline/paper_numbers.yaml) on the final
     metrics ``fin`` of the main cells (and the ``retrained`` budget cells), by the rules
-    in ``VERDICT_RULES``."""
+    in ``VERDICT_RULES``. ``curves``: the main cells' rows of every held-out set and sweep,
+    for claims that name a ``test_set`` or look at sweeps (``falls_over_sweeps``)."""
     kind = spec["kind"]
     if kind not in CLAIM_KINDS:
         raise ValueError(f"claim {task}/{spec['id']}: unknown kind {kind!r}; known: {CLAIM_KINDS}")
     method, metric = spec["method"], spec["metric"]
     pair = tuple(spec.get("pair", (0, 0)))
+    if "test_set" in spec:
+        if curves is None or "test_set" not in curves:
+            curves = pd.DataFrame(columns=["test_set", "method", "metric", "K", "L", "sweep", "cell_id"])
+        curves = curves[curves["test_set"] == spec["test_set"]]
+        fin = finals(curves)
     if "train" in spec:  # only the cells trained at this (K, L)
         k, l = spec["train"]
         fin = fin[(fin["train_K"] == k) & (fin["train_L"] == l)]
@@ -711,6 +731,8 @@ def check_claim(spec: dict[str, Any], task: str, fin: pd.DataFrame, retrained: p
     target = claim_target(spec)
 
     def result(ours, passed, note, value, lo, hi, target_value, cells) -> ClaimResult:
+        if "test_set" in spec and note != "not run":
+            ours = f"{spec['test_set']}, {ours}"
         return ClaimResult(*head, ours, target, passed, note, value, lo, hi, target_value, tuple(cells))
 
     not_run = result("not run", None, "not run", None, None, None, None, ())
@@ -731,19 +753,36 @@ def check_claim(spec: dict[str, Any], task: str, fin: pd.DataFrame, retrained: p
             )
         return result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["target"], e.cells)
 
-    if kind in ("above", "at_least", "within_noise"):
+    if kind == "falls_over_sweeps":
+        rows = curves if curves is not None else fin
+        first = seed_estimate(rows[rows["sweep"] == 1], method, metric, pair)
+        last = seed_estimate(fin, method, metric, pair)
+        if not first.n or not last.n:
+            return not_run
+        note = _seed_note(first, last)
+        ok = last.mean < first.mean if note else last.hi < first.lo
+        ours = f"{method} K={pair[0]} L={pair[1]}: sweep 1 {_est(first)} → sweep {pair[0]} {_est(last)}"
+        return result(ours, ok, note, last.mean, last.lo, last.hi, first.mean, last.cells)
+
+    if kind in ("above", "below", "at_least", "within_noise"):
         other = spec["other"]
-        a, b = seed_estimate(fin, method, metric, pair), seed_estimate(fin, other, metric, pair)
+        other_pair = tuple(spec.get("other_pair", pair))
+        a, b = seed_estimate(fin, method, metric, pair), seed_estimate(fin, other, metric, other_pair)
         if not a.n or not b.n:
             return not_run
         note = _seed_note(a, b)
         if kind == "above":
             ok = a.mean > b.mean if note else a.lo > b.hi
+        elif kind == "below":
+            ok = a.mean < b.mean if note else a.hi < b.lo
         elif kind == "at_least":
             ok = a.mean >= b.mean
         else:
             ok = None if note else _overlap(a, b)
-        ours = f"K={pair[0]} L={pair[1]}: {method} {_est(a)} vs {other} {_est(b)}"
+        if other_pair != pair:
+            ours = f"{method} K={pair[0]} L={pair[1]} {_est(a)} vs {other} K={other_pair[0]} L={other_pair[1]} {_est(b)}"
+        else:
+            ours = f"K={pair[0]} L={pair[1]}: {method} {_est(a)} vs {other} {_est(b)}"
         ref = {"method": other, "value": b.mean, "lo": b.lo, "hi": b.hi}
         return result(ours, ok, note, a.mean, a.lo, a.hi, ref, a.cells + b.cells)
 
@@ -940,10 +979,22 @@ def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
     return True
 
 
-def mse_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path) -> bool:
-    """Figure 4: reconstruction MSE versus sweep, one line per held-out set (e.g. per (T, D)),
-    one panel per method, at the largest evaluation pair; one-step methods (RWS) as points."""
-    sub = frame[frame["metric"] == "mse"]
+# Per-held-out-set curves over sweeps (Figure 4 and its tracking twins): metric -> (y label, title).
+SET_CURVES = {
+    "mse": ("reconstruction MSE per pixel", "Reconstruction MSE versus sweeps, per held-out set (Figure 4"),
+    "pos_err": ("position error (px)", "Position error against the true digits versus sweeps, per held-out set ("),
+    "tracked": ("frames with every digit within 3 px", "Tracked frames versus sweeps, per held-out set ("),
+}
+
+
+def set_curve_figure(
+    frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path, metric: str = "mse"
+) -> bool:
+    """A metric versus sweep, one line per held-out set (e.g. per (T, D)), one panel per
+    method, at the largest evaluation pair; one-step methods (RWS) as points. For ``mse``
+    this is Figure 4."""
+    ylabel, title = SET_CURVES[metric]
+    sub = frame[frame["metric"] == metric]
     if sub.empty or not meta["pairs"]:
         return False
     k_max, l_at = max(tuple(p) for p in meta["pairs"])
@@ -973,9 +1024,9 @@ def mse_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Pa
         ax.set_xlabel("sweep k" if stats["sweep"].nunique() > 1 else "one step (K*L particles)")
         ax.set_title(method, fontsize=9)
         ax.set_xticks(sorted(set(stats["sweep"])))
-    axes[0, 0].set_ylabel("reconstruction MSE per pixel")
+    axes[0, 0].set_ylabel(ylabel)
     axes[0, 0].legend(fontsize=7, title="test set", title_fontsize=7)
-    fig.suptitle(f"Reconstruction MSE versus sweeps, per held-out set (Figure 4; K={k_max}, L={l_at})")
+    fig.suptitle(f"{title}{'; ' if title.endswith('4') else ''}K={k_max}, L={l_at})")
     _save(fig, path, caption)
     return True
 
@@ -1112,9 +1163,9 @@ def compute_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path
     return True
 
 
-def mse_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
-    """Final-sweep reconstruction MSE per (test set, method, K, L): mean and std over seeds x datasets."""
-    sub = finals(frame[frame["metric"] == "mse"])
+def set_table(frame: pd.DataFrame, meta: dict[str, Any], metric: str = "mse") -> pd.DataFrame:
+    """A metric's final sweep per (test set, method, K, L): mean and std over seeds x datasets."""
+    sub = finals(frame[frame["metric"] == metric])
     if sub.empty:
         return pd.DataFrame()
     if "test_set" not in sub:
@@ -1204,6 +1255,8 @@ def samples_figure(
             z = {k[len(prefix) :]: v[0] for k, v in samples.items() if prefix and k.startswith(prefix)}
             if z:
                 x = samples[f"x__{fset}"]
+                if f"truth__{fset}__z_where" in samples:  # the simulator's paths (tracking)
+                    z["true_where"] = samples[f"truth__{fset}__z_where"][0]
                 panels[i, j] = (f"{method}, sweep {sweep}\n{fset} (x {tuple(x.shape[1:])})", x[0], z)
     if not panels:
         return False
@@ -1264,6 +1317,8 @@ def animation(
     prefix = f"{entry['cell_id']}__{entry['figure_set']}__sweep{sweep}__"
     z = {k[len(prefix) :]: torch.from_numpy(v[0]) for k, v in samples.items() if k.startswith(prefix)}
     x = torch.from_numpy(samples[f"x__{entry['figure_set']}"][0]).to(torch.get_default_dtype())
+    if f"truth__{entry['figure_set']}__z_where" in samples:
+        z["true_where"] = torch.from_numpy(samples[f"truth__{entry['figure_set']}__z_where"][0])
     frames = np.asarray(spec.animate(model, x, z))
     images = [Image.fromarray(f) for f in frames]
     atomic_write(
@@ -1314,7 +1369,7 @@ def report_task(
     atomic_write(tables / f"{task}_methods.csv", lambda tmp: methods.to_csv(tmp, index=False))
     methods_md = comparison_markdown(methods)
     atomic_write(tables / f"{task}_methods.md", lambda tmp: tmp.write_text(methods_md + "\n"))
-    mse = mse_table(all_sets, meta)
+    mse = set_table(all_sets, meta)
     mse_md = ""
     if not mse.empty:
         mse = with_flags(mse, all_sets.assign(test_set=all_sets.get("test_set", "test")), MSE_KEYS, flags)
@@ -1326,13 +1381,17 @@ def report_task(
                 for r in mse.itertuples(index=False)
             ]
         ) + _footnote(mse)
+    tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking.csv")
     claims = [
-        check_claim(spec, task, finals(frame), finals(retrained))
+        check_claim(spec, task, finals(frame), finals(retrained), all_sets)
         for spec in (paper or {}).get("claims") or []
     ]
     made = {}
     for name, ok in (
-        ("mse", mse_figure(all_sets, meta, caption, figures / f"{task}_mse.{fmt}")),
+        *(
+            (metric, set_curve_figure(all_sets, meta, caption, figures / f"{task}_{metric}.{fmt}", metric))
+            for metric in SET_CURVES
+        ),
         ("compute", compute_figure(all_sets, meta, caption, figures / f"{task}_compute.{fmt}")),
         (
             "methods_sweeps",
@@ -1364,9 +1423,10 @@ def report_task(
         }
         for row in table.itertuples(index=False)
     }
-    for r in mse.itertuples(index=False):
-        if np.isfinite(r.mean):
-            headline.setdefault(f"{r.method}/K{r.K}/L{r.L}", {})[f"mse_{r.test_set}"] = float(r.mean)
+    for metric in ("mse", "pos_err", "tracked"):
+        for r in (mse if metric == "mse" else set_table(all_sets, meta, metric)).itertuples(index=False):
+            if np.isfinite(r.mean):
+                headline.setdefault(f"{r.method}/K{r.K}/L{r.L}", {})[f"{metric}_{r.test_set}"] = float(r.mean)
     sets = meta.get("test_sets") or []
     return {
         "task": task,
@@ -1377,6 +1437,7 @@ def report_task(
         "metrics": headline,
         "paper": paper,
         "mse_md": mse_md,
+        "tracking_md": tracking_md,
         "training_md": training_md,
         "cell_flags": flags,
         "claims": claims,
@@ -1388,8 +1449,29 @@ def report_task(
 MSE_KEYS = ["test_set", "method", "K", "L"]
 
 
+def tracking_markdown(frame: pd.DataFrame, meta: dict[str, Any], flags: dict[str, str], csv: Path) -> str:
+    """The tracking table (Bouncing MNIST): final-sweep position error and tracked-frame
+    fraction per (test set, method, K, L), written to ``csv``; "" when the task has no
+    position truth."""
+    err, tracked = set_table(frame, meta, "pos_err"), set_table(frame, meta, "tracked")
+    if err.empty:
+        return ""
+    table = err.merge(tracked, on=MSE_KEYS, suffixes=("_pos_err", "_tracked"))
+    table = with_flags(table, frame.assign(test_set=frame.get("test_set", "test")), MSE_KEYS, flags)
+    atomic_write(csv, lambda tmp: table.to_csv(tmp, index=False))
+    rows = [
+        f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | "
+        f"{_pm(r.mean_pos_err, r.std_pos_err)} | {_pm(r.mean_tracked, r.std_tracked)} |"
+        for r in table.itertuples(index=False)
+    ]
+    head = ["| test set | method | K | L | position error (px) | tracked frames |", "| --- | --- | --- | --- | --- | --- |"]
+    return "\n".join(head + rows) + _footnote(table)
+
+
 FIGURE_TEXT = {
     "mse": "Figure 4: reconstruction MSE per pixel between held-out frames and the reconstructions of the weighted particles, versus sweep, one line per held-out set (e.g. per (T, D)); error bars: std over seeds x videos.",
+    "pos_err": "Position error of the highest-weight particle against the simulator's digit positions (pixels, best matching of digits per video), versus sweep, one line per held-out set; error bars: std over seeds x videos.",
+    "tracked": "Fraction of frames whose every digit is within 3 px of its true position (highest-weight particle), versus sweep, one line per held-out set; error bars: std over seeds x videos.",
     "compute": "Reconstruction MSE per pixel versus compute, per held-out set. Compute: likelihood evaluations per dataset, in units of one evaluation of log p(x | z) over the whole dataset for one particle (for a video: all T frames; a gradient counts 2, a block's Markov blanket its share of the data; the proposal networks' own cost is not counted). APG: L (1 + 4 (k - 1)) after sweep k (every block's blanket before and after its update), drawn as a line over its sweeps; RWS: K*L (one encoder pass); AVF: K*L (1 + 4 n) for n inference iterations per frame and for the codes. Error bars: std over seeds x videos.",
     "methods_sweeps": "Held-out log joint versus sweep for every method at each test-time budget (K, L): APG, exact population Gibbs (gibbs), bootstrapped Gibbs, HMC-RWS (K-1 HMC transitions), and the one-step methods (RWS, reparam: K*L particles at once) as dashed levels; shaded: standard error of the mean over seeds x datasets (the same held-out datasets for every method; their spread is in Table 1).",
     "kl": "Inclusive KL (eq. 4) of each method's block kernels to the exact Gibbs conditionals, per block, using the final particles of each test-time budget as samples of the other blocks (4 exact draws each); gibbs uses the exact kernels (0 by construction) and gibbs-bootstrap the prior for the global block. Error bars: std over seeds x datasets.",
@@ -1486,6 +1568,18 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> s
                 "Final-sweep MSE per pixel, mean ± std over seeds x videos (Figure 4's last points).",
                 "",
                 part["mse_md"],
+                "",
+            ]
+        if part.get("tracking_md"):
+            lines += [
+                f"### Tracking against the simulator's positions ([csv](tables/{task}_tracking.csv))",
+                "",
+                "The highest-weight particle after the last sweep, per video: pixels between each "
+                "inferred digit and its true position after the best matching of digits (one "
+                "permutation per video: a digit keeps its identity), averaged over frames and digits; "
+                "and the fraction of frames whose every digit is within 3 px. Mean ± std over seeds x videos.",
+                "",
+                part["tracking_md"],
                 "",
             ]
         for name, rel in part["figures"].items():

@@ -518,6 +518,16 @@ def test_animate_and_draw():
     assert image.shape == (2 * 96 + 4, 4 * 96)
     assert np.allclose(image[100:, :96], recon[0].numpy(), atol=1e-6)
     plt.close(fig)
+    # with the simulator's positions: the paths so far, inferred and true, in every frame
+    truth = torch.stack([z[f"z_where_{t}"] for t in range(1, 5)]) * 0.5  # (T, D, 2)
+    fig, ax = plt.subplots()
+    bmnist.draw(ax, x.numpy(), {**{k: v.numpy() for k, v in z.items()}, "true_where": truth.numpy()})
+    assert len(ax.patches) == 4 * 3 and len(ax.lines) == 4 * 3 + 4 * 3 * 2
+    plt.close(fig)
+    marked = bmnist.animate(model, x, {**z, "true_where": truth})
+    centre = np.round((truth[0, 0].numpy() + 1) * 34).astype(int) + 14
+    assert (marked[0, centre[1], centre[0]] == 255).all()
+    assert (marked[:, :, 96:] == frames[:, :, 96:]).all()  # the reconstruction panel is unchanged
 
 
 # --------------------------------------------------------------------------- training (slow)
@@ -559,3 +569,34 @@ def test_training_lowers_heldout_mse_and_sweeps_help():
     after = mse()
     assert after[-1].mean() < 0.8 * before[-1].mean()
     assert after[-1].mean() < after[0].mean()  # more sweeps, lower reconstruction error
+
+
+def test_position_errors_match_digits_once_per_video():
+    from apg.tasks.bmnist import TRACK_TOLERANCE_PX, position_errors
+
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.rand(4, 6, 3, 2, generator=gen) * 1.6 - 0.8
+    px = 0.5 * (96 - 28)  # pixels per model unit
+    # The same digits in another order: no error, every frame tracked.
+    swapped = truth[:, :, [2, 0, 1]]
+    exact = position_errors(truth, swapped)
+    assert np.allclose(exact["pos_err"], 0.0) and np.allclose(exact["tracked"], 1.0)
+    # One digit of video 0 off by 2 px in x in every frame: 2/3 px mean, still tracked;
+    # off by 4 px in one frame of video 1: 4 / (6 * 3) px, 5 of 6 frames tracked.
+    shifted = swapped.clone()
+    shifted[0, :, 1, 0] += 2.0 / px
+    shifted[1, 2, 0, 1] += 4.0 / px
+    err = position_errors(truth, shifted)
+    assert err["pos_err"][0] == pytest.approx(2.0 / 3, rel=1e-6)
+    assert err["pos_err"][1] == pytest.approx(4.0 / 18, rel=1e-6)
+    assert err["tracked"][0] == 1.0 and err["tracked"][1] == pytest.approx(5 / 6)
+    assert TRACK_TOLERANCE_PX == 3.0
+    # Matching is per video: digits that trade places half-way are not a perfect track.
+    traded = truth.clone()
+    traded[:, 3:] = truth[:, 3:, [1, 0, 2]]
+    # (per frame, every frame would match exactly; per video, half the frames of two digits are off)
+    far = (truth[:, :, 0] - truth[:, :, 1]).norm(dim=-1) * px  # (M, T)
+    expected = torch.minimum(far[:, 3:].sum(1), far[:, :3].sum(1)) * 2 / (6 * 3)
+    assert np.allclose(position_errors(truth, traded)["pos_err"], expected.numpy())
+    with pytest.raises(ValueError, match="positions must both be"):
+        position_errors(truth, truth[:, :, :2])

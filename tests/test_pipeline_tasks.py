@@ -202,6 +202,23 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
     headline = json.loads((reports / "metrics.json").read_text())["bmnist"]
     assert math.isfinite(headline["apg/K3/L2"]["mse_T3_D2"])
 
+    # tracking against the simulator's positions: every method, every set, every sweep
+    err = metrics[metrics["metric"] == "pos_err"]
+    tracked = metrics[metrics["metric"] == "tracked"]
+    assert sorted(set(err["method"])) == ["apg", "avf", "rws-mlp"]
+    assert sorted(set(err["test_set"])) == ["T2_D1", "T3_D2"]
+    assert (err["value"] >= 0).all() and tracked["value"].between(0, 1).all()
+    assert sorted(set(err[err["method"] == "apg"]["sweep"])) == [1, 2, 3]
+    tracking = pd.read_csv(reports / "tables" / "bmnist_tracking.csv")
+    assert sorted(set(tracking["test_set"])) == ["T2_D1", "T3_D2"]
+    assert tracking["mean_pos_err"].map(math.isfinite).all()
+    for name in ("figures/bmnist_pos_err.png", "figures/bmnist_tracked.png"):
+        assert (reports / name).is_file(), name
+    assert "Tracking against the simulator's positions" in readme
+    assert math.isfinite(headline["apg/K3/L2"]["pos_err_T3_D2"])
+    samples = np.load(root / "results" / "eval" / "bmnist" / "samples.npz")
+    assert any(k.startswith("truth__") and k.endswith("__z_where") for k in samples.files)
+
 
 def test_figure_samples_carry_reconstructions_only_for_small_data():
     from apg.tasks import get_task

@@ -630,3 +630,41 @@ def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path):
     claims = json.loads((reports / "metrics.json").read_text())["claims"]
     assert claims["gmm/apg_ess_globals"]["pass"] is None  # no (10, 10) in these results: not run
     assert (reports / "figures" / "gmm_budget.png").is_file()
+
+
+def test_below_claims_across_test_sets_and_budgets():
+    # Errors: lower is better. The claim names its held-out set and the other method's pair.
+    _, apg = seeds_frame("apg", {(4, 4): 2.0}, metric="pos_err")
+    _, avf = seeds_frame("avf", {(1, 4): 9.0}, metric="pos_err")
+    _, apg_long = seeds_frame("apg", {(4, 4): 8.0}, metric="pos_err")
+    curves = pd.concat(
+        [apg.assign(test_set="T5_D2"), avf.assign(test_set="T5_D2"), apg_long.assign(test_set="T20_D2")],
+        ignore_index=True,
+    )
+    spec = {"id": "x", "claim": "c", "metric": "pos_err", "method": "apg", "pair": [4, 4]}
+    below = {**spec, "kind": "below", "other": "avf", "other_pair": [1, 4], "test_set": "T5_D2"}
+    result = report.check_claim(below, "bmnist", curves.iloc[:0], curves.iloc[:0], curves)
+    assert result.passed is True and result.ours.startswith("T5_D2, apg K=4 L=4")
+    assert "avf K=1 L=4" in result.ours and "at K=1 L=4" in result.target
+    # The same comparison at the same pair finds no AVF cell there.
+    same_pair = {k: v for k, v in below.items() if k != "other_pair"}
+    assert report.verdict(report.check_claim(same_pair, "bmnist", curves.iloc[:0], curves.iloc[:0], curves)) == "not run"
+    tracks = {**spec, "kind": "threshold", "op": "<=", "target": 3}
+    assert report.check_claim({**tracks, "test_set": "T5_D2"}, "bmnist", curves, curves.iloc[:0], curves).passed
+    longer = report.check_claim({**tracks, "test_set": "T20_D2"}, "bmnist", curves, curves.iloc[:0], curves)
+    assert longer.passed is False and longer.value == pytest.approx(8.0)
+    absent = report.check_claim({**tracks, "test_set": "T100_D5"}, "bmnist", curves, curves.iloc[:0], curves)
+    assert report.verdict(absent) == "not run"
+
+
+def test_falls_over_sweeps_compares_the_first_and_last_sweep():
+    cells, last = seeds_frame("apg", {(4, 4): 0.02}, metric="mse", spread=0.001)
+    first = pd.concat(
+        [metric_rows(c, 4, 4, {"mse": [0.05, 0.05, 0.05]}).assign(sweep=1) for c in cells], ignore_index=True
+    )
+    curves = pd.concat([first, last], ignore_index=True)
+    spec = {"id": "x", "claim": "c", "kind": "falls_over_sweeps", "metric": "mse", "method": "apg", "pair": [4, 4]}
+    falls = report.check_claim(spec, "bmnist", report.finals(curves), curves.iloc[:0], curves)
+    assert falls.passed is True and falls.target_value == pytest.approx(0.05) and "sweep 1" in falls.ours
+    rising = curves.assign(value=np.where(curves["sweep"] == 1, 0.01, curves["value"]))
+    assert report.check_claim(spec, "bmnist", report.finals(rising), rising.iloc[:0], rising).passed is False

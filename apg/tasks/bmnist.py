@@ -51,6 +51,7 @@ Data ``x``: ``(B, T, H, H)`` in [0, 1].
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections.abc import Mapping
@@ -661,6 +662,48 @@ def simulate(
     return {"x": x, "z_where": where.to(dtype), "labels": labels, "indices": indices}
 
 
+# --------------------------------------------------------------------------- tracking error
+
+# A frame is "tracked" when every digit is within this many pixels of its true position.
+TRACK_TOLERANCE_PX = 3.0
+
+
+def position_errors(
+    true_where: Tensor | np.ndarray, where: Tensor | np.ndarray, cfg: BMNISTConfig = BMNISTConfig()
+) -> dict[str, np.ndarray]:
+    """How far inferred digit positions are from the simulator's, per video.
+
+    ``true_where`` and ``where``: ``(M, T, D, 2)`` in model coordinates. Digits are
+    exchangeable, so each video's inferred digits are matched to its true ones by the
+    permutation with the smallest mean distance; one permutation per video, not per frame,
+    because a tracked digit keeps its identity (its ``z_what``) through the video.
+
+    Returns ``pos_err (M,)``: mean pixels between matched digits over frames and digits
+    (a pixel is ``(H - 28) / 2`` model units per coordinate), and ``tracked (M,)``: the
+    fraction of frames whose every digit is within ``TRACK_TOLERANCE_PX`` of its match.
+    """
+    true_where = torch.as_tensor(np.asarray(true_where), dtype=torch.float64)
+    where = torch.as_tensor(np.asarray(where), dtype=torch.float64)
+    if true_where.shape != where.shape or true_where.dim() != 4 or true_where.shape[-1] != 2:
+        raise ValueError(
+            f"positions must both be (videos, frames, digits, 2); got {tuple(true_where.shape)} "
+            f"and {tuple(where.shape)}"
+        )
+    px = 0.5 * (cfg.canvas_size - cfg.digit_size)
+    # dist[m, t, i, j]: pixels between inferred digit i and true digit j
+    dist = torch.linalg.vector_norm(where.unsqueeze(3) - true_where.unsqueeze(2), dim=-1) * px
+    digits = where.shape[2]
+    perms = torch.tensor(list(itertools.permutations(range(digits))), dtype=torch.long)  # (P, D)
+    rows = torch.arange(digits)
+    matched = dist[:, :, rows[None, :], perms]  # (M, T, P, D)
+    best = matched.mean((1, 3)).argmin(-1)  # (M,)
+    errors = matched[torch.arange(len(best)), :, best]  # (M, T, D)
+    return {
+        "pos_err": errors.mean((1, 2)).numpy(),
+        "tracked": (errors <= TRACK_TOLERANCE_PX).all(-1).double().mean(1).numpy(),
+    }
+
+
 # --------------------------------------------------------------------------- proposals
 
 
@@ -900,8 +943,12 @@ _COLORS = np.array(
 
 
 def _boxes(z: Mapping[str, Any], num_frames: int, cfg: BMNISTConfig = BMNISTConfig()) -> np.ndarray:
-    """Top-left pixel corners ``(T, D, 2)`` (column, row) of the inferred digits."""
-    where = np.stack([np.asarray(z[where_key(t)]) for t in range(1, num_frames + 1)])
+    """Top-left pixel corners ``(T, D, 2)`` (column, row) of the digits of ``z``: its
+    ``z_where_t`` blocks, or a ``z_where (T, D, 2)`` array (the simulator's truth)."""
+    if "z_where" in z:
+        where = np.asarray(z["z_where"])[:num_frames]
+    else:
+        where = np.stack([np.asarray(z[where_key(t)]) for t in range(1, num_frames + 1)])
     return (where + 1.0) * 0.5 * (cfg.canvas_size - cfg.digit_size)
 
 
@@ -912,6 +959,8 @@ def draw(ax, x, z, max_frames: int = 10) -> None:
     ``x (T, H, H)`` numpy; ``z`` numpy dict without particle or batch dims. The
     reconstruction row needs the decoder, which ``z`` does not carry: it is drawn from
     ``z["recon"]`` (``(T, H, H)``, the model's ``reconstruct`` of this sample), when given.
+    With ``z["true_where"]`` (``(T, D, 2)``, the simulator's positions), each frame also
+    shows every digit's path so far: inferred (solid, the box's colour) and true (dotted white).
     """
     from matplotlib.patches import Rectangle
 
@@ -924,12 +973,22 @@ def draw(ax, x, z, max_frames: int = 10) -> None:
         gap = np.ones((4, strips[0].shape[1]))
         strips += [gap, np.concatenate(list(np.clip(np.asarray(z["recon"])[:frames], 0, 1)), axis=1)]
     ax.imshow(np.concatenate(strips, axis=0), cmap="gray", vmin=0, vmax=1)
+    true_corners = _boxes({"z_where": z["true_where"]}, frames) if "true_where" in z else None
+    centre = DIGIT / 2 - 0.5
     for top in (0, side + 4)[: 1 if len(strips) == 1 else 2]:
         for t in range(frames):
             for d, (cx, cy) in enumerate(corners[t]):
                 color = _COLORS[d % len(_COLORS)] / 255.0
                 corner = (t * side + cx - 0.5, top + cy - 0.5)
                 ax.add_patch(Rectangle(corner, DIGIT, DIGIT, fill=False, lw=1, edgecolor=color))
+                if true_corners is not None and top == 0:
+                    path = corners[: t + 1, d] + centre
+                    ax.plot(t * side + path[:, 0], path[:, 1], color=color, lw=0.8)
+            if true_corners is not None and top == 0:
+                for d in range(true_corners.shape[1]):
+                    path = true_corners[: t + 1, d] + centre
+                    ax.plot(t * side + path[:, 0], path[:, 1], color="white", lw=0.8, ls=":")
+                    ax.plot(t * side + path[-1, 0], path[-1, 1], "+", color="white", ms=4, mew=0.8)
     ax.set_axis_off()
 
 
@@ -937,20 +996,49 @@ def draw(ax, x, z, max_frames: int = 10) -> None:
 def animate(model: BouncingMNIST, x: Tensor, z: Mapping[str, Tensor]) -> np.ndarray:
     """Frames ``(T, H, 2H + 4, 3)`` uint8: the video | its reconstruction, with boxes.
 
-    ``x (T, H, H)`` and ``z`` without particle or batch dims (torch)."""
+    ``x (T, H, H)`` and ``z`` without particle or batch dims (torch). With
+    ``z["true_where"]`` (``(T, D, 2)``), the video panel also marks each digit's true
+    centre (a white cross) and the path of every inferred centre so far (the box's colour).
+    """
+    z = dict(z)
+    truth = z.pop("true_where", None)
     num_frames, side = x.shape[0], x.shape[-1]
     zb = {k: v[None, None] for k, v in z.items()}
     recon = model.reconstruct(zb, num_frames)[0, 0]
     corners = np.round(_boxes({k: v.cpu().numpy() for k, v in z.items()}, num_frames, model.cfg)).astype(int)
+    true_corners = None
+    if truth is not None:
+        true_corners = np.round(_boxes({"z_where": truth.cpu().numpy()}, num_frames, model.cfg)).astype(int)
     gap = np.full((num_frames, side, 4, 3), 255, np.uint8)
     panels = []
-    for img in (x, recon):
+    half = DIGIT // 2
+    for i, img in enumerate((x, recon)):
         rgb = np.repeat((img.clamp(0, 1).cpu().numpy() * 255).astype(np.uint8)[..., None], 3, -1)
         for t in range(num_frames):
             for d, (cx, cy) in enumerate(corners[t]):
-                _box(rgb[t], cx, cy, DIGIT, _COLORS[d % len(_COLORS)])
+                color = _COLORS[d % len(_COLORS)]
+                _box(rgb[t], cx, cy, DIGIT, color)
+                if i == 0 and true_corners is not None:
+                    for px, py in corners[: t + 1, d] + half:
+                        _dot(rgb[t], px, py, color)
+            if i == 0 and true_corners is not None:
+                for px, py in true_corners[t] + half:
+                    _cross(rgb[t], px, py, np.array([255, 255, 255], np.uint8))
         panels.append(rgb)
     return np.concatenate([panels[0], gap, panels[1]], axis=2)
+
+
+def _dot(img: np.ndarray, x: int, y: int, color: np.ndarray) -> None:
+    h, w = img.shape[:2]
+    img[max(y - 1, 0) : min(y + 1, h - 1) + 1, max(x - 1, 0) : min(x + 1, w - 1) + 1] = color
+
+
+def _cross(img: np.ndarray, x: int, y: int, color: np.ndarray, arm: int = 3) -> None:
+    h, w = img.shape[:2]
+    if 0 <= y < h:
+        img[y, max(x - arm, 0) : min(x + arm, w - 1) + 1] = color
+    if 0 <= x < w:
+        img[max(y - arm, 0) : min(y + arm, h - 1) + 1, x] = color
 
 
 def _box(img: np.ndarray, x0: int, y0: int, size: int, color: np.ndarray) -> None:

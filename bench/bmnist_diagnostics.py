@@ -1,0 +1,162 @@
+"""Why does (or doesn't) Bouncing MNIST learn? Three checks, each on simulated videos whose
+true digit positions are known (issue 18: gradients and objectives on small data first).
+
+    python bench/bmnist_diagnostics.py peak                    # no learning at all
+    python bench/bmnist_diagnostics.py decoder --iterations 300
+    python bench/bmnist_diagnostics.py apg --videos 1 --iterations 300
+
+- ``peak``: the signal the position proposals start from. Each frame is correlated with
+  the mean-digit template and digits are placed greedily at the map's argmax, explaining
+  away each placed digit as the encoder does; the position error of that rule against the
+  truth is what a where network reading the softmaxed map can reach without a decoder.
+- ``decoder``: can the decoder learn digits when positions are given? The true positions
+  are fixed, z_what is proposed by the what network from crops, and decoder and what network
+  are trained on the ELBO (reparameterized); prints the reconstruction MSE per pixel.
+- ``apg``: APG training (the pipeline's Trainer) on ``--videos`` videos, printing the
+  position error of the highest-weight particle on those same videos, the training log
+  joint and the gradient norm of each network every ``--every`` steps: can it overfit?
+  With ``--heldout``, the position error is measured on fresh videos instead.
+
+Prints one line per checkpoint; nothing is written. MNIST from $APG_MNIST_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from apg.tasks import bmnist
+from apg.training import TrainConfig, Trainer, make_method
+
+
+def videos(count: int, frames: int, digits: int, seed: int) -> dict[str, torch.Tensor]:
+    model = bmnist.build_model()
+    return bmnist.simulate(model, count, torch.Generator().manual_seed(seed), frames, digits, "train")
+
+
+def peak(args) -> None:
+    data = videos(args.videos, args.frames, args.digits, args.seed)
+    x, truth = data["x"], data["z_where"]
+    tmpl = bmnist._mean_digit_blob()
+    size = tmpl.shape[-1]
+    auto = F.conv2d(F.pad(tmpl, (size - 1,) * 4)[None, None], tmpl[None, None])[0, 0]
+    corr = F.conv2d(x.reshape(-1, 1, 96, 96), tmpl[None, None])[:, 0]  # (M T, 69, 69)
+    side = corr.shape[-1]
+    placed = []
+    for _ in range(args.digits):
+        flat = corr.flatten(1).argmax(1)
+        offset = torch.stack([flat % side, flat // side], -1).to(corr.dtype)  # (column, row)
+        placed.append(offset / (0.5 * (96 - 28)) - 1.0)
+        shift = offset - (size - 1)
+        corr = corr - bmnist.render(auto.expand(len(corr), 1, 1, *auto.shape), shift[:, None, None], side)[:, 0]
+    where = torch.stack(placed, 1).reshape(args.videos, args.frames, args.digits, 2)
+    err = bmnist.position_errors(truth, where)
+    print(
+        f"peak: {args.videos} videos T={args.frames} D={args.digits}: position error "
+        f"{err['pos_err'].mean():.2f} px (median {float(torch.tensor(err['pos_err']).median()):.2f}), "
+        f"tracked frames {err['tracked'].mean():.3f}"
+    )
+
+
+def decoder(args) -> None:
+    torch.manual_seed(args.seed)
+    data = videos(args.videos, args.frames, args.digits, args.seed)
+    x, truth = data["x"], data["z_where"]
+    model = bmnist.build_model()
+    proposals = bmnist.build_proposals(model, "apg", args.digits)
+    params = [*model.parameters(), *proposals.what_net.parameters()]
+    opt = torch.optim.Adam(params, lr=args.lr, betas=(0.9, 0.99))
+    start = time.perf_counter()
+    for it in range(1, args.iterations + 1):
+        idx = torch.randperm(len(x))[: args.batch]
+        xb, wb = x[idx], truth[idx][None]  # where (1, B, T, D, 2)
+        q = proposals._what(xb, wb)
+        z_what = q.rsample()
+        z = {"z_what": z_what, **{bmnist.where_key(t + 1): wb[:, :, t] for t in range(args.frames)}}
+        elbo = model.log_joint(xb, z) - q.log_prob(z_what).sum((-2, -1))
+        loss = -elbo.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if it % args.every == 0 or it == 1:
+            with torch.no_grad():
+                mse = ((model.reconstruct({**z, "z_what": q.loc}, args.frames)[0] - xb) ** 2).mean()
+            print(
+                f"decoder it {it}: ELBO/frame {-loss.item() / args.frames:.1f}, reconstruction MSE {mse:.4f}, "
+                f"{time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
+
+
+def apg(args) -> None:
+    torch.manual_seed(args.seed)
+    data = videos(args.videos, args.frames, args.digits, args.seed)
+    x, truth = data["x"], data["z_where"]
+    cfg = TrainConfig(
+        task="bmnist", method=args.method, sweeps=args.sweeps, particles=args.particles,
+        batch_size=min(args.batch, args.videos), iterations=args.iterations, lr=args.lr,
+        network={"num_digits": args.digits},
+    )
+    trainer = Trainer(cfg, x)
+    nets = {
+        "where": trainer.proposals.where_net,
+        "what": trainer.proposals.what_net,
+        "decoder": trainer.model.decoder,
+    }
+    if args.heldout:  # fresh videos of MNIST's test digits: does it generalize?
+        held = bmnist.simulate(
+            trainer.model, args.eval_videos, torch.Generator().manual_seed(args.seed + 1), args.frames, args.digits, "test"
+        )
+        x, truth = held["x"], held["z_where"]
+    start = time.perf_counter()
+    for out in trainer.run():
+        it = trainer.iteration
+        if it % args.every and it != 1:
+            continue
+        grads = {
+            name: sum(float(p.grad.norm()) ** 2 for p in net.parameters() if p.grad is not None) ** 0.5
+            for name, net in nets.items()
+        }
+        with torch.no_grad():
+            result = make_method(cfg).run(
+                trainer.model, trainer.proposals, x[: args.eval_videos], cfg.sweeps, cfg.particles, "block", "systematic"
+            )
+            best = result.log_weights.argmax(0)
+            where = bmnist.stack_where(result.z, args.frames)[best, torch.arange(len(best))]
+        err = bmnist.position_errors(truth[: args.eval_videos], where)
+        print(
+            f"{args.method} it {it}: log joint {out['log_joint']:.1f}, ESS/L {out['ess']:.2f}, position error "
+            f"{err['pos_err'].mean():.2f} px, tracked {err['tracked'].mean():.2f}, |grad| "
+            + " ".join(f"{k} {v:.3g}" for k, v in grads.items())
+            + f", {time.perf_counter() - start:.0f} s",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("check", choices=["peak", "decoder", "apg"])
+    parser.add_argument("--videos", type=int, default=100)
+    parser.add_argument("--eval-videos", type=int, default=20)
+    parser.add_argument("--frames", type=int, default=5)
+    parser.add_argument("--digits", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=300)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=5)
+    parser.add_argument("--sweeps", type=int, default=3)
+    parser.add_argument("--particles", type=int, default=4)
+    parser.add_argument("--method", default="apg")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heldout", action="store_true", help="apg: score held-out videos, not the training ones")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    {"peak": peak, "decoder": decoder, "apg": apg}[args.check](args)
+
+
+if __name__ == "__main__":
+    main()
