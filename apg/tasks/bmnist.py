@@ -202,6 +202,33 @@ def correlate(frames: Tensor, templates: Tensor) -> Tensor:
     return torch.stack([o.reshape(num_particles, digits, side, side) for o in out], 1)
 
 
+def cross_correlations(templates: Tensor) -> Tensor:
+    """``A[..., e, d, k] = sum_q T_e(q + k) T_d(q)`` for ``k`` in ``[-(S-1), S-1]^2`` (stored
+    at ``k + S - 1``) and ``e < d`` (zero elsewhere): ``(..., D, D, 2S-1, 2S-1)`` from
+    ``templates (..., D, S, S)``.
+
+    Digit e placed at pixel offset p adds ``A[e, d](o - p)`` to the correlation of a frame
+    with template d at offset o, exactly (placement is bilinear, hence linear), so
+    ``render(A[e, d], p - (S - 1))`` is what digit e contributes to digit d's map.
+    """
+    *lead, digits, size, _ = templates.shape
+    out = templates.new_zeros(*lead, digits, digits, 2 * size - 1, 2 * size - 1)
+    pairs = [(e, d) for d in range(digits) for e in range(d)]
+    if not pairs:
+        return out
+    first = torch.tensor([e for e, _ in pairs], device=templates.device)
+    second = torch.tensor([d for _, d in pairs], device=templates.device)
+    flat = templates.reshape(-1, digits, size, size)
+    channels = flat.shape[0] * len(pairs)
+    padded = F.pad(flat[:, first], (size - 1,) * 4).reshape(1, channels, 3 * size - 2, 3 * size - 2)
+    weight = flat[:, second].reshape(channels, 1, size, size)
+    maps = F.conv2d(padded, weight, groups=channels)  # depthwise: one pair per channel
+    out.view(-1, digits, digits, 2 * size - 1, 2 * size - 1)[:, first, second] = maps.view(
+        -1, len(pairs), 2 * size - 1, 2 * size - 1
+    )
+    return out
+
+
 def _first_copies(z: Tensor) -> Tensor:
     """``(L, B)`` index of the first particle of each video equal (exactly, all of its
     values) to each particle of ``z (L, B, ...)``: ``first[l, b] == l`` for distinct ones."""
@@ -804,6 +831,65 @@ class WhatNet(nn.Module):
         return Normal(loc, F.softplus(scale) + 1e-3, validate_args=False)
 
 
+class ExplainingAwayWhere:
+    """q(z_where_t | x_t, z_what): one frame's digits, proposed one after another.
+
+    Digit d's correlation map is the frame's correlation with its own template minus what
+    the digits before it contribute at their positions (``cross_correlations``): the map
+    of the frame with those digits removed. Without it every digit's map peaks at the
+    frame's brightest digit, and two digits' proposals lock onto the same one. Digit d's
+    factor depends on the values of digits < d, so ``log_prob(value)`` (the reverse
+    kernel) recomputes the maps at ``value``'s positions. Appendix E's network reads each
+    map; the frame the map is taken of is the frame explained so far (as the authors'
+    released code does, there with the reverse maps taken at the wrong positions).
+
+    ``maps (L, B, D, side, side)`` the frame's correlations, ``cross (L, B, D, D, 2S-1,
+    2S-1)`` from ``cross_correlations``.
+    """
+
+    def __init__(self, net: WhereNet, maps: Tensor, cross: Tensor, cfg: BMNISTConfig, name: str):
+        self.net, self.maps, self.cross, self.cfg, self.name = net, maps, cross, cfg, name
+
+    def _walk(self, value: Tensor | None, first: Normal | None = None) -> tuple[Tensor, Tensor, Normal]:
+        """Sample (``value`` None) or score ``value (L, B, D, 2)`` digit by digit; returns
+        ``(where, log_q (L, B), q of digit 0)``."""
+        digits, side = self.maps.shape[2], self.maps.shape[-1]
+        shift = self.cfg.digit_size - 1
+        placed: list[Tensor] = []
+        log_q: Tensor | None = None
+        q0 = first
+        for d in range(digits):
+            corr = self.maps[:, :, d]
+            if d:
+                offset = pixel_offsets(torch.stack(placed, 2), self.cfg.canvas_size, self.cfg.digit_size)
+                corr = corr - render(self.cross[:, :, :d, d], offset - shift, side)
+            q = first if d == 0 and first is not None else self.net(corr)
+            if d == 0:
+                q0 = q
+            w = q.sample() if value is None else value[:, :, d]
+            lp = q.log_prob(w).sum(-1)
+            log_q = lp if log_q is None else log_q + lp
+            placed.append(w)
+        assert log_q is not None and q0 is not None
+        return torch.stack(placed, 2), log_q, q0
+
+    def sample(self) -> Latents:
+        with torch.no_grad():
+            return {self.name: self._walk(None)[0]}
+
+    def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
+        return self._walk(value[self.name])[1]
+
+    def propose(self, old: Mapping[str, Tensor]) -> tuple[Latents, Tensor, Tensor]:
+        """``blocks.propose`` in one forward walk and one reverse walk (digit 0's map is
+        the same for both, so its network runs once)."""
+        new, log_q_new, q0 = self._walk(None)
+        with torch.no_grad():
+            q0 = Normal(q0.loc.detach(), q0.scale.detach(), validate_args=False)
+            log_q_old = self._walk(old[self.name], q0)[1]
+        return {self.name: new}, log_q_new, log_q_old
+
+
 class BMNISTProposals(Proposals):
     """Inference networks.
 
@@ -917,9 +1003,11 @@ class BMNISTProposals(Proposals):
         # maps and proposal, are its original's: compute them once per distinct particle.
         first = _first_copies(z["z_what"])
         corr, rows = _correlate_distinct(x[:, t - 1], templates, first)
-        q = self.where_net(corr)  # over (N distinct x D, 2)
-        q = Normal(q.loc[rows], q.scale[rows], validate_args=False)
-        return Factorized({where_key(t): (q, 2)})
+        if templates.shape[2] == 1:  # nothing to explain away: one network pass per distinct particle
+            q = self.where_net(corr)  # over (N distinct, 2)
+            q = Normal(q.loc[rows], q.scale[rows], validate_args=False)
+            return Factorized({where_key(t): (q, 2)})
+        return ExplainingAwayWhere(self.where_net, corr[rows], cross_correlations(templates), self.cfg, where_key(t))
 
 
 # --------------------------------------------------------------------------- task spec
