@@ -145,6 +145,11 @@ def best_particles(
 # --------------------------------------------------------------------------- cluster recovery
 
 
+def _device(model, proposals, x: torch.Tensor) -> torch.device:
+    """Where the trained networks live (``x``'s device for a method without parameters)."""
+    return next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+
+
 def final_assignments(
     cfg, model, proposals, x: torch.Tensor, sweeps: int, particles: int, batch_size: int, resample_mode: str
 ) -> np.ndarray | None:
@@ -155,7 +160,7 @@ def final_assignments(
     A run of its own: ``apg.training.evaluate`` does not hand out its final particles.
     """
     method = make_method(cfg)
-    device = next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+    device = _device(model, proposals, x)
     chunks = []
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
@@ -223,19 +228,18 @@ def tracking_errors(
     (``apg.tasks.bmnist.position_errors``). A run of its own, like ``final_assignments``."""
     from apg.tasks.bmnist import position_errors, stack_where
 
-    device = next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+    device = _device(model, proposals, x)
     method = make_method(cfg)
     per_sweep: dict[int, list[np.ndarray]] = {}
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         rows = torch.arange(log_w.shape[1], device=log_w.device)
-        where = stack_where(z, z_frames)[log_w.argmax(0), rows]  # (B, T, D, 2)
+        where = stack_where(z, x.shape[1])[log_w.argmax(0), rows]  # (B, T, D, 2)
         per_sweep.setdefault(k, []).append(where.cpu().numpy())
 
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
-            z_frames = xb.shape[1]
             method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect])
     curves: dict[str, list[np.ndarray]] = {}
     for k in sorted(per_sweep):
