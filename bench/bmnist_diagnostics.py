@@ -94,11 +94,12 @@ def decoder(args) -> None:
 def apg(args) -> None:
     torch.manual_seed(args.seed)
     data = videos(args.videos, args.frames, args.digits, args.seed)
-    x, truth = data["x"], data["z_where"]
+    x, truth, centres = data["x"], data["z_where"], data["centres"]
     cfg = TrainConfig(
         task="bmnist", method=args.method, sweeps=args.sweeps, particles=args.particles,
         batch_size=min(args.batch, args.videos), iterations=args.iterations, lr=args.lr,
-        network={"num_digits": args.digits},
+        network={"num_digits": args.digits, "share_where_net": args.share_where_net,
+                 "read_coordinates": not args.random_where_init},
     )
     trainer = Trainer(cfg, x)
     nets = {
@@ -110,7 +111,7 @@ def apg(args) -> None:
         held = bmnist.simulate(
             trainer.model, args.eval_videos, torch.Generator().manual_seed(args.seed + 1), args.frames, args.digits, "test"
         )
-        x, truth = held["x"], held["z_where"]
+        x, truth, centres = held["x"], held["z_where"], held["centres"]
     start = time.perf_counter()
     for out in trainer.run():
         it = trainer.iteration
@@ -120,20 +121,37 @@ def apg(args) -> None:
             name: sum(float(p.grad.norm()) ** 2 for p in net.parameters() if p.grad is not None) ** 0.5
             for name, net in nets.items()
         }
-        with torch.no_grad():
-            result = make_method(cfg).run(
-                trainer.model, trainer.proposals, x[: args.eval_videos], cfg.sweeps, cfg.particles, "block", "systematic"
-            )
-            best = result.log_weights.argmax(0)
-            where = bmnist.stack_where(result.z, args.frames)[best, torch.arange(len(best))]
-        err = bmnist.position_errors(truth[: args.eval_videos], where)
+        sweeps = evaluate_sweeps(trainer, cfg, x[: args.eval_videos], truth[: args.eval_videos], centres[: args.eval_videos])
         print(
-            f"{args.method} it {it}: log joint {out['log_joint']:.1f}, ESS/L {out['ess']:.2f}, position error "
-            f"{err['pos_err'].mean():.2f} px, tracked {err['tracked'].mean():.2f}, |grad| "
-            + " ".join(f"{k} {v:.3g}" for k, v in grads.items())
+            f"{args.method} it {it}: log joint {out['log_joint']:.1f}, ESS/L {out['ess']:.2f}; held-out by sweep: "
+            + ", ".join(f"{k}: {lj:.0f} / {e:.2f} px ({b:.2f} box, {tr:.2f} tracked)" for k, (lj, e, b, tr) in sweeps.items())
+            + "; |grad| " + " ".join(f"{k} {v:.3g}" for k, v in grads.items())
             + f", {time.perf_counter() - start:.0f} s",
             flush=True,
         )
+
+
+def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, float, float, float]]:
+    """``{sweep: (mean log joint, position error, box error, tracked frames)}`` of the
+    highest-weight particle after each sweep."""
+    model = trainer.model
+    found: dict[int, tuple[float, float, float, float]] = {}
+
+    def collect(k, z, log_w):
+        best = log_w.argmax(0)
+        rows = torch.arange(len(best))
+        chosen = {name: t[best, rows] for name, t in z.items()}
+        where = bmnist.stack_where({n: v[None] for n, v in chosen.items()}, x.shape[1])[0]
+        found_centres = bmnist.ink_centres(model.templates(chosen["z_what"][None])[0])
+        err = bmnist.position_errors(truth, where, true_centres=centres, centres=found_centres)
+        log_joint = model.log_joint(x, {n: v[None] for n, v in chosen.items()}).mean()
+        found[k] = (float(log_joint), err["pos_err"].mean(), err["box_err"].mean(), err["tracked"].mean())
+
+    with torch.no_grad():
+        make_method(cfg).run(
+            model, trainer.proposals, x, cfg.sweeps, cfg.particles, "block", "systematic", collectors=[collect]
+        )
+    return found
 
 
 def main() -> None:
@@ -153,6 +171,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heldout", action="store_true", help="apg: score held-out videos, not the training ones")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--random-where-init", action="store_true", help="apg: where networks from random weights, not a soft-argmax")
+    parser.add_argument("--share-where-net", action="store_true", help="apg: one where network for encoder and kernels")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     {"peak": peak, "decoder": decoder, "apg": apg}[args.check](args)

@@ -21,9 +21,11 @@
   Bayes-optimal assignment rule (the GMM: ``argmax_i p(c_n = i | x_n, mu, tau)`` at the
   true parameters) add ``ari_ceiling``, the ARI of that rule, the same for every cell.
   Held-out videos that carry the simulator's digit positions (Bouncing MNIST) add the
-  curves ``pos_err`` (pixels between inferred and true digits after the best matching of
-  digits) and ``tracked`` (fraction of frames with every digit within 3 px) of the
-  highest-weight particle after each sweep (``apg.tasks.bmnist.position_errors``); their
+  curves ``pos_err`` (pixels between inferred and true digits, at the centres of their ink,
+  after the best matching of digits), ``box_err`` (the same for the boxes' corners),
+  ``pos_err_aligned`` (the motion error) and ``tracked`` (fraction of frames with every
+  digit within 3 px) of the highest-weight particle after each sweep
+  (``apg.tasks.bmnist.position_errors``); their
   figure sets add ``truth__<set>__z_where`` to ``samples.npz`` for the pictures' true paths.
 - ``training.parquet``: the training curves recorded by the sweep (iteration, metric, value).
 - ``samples.npz``: the highest-weight particle after selected sweeps on the figure sets,
@@ -211,22 +213,28 @@ def assignment_truth(task: str, path: Path) -> tuple[np.ndarray | None, np.ndarr
 # --------------------------------------------------------------------------- tracking
 
 
-def position_truth(task: str, path: Path) -> np.ndarray | None:
-    """The simulator's digit positions ``(M, T, D, 2)`` of a held-out video file, for tasks
-    that track (Bouncing MNIST); None otherwise."""
+def position_truth(task: str, path: Path) -> dict[str, np.ndarray] | None:
+    """The simulator's digit positions ``z_where (M, T, D, 2)`` and the ink centres of its
+    digits ``centres (M, D, 2)`` of a held-out video file, for tasks that track (Bouncing
+    MNIST); None otherwise."""
     if task != "bmnist":
         return None
-    return load_dataset(path).get("z_where")
+    data = load_dataset(path)
+    if "centres" not in data:
+        raise ValueError(f"{path} has no digit centres: it was made by an older generate; run `dvc repro generate@bmnist`")
+    return {"z_where": data["z_where"], "centres": data["centres"]}
 
 
 def tracking_errors(
-    cfg, model, proposals, x: torch.Tensor, true_where: np.ndarray, sweeps: int, particles: int,
+    cfg, model, proposals, x: torch.Tensor, truth: dict[str, np.ndarray], sweeps: int, particles: int,
     batch_size: int, resample_mode: str,
 ) -> dict[str, np.ndarray]:
-    """Curves ``(K, M)``: the position error (pixels) and tracked-frame fraction of each
-    video's highest-weight particle after each sweep, against the simulator's positions
-    (``apg.tasks.bmnist.position_errors``). A run of its own, like ``final_assignments``."""
-    from apg.tasks.bmnist import position_errors, stack_where
+    """Curves ``(K, M)``: the position error (pixels, at the digits' ink centres), the
+    boxes' error, the motion error and the tracked-frame fraction of each video's
+    highest-weight particle after each sweep, against the simulator's (``truth`` from
+    ``position_truth``; ``apg.tasks.bmnist.position_errors``). A run of its own, like
+    ``final_assignments``."""
+    from apg.tasks.bmnist import ink_centres, position_errors, stack_where
 
     device = _device(model, proposals, x)
     method = make_method(cfg)
@@ -234,8 +242,10 @@ def tracking_errors(
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         rows = torch.arange(log_w.shape[1], device=log_w.device)
-        where = stack_where(z, x.shape[1])[log_w.argmax(0), rows]  # (B, T, D, 2)
-        per_sweep.setdefault(k, []).append(where.cpu().numpy())
+        best = log_w.argmax(0)
+        where = stack_where(z, x.shape[1])[best, rows]  # (B, T, D, 2)
+        centres = ink_centres(model.templates(z["z_what"][best, rows][None])[0])  # (B, D, 2)
+        per_sweep.setdefault(k, []).append((where.cpu().numpy(), centres.cpu().numpy()))
 
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
@@ -243,7 +253,9 @@ def tracking_errors(
             method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect])
     curves: dict[str, list[np.ndarray]] = {}
     for k in sorted(per_sweep):
-        for name, value in position_errors(true_where, np.concatenate(per_sweep[k])).items():
+        where, centres = (np.concatenate(part) for part in zip(*per_sweep[k]))
+        errors = position_errors(truth["z_where"], where, true_centres=truth["centres"], centres=centres)
+        for name, value in errors.items():
             curves.setdefault(name, []).append(value)
     return {name: np.stack(values) for name, values in curves.items()}
 
@@ -292,7 +304,7 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     sets = evaluation_sets(section)
     for entry in sets:
         entry["x"] = load_task_data(task, data_dir / f"{entry['stem']}.npz", model_hparams)
-        entry["true_where"] = position_truth(task, data_dir / f"{entry['stem']}.npz")
+        entry["truth"] = position_truth(task, data_dir / f"{entry['stem']}.npz")
         if entry["kind"] == "test":
             entry["true_c"], entry["ari_ceiling"] = assignment_truth(task, data_dir / f"{entry['stem']}.npz")
     test_sets = [e for e in sets if e["kind"] == "test"]
@@ -340,9 +352,9 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                     metrics["ari"] = ari_scores(entry["true_c"], pred)
                     if entry["ari_ceiling"] is not None:
                         metrics["ari_ceiling"] = entry["ari_ceiling"]
-                if entry["true_where"] is not None:
+                if entry["truth"] is not None:
                     metrics.update(
-                        tracking_errors(set_cfg, model, set_proposals, entry["x"], entry["true_where"], k, l, *run_args)
+                        tracking_errors(set_cfg, model, set_proposals, entry["x"], entry["truth"], k, l, *run_args)
                     )
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
         # A cell with nothing to learn (exact Gibbs, 0 iterations) has an empty history.
@@ -362,8 +374,8 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         for i, entry in enumerate(figure_sets if "main" in cell_role else []):
             stem, x = entry["stem"], entry["x"]
             samples[f"x__{stem}"] = x.numpy()
-            if entry["true_where"] is not None:
-                samples[f"truth__{stem}__z_where"] = entry["true_where"]
+            if entry["truth"] is not None:
+                samples[f"truth__{stem}__z_where"] = entry["truth"]["z_where"]
             set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
             seed_everything(ev.get("seed", 0) + i)
             best = best_particles(

@@ -432,6 +432,8 @@ def test_simulated_videos_keep_digits_inside_the_canvas():
     assert x.shape == (6, 7, 96, 96) and where.shape == (6, 7, 3, 2)
     assert data["labels"].shape == (6, 3) and x.min() >= 0 and x.max() <= 1
     assert where.abs().max() <= 1
+    # MNIST centres each digit's ink in its box (to a pixel or so)
+    assert data["centres"].shape == (6, 3, 2) and ((data["centres"] - 13.5).abs() < 1.5).all()
     # every digit lies wholly inside its 29 x 29 box and every box inside the canvas: all
     # ink of each digit shows, and there is no ink outside the boxes
     from apg.data.mnist import load_mnist
@@ -636,3 +638,67 @@ def test_position_errors_match_digits_once_per_video():
     assert np.allclose(position_errors(truth, traded)["pos_err"], expected.numpy())
     with pytest.raises(ValueError, match="positions must both be"):
         position_errors(truth, truth[:, :, :2])
+
+
+def test_position_error_compares_where_the_ink_is():
+    """A decoder that draws its digit 2 px to the right, in a box 2 px to the left of the
+    true box, makes the same frame: no position error, a 2 px boxes' error."""
+    from apg.tasks.bmnist import ink_centres, position_errors
+
+    digit = torch.zeros(28, 28)
+    digit[10:18, 12:16] = 1.0  # ink centre (column 13.5, row 13.5)
+    assert torch.allclose(ink_centres(digit), torch.tensor([13.5, 13.5]))
+    drawn = torch.roll(digit, 2, dims=1)  # the decoder's template: 2 px to the right
+    assert torch.allclose(ink_centres(drawn), torch.tensor([15.5, 13.5]))
+    assert torch.allclose(ink_centres(torch.zeros(2, 28, 28)), torch.full((2, 2), 13.5))  # empty: box centre
+    px = 0.5 * (96 - 28)
+    truth = torch.rand(3, 5, 1, 2, generator=torch.Generator().manual_seed(1)) * 1.6 - 0.8
+    where = truth.clone()
+    where[..., 0] -= 2.0 / px  # box 2 px to the left
+    true_centres = ink_centres(digit).expand(3, 1, 2)
+    centres = ink_centres(drawn).expand(3, 1, 2)
+    err = position_errors(truth, where, true_centres=true_centres, centres=centres)
+    assert np.allclose(err["pos_err"], 0.0, atol=1e-5) and np.allclose(err["tracked"], 1.0)
+    assert np.allclose(err["box_err"], 2.0, rtol=1e-5)
+    # the same box offset with a centred template is a 2 px error
+    err = position_errors(truth, where, true_centres=true_centres, centres=true_centres)
+    assert np.allclose(err["pos_err"], 2.0, rtol=1e-5) and "box_err" in err
+    with pytest.raises(ValueError, match="both"):
+        position_errors(truth, where, true_centres=true_centres)
+    with pytest.raises(ValueError, match="centres must be"):
+        position_errors(truth, where, true_centres=true_centres, centres=centres[:, :, :1])
+
+
+def test_where_network_can_start_as_a_soft_argmax():
+    """``read_coordinates``: before any training, a map peaked at one offset gives a mean
+    within 0.1 model units (3.4 px) of that offset's position; random weights do not."""
+    from apg.tasks.bmnist import WhereNet
+
+    torch.manual_seed(0)
+    side = 69
+    peaks = torch.tensor([[10, 40], [34, 34], [60, 5], [3, 66]])  # (row, column)
+    maps = torch.full((len(peaks), side, side), -50.0)
+    maps[torch.arange(len(peaks)), peaks[:, 0], peaks[:, 1]] = 0.0
+    expected = peaks.flip(-1).double() / 34 - 1  # (column, row) in model coordinates
+    read = WhereNet(side * side, read_coordinates=True)(maps).loc.double()
+    assert (read - expected).abs().max() < 0.1
+    random = WhereNet(side * side)(maps).loc.double()
+    assert (random - expected).abs().max() > 0.3
+
+
+def test_encoder_where_network_shared_or_its_own():
+    from apg.tasks.bmnist import build_model, build_proposals
+
+    model = build_model()
+    shared = build_proposals(model, "apg", 1, share_where_net=True)
+    own = build_proposals(model, "apg", 1)
+    assert shared.initial_where_net is None
+    assert not any(k.startswith("initial_where_net") for k in shared.state_dict())
+    assert sum(p.numel() for p in own.parameters()) == sum(p.numel() for p in shared.parameters()) + sum(
+        p.numel() for p in own.where_net.parameters()
+    )
+    x = torch.zeros(2, 3, 96, 96)
+    z, log_q = own.initial(x, 4)
+    assert z["z_where_1"].shape == (4, 2, 1, 2) and torch.isfinite(log_q).all()
+    # RWS has no kernels: its one position network is the encoder's
+    assert build_proposals(model, "mlp", 1).initial_where_net is None

@@ -669,7 +669,8 @@ def simulate(
     """Simulate ``num_datasets`` videos of ``num_digits`` MNIST digits (from ``split``).
 
     Returns ``x (M, T, H, H)`` in [0, 1] (default dtype), the true positions
-    ``z_where (M, T, D, 2)``, the digits' MNIST ``labels (M, D)`` and ``indices (M, D)``.
+    ``z_where (M, T, D, 2)``, the centres of the digits' ink in their boxes ``centres
+    (M, D, 2)`` (``ink_centres``), the digits' MNIST ``labels (M, D)`` and ``indices (M, D)``.
     """
     from apg.data.mnist import load_mnist
 
@@ -686,7 +687,8 @@ def simulate(
         frames.append(render(digits.unsqueeze(1), offset, cfg.canvas_size).clamp_(0.0, 1.0))
     x = torch.cat(frames) if frames else torch.zeros(0, num_frames, cfg.canvas_size, cfg.canvas_size)
     labels = torch.from_numpy(mnist.labels.astype(np.int64))[indices]
-    return {"x": x, "z_where": where.to(dtype), "labels": labels, "indices": indices}
+    centres = ink_centres(images[indices].to(torch.float64))
+    return {"x": x, "z_where": where.to(dtype), "centres": centres.to(dtype), "labels": labels, "indices": indices}
 
 
 # --------------------------------------------------------------------------- tracking error
@@ -695,25 +697,45 @@ def simulate(
 TRACK_TOLERANCE_PX = 3.0
 
 
+def ink_centres(images: Tensor) -> Tensor:
+    """Centre of mass ``(..., 2)`` (column, row, in pixels from the box's top-left pixel) of
+    the ink of digit images ``(..., S, S)``; an empty image's centre is the box's centre."""
+    size = images.shape[-1]
+    grid = torch.arange(size, dtype=images.dtype, device=images.device)
+    mass = images.sum((-2, -1))
+    cols = (images.sum(-2) * grid).sum(-1)
+    rows = (images.sum(-1) * grid).sum(-1)
+    centre = torch.stack([cols, rows], -1) / mass.clamp_min(1e-12)[..., None]
+    return torch.where(mass[..., None] > 0, centre, torch.full_like(centre, 0.5 * (size - 1)))
+
+
 def position_errors(
-    true_where: Tensor | np.ndarray, where: Tensor | np.ndarray, cfg: BMNISTConfig = BMNISTConfig()
+    true_where: Tensor | np.ndarray,
+    where: Tensor | np.ndarray,
+    cfg: BMNISTConfig = BMNISTConfig(),
+    true_centres: Tensor | np.ndarray | None = None,
+    centres: Tensor | np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """How far inferred digit positions are from the simulator's, per video.
+    """How far inferred digits are from the simulator's, per video.
 
-    ``true_where`` and ``where``: ``(M, T, D, 2)`` in model coordinates. Digits are
-    exchangeable, so each video's inferred digits are matched to its true ones by the
-    permutation with the smallest mean distance; one permutation per video, not per frame,
-    because a tracked digit keeps its identity (its ``z_what``) through the video.
+    ``true_where`` and ``where``: ``(M, T, D, 2)`` box positions in model coordinates.
+    Digits are exchangeable, so each video's inferred digits are matched to its true ones
+    by the permutation with the smallest mean distance; one permutation per video, not
+    per frame, because a tracked digit keeps its identity (its ``z_what``) through the video.
 
-    Returns ``pos_err (M,)``: mean pixels between matched digits over frames and digits
-    (a pixel is ``(H - 28) / 2`` model units per coordinate), ``tracked (M,)``: the
-    fraction of frames whose every digit is within ``TRACK_TOLERANCE_PX`` of its match, and
-    ``pos_err_aligned (M,)``: ``pos_err`` after removing each matched digit's mean offset
-    over the video. A position is only defined up to where the learned decoder draws the
-    digit inside its 28 x 28 box (a digit drawn 2 px to the right at a position 2 px to
-    the left makes the same frame), so a decoder that centres a digit differently from
-    MNIST shifts every position of that digit by a constant; the aligned error is the
-    error of the tracked motion, blind to that constant.
+    A box position says where a digit is only together with where the digit sits in its
+    box: the learned decoder need not centre its digits as MNIST does (a digit drawn 2 px
+    to the right in a box 2 px to the left makes the same frame). With ``true_centres``
+    and ``centres`` ``(M, D, 2)``, the ink centres of the true digits and of the decoded
+    templates (``ink_centres``), digits are compared where their ink is: box corner plus
+    ink centre. That is the position error; without centres it is the boxes' error.
+
+    Returns, per video ``(M,)``: ``pos_err``, mean pixels between matched digits over
+    frames and digits (a pixel is ``(H - 28) / 2`` model units per coordinate);
+    ``tracked``, the fraction of frames whose every digit is within
+    ``TRACK_TOLERANCE_PX`` of its match; ``pos_err_aligned``, ``pos_err`` after removing
+    each matched digit's mean offset over the video (the error of the tracked motion,
+    blind to any constant offset); and with centres, ``box_err``, the boxes' error.
     """
     true_where = torch.as_tensor(np.asarray(true_where), dtype=torch.float64)
     where = torch.as_tensor(np.asarray(where), dtype=torch.float64)
@@ -723,6 +745,20 @@ def position_errors(
             f"and {tuple(where.shape)}"
         )
     px = 0.5 * (cfg.canvas_size - cfg.digit_size)
+    out: dict[str, np.ndarray] = {}
+    if (true_centres is None) != (centres is None):
+        raise ValueError("give both true_centres and centres, or neither")
+    if centres is not None:
+        out["box_err"] = position_errors(true_where, where, cfg)["pos_err"]
+        shape = (where.shape[0], where.shape[2], 2)
+        mid = 0.5 * (cfg.digit_size - 1)
+        moved = []
+        for name, pos, c in (("true_centres", true_where, true_centres), ("centres", where, centres)):
+            c = torch.as_tensor(np.asarray(c), dtype=torch.float64)
+            if c.shape != shape:
+                raise ValueError(f"{name} must be (videos, digits, 2) = {shape}; got {tuple(c.shape)}")
+            moved.append(pos + ((c - mid) / px)[:, None])
+        true_where, where = moved
     # dist[m, t, i, j]: pixels between inferred digit i and true digit j
     dist = torch.linalg.vector_norm(where.unsqueeze(3) - true_where.unsqueeze(2), dim=-1) * px
     digits = where.shape[2]
@@ -739,6 +775,7 @@ def position_errors(
         "pos_err": errors.mean((1, 2)).numpy(),
         "tracked": (errors <= TRACK_TOLERANCE_PX).all(-1).double().mean(1).numpy(),
         "pos_err_aligned": aligned.mean((1, 2)).numpy(),
+        **out,
     }
 
 
@@ -794,11 +831,34 @@ class WhereNet(nn.Module):
     """q(z_where_{d,t} | correlation map): softmax over the map, 4761 -> 400 tanh, then
     mean (200 tanh -> 2, tanh) and scale (200 tanh -> 2, softplus) heads (Appendix E)."""
 
-    def __init__(self, map_size: int, hidden: int = 400, head: int = 200):
+    def __init__(self, map_size: int, hidden: int = 400, head: int = 200, read_coordinates: bool = False):
         super().__init__()
         self.body = nn.Sequential(nn.Linear(map_size, hidden), nn.Tanh())
         self.loc = nn.Sequential(nn.Linear(hidden, head), nn.Tanh(), nn.Linear(head, 2), nn.Tanh())
         self.scale = nn.Sequential(nn.Linear(hidden, head), nn.Tanh(), nn.Linear(head, 2))
+        if read_coordinates:
+            self._read_coordinates()
+
+    @torch.no_grad()
+    def _read_coordinates(self, gains: tuple[float, float, float] = (0.2, 2.0, 3.5)) -> None:
+        """Start the mean head as a soft-argmax: two hidden units hold the softmaxed map's
+        mean column and row (in model coordinates), passed through to the mean. Same layers
+        as Appendix E, another initialization: from random weights each of the map's 4761
+        positions is learned on its own, and reading positions took thousands of steps.
+        ``gains`` make tanh(c tanh(b tanh(a u))) within 0.1 of u on [-1, 1]."""
+        a, b, c = gains
+        body, hidden, out = self.body[0], self.loc[0], self.loc[2]
+        side = math.isqrt(body.in_features)
+        grid = torch.arange(side, dtype=body.weight.dtype) / (0.5 * (side - 1)) - 1.0
+        coords = torch.stack([grid.repeat(side), grid.repeat_interleave(side)])  # (column, row) per map entry
+        body.weight[:2] = a * coords
+        body.bias[:2] = 0.0
+        hidden.weight[:2] = 0.0
+        hidden.weight[0, 0] = hidden.weight[1, 1] = b
+        hidden.bias[:2] = 0.0
+        out.weight.zero_()
+        out.weight[0, 0] = out.weight[1, 1] = c
+        out.bias.zero_()
 
     def forward(self, corr: Tensor) -> Normal:
         logits = corr.flatten(-2)
@@ -902,9 +962,23 @@ class BMNISTProposals(Proposals):
     template's autocorrelation, so it costs no extra convolution), then z_what from crops.
     ``num_digits`` (D) is a property of the data, not of the networks: set it to evaluate
     on videos with another number of digits (the state dict is unchanged).
+
+    Two choices differ from the authors' code, both measured (bench/RESULTS.md, "Bouncing
+    MNIST learning diagnostics"): the encoder and the kernels have a position network each
+    (``share_where_net=False``; with one shared network, sweeps made the encoder's
+    positions worse), and both start as a soft-argmax of the map (``read_coordinates``,
+    ``WhereNet._read_coordinates``; from random weights, reading positions took thousands
+    of steps). The layers are Appendix E's.
     """
 
-    def __init__(self, model: BouncingMNIST, architecture: str = "apg", num_digits: int = 3):
+    def __init__(
+        self,
+        model: BouncingMNIST,
+        architecture: str = "apg",
+        num_digits: int = 3,
+        share_where_net: bool = False,
+        read_coordinates: bool = True,
+    ):
         super().__init__()
         if architecture not in ("apg", "mlp"):
             raise ValueError(f"unknown Bouncing MNIST architecture {architecture!r}; choose apg or mlp")
@@ -913,7 +987,12 @@ class BMNISTProposals(Proposals):
         self.num_digits = num_digits
         cfg = model.cfg
         side = cfg.canvas_size - cfg.digit_size + 1
-        self.where_net = WhereNet(side * side)
+        self.where_net = WhereNet(side * side, read_coordinates=read_coordinates)
+        # The encoder reads maps of the mean-digit blob, the kernels maps of decoded digits:
+        # one network each (the default; the kernel's then learns decoded digits' maps
+        # alone) or one for both (the authors' code). RWS has no kernels: one network.
+        own = not share_where_net and architecture == "apg"
+        self.initial_where_net = WhereNet(side * side, read_coordinates=read_coordinates) if own else None
         self.what_net = WhatNet(cfg.digit_size, cfg.z_what_dim)
         self.register_buffer("mean_template", _mean_digit_blob(cfg.digit_size))
 
@@ -955,7 +1034,7 @@ class BMNISTProposals(Proposals):
             corr = corr_x[:, lo:hi].unsqueeze(0)  # (1 or L, B, F, side, side)
             digits = []
             for _ in range(self.num_digits):
-                q = self.where_net(corr)
+                q = (self.where_net if self.initial_where_net is None else self.initial_where_net)(corr)
                 shape = (num_particles, *q.loc.shape[1:])
                 q = Normal(q.loc.expand(shape), q.scale.expand(shape), validate_args=False)
                 where = q.sample()  # (L, B, F, 2)
@@ -1017,8 +1096,14 @@ def build_model(**hparams) -> BouncingMNIST:
     return BouncingMNIST(BMNISTConfig(**hparams))
 
 
-def build_proposals(model: BouncingMNIST, architecture: str, num_digits: int = 3) -> BMNISTProposals:
-    return BMNISTProposals(model, architecture, num_digits)
+def build_proposals(
+    model: BouncingMNIST,
+    architecture: str,
+    num_digits: int = 3,
+    share_where_net: bool = False,
+    read_coordinates: bool = True,
+) -> BMNISTProposals:
+    return BMNISTProposals(model, architecture, num_digits, share_where_net, read_coordinates)
 
 
 def reconstruct(model: BouncingMNIST, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
