@@ -1693,11 +1693,15 @@ def readme_results(
     judged = [c for c in claims if c.passed is not None]
     held = sum(bool(c.passed) for c in judged)
     total = sum(times.values()) / 60 if times else None
-    took = f" took {total:.0f} minutes (sum of the stages' wall times)" if total is not None else ""
+    took = (
+        f" Its stages took {total:.0f} minutes in all (each stage's wall time when it last ran); the"
+        if total is not None
+        else " The"
+    )
     claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/")
     return (
         f"Written by the report stage of the run that made the committed [`{report_dir}/`]"
-        f"({report_dir}/README.md) ({label}). Its from-scratch `dvc repro`{took}; the report has "
+        f"({report_dir}/README.md) ({label}).{took} report has "
         f"the per-stage times, every table and figure, and each cell's training curve and plateau "
         f"check. {held} of the {len(judged)} claims with a verdict hold:\n\n{claims_md}\n"
     )
