@@ -271,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("sweep", "sweep", "stage: Ray Tune sweep of one task's grid (params.yaml)"),
         ("eval-sweep", "evaluate", "stage: evaluate every trained cell of a sweep"),
         ("report", "report", "stage: regenerate reports/ from recorded results"),
+        ("tune", "tune", "hyperparameter search of one task (tune.yaml): Tune search algorithm + ASHA"),
     ):
         stage = sub.add_parser(name, help=text, add_help=False)
         stage.add_argument("rest", nargs=argparse.REMAINDER)
@@ -278,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-STAGES = {"sweep": "sweep", "eval-sweep": "evaluate", "report": "report"}
+STAGES = {"sweep": "sweep", "eval-sweep": "evaluate", "report": "report", "tune": "tune"}
 
 
 def main(argv: list[str] | None = None) -> None:

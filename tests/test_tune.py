@@ -1,0 +1,200 @@
+"""Hyperparameter search (``pipeline/tune.py``, ``apg-pipeline tune``).
+
+Fast tests: the search section is checked before Ray starts, with one-line errors. The
+slow loopback test runs a real search on a tiny GMM project: ASHA stops trials early,
+Ctrl+C interrupts it, and running the command again finishes it without retraining what
+was done; MLflow has a parent run and one child run per trial, the best one tagged.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from apg.checkpoint import load_checkpoint
+
+from pipeline.config import ParamsError
+from pipeline.tune import TAG_BEST, TAG_TRIAL, apply, check_section, extremes, main, read_attempts
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_pipeline import env, make_repo, mlflow_runs, tiny  # noqa: E402
+
+SECTION = {
+    "method": "apg",
+    "pair": [2, 3],
+    "iterations": 120,
+    "space": {"train.lr": {"loguniform": [1.0e-6, 0.1]}, "network.hidden": {"choice": [4, 8]}},
+    "search": {"algorithm": "random", "num_samples": 6, "seed": 0},
+    "scheduler": {"asha": {"grace_period": 10, "reduction_factor": 2}},
+    "metric": "log_joint",
+    "eval_every": 10,
+    "validation": {"num_datasets": 4, "seed": 50, "sizes": {"num_points": 15}},
+}
+
+
+def section(**changes) -> dict:
+    out = copy.deepcopy(SECTION)
+    out.update(changes)
+    return out
+
+
+def test_a_good_section_plans_the_search():
+    plan = check_section(tiny(), "gmm", section())
+    assert plan["mode"] == "max" and plan["base"]["sweeps"] == 2 and plan["base"]["particles"] == 3
+    assert plan["base"]["iterations"] == 120 and plan["base"]["network"] == {"hidden": 8}
+    assert set(plan["space"]) == {"train.lr", "network.hidden"}
+
+
+def test_extremes_touch_every_bound_and_apply_sets_nested_keys():
+    space = {"train.lr": ("loguniform", [1e-4, 1e-2]), "network.hidden": ("choice", [4, 8, 16]),
+             "train.batch_size": ("randint", [2, 6])}
+    settings = extremes(space)
+    assert {s["train.lr"] for s in settings} == {1e-4, 1e-2}
+    assert {s["network.hidden"] for s in settings} == {4, 8, 16}
+    assert {s["train.batch_size"] for s in settings} == {2, 5}  # randint's high is exclusive
+    cfg = apply({"lr": 1.0, "network": {"hidden": 8, "other": 1}}, {"train.lr": 0.5, "network.hidden": 4})
+    assert cfg == {"lr": 0.5, "network": {"hidden": 4, "other": 1}}
+
+
+@pytest.mark.parametrize(
+    "space, expected",
+    [
+        ({"optim.lr": {"uniform": [0.1, 0.2]}}, "keys are <section>.<name>"),
+        ({"train.lrr": {"uniform": [0.1, 0.2]}}, "unknown training option"),
+        ({"network.width": {"choice": [4, 8]}}, "width"),
+        ({"train.lr": {"uniform": [-1.0e-3, 1.0e-2]}}, "lr must be a positive number"),
+        ({"train.lr": {"loguniform": [0, 1.0e-2]}}, "loguniform needs 0 < low"),
+        ({"train.lr": {"uniform": [0.2, 0.1]}}, "low < high"),
+        ({"train.lr": {"normal": [0.1, 0.2]}}, "unknown distribution"),
+        ({"network.hidden": {"choice": []}}, "non-empty list"),
+        ({"train.batch_size": {"randint": [1.5, 4]}}, "integer bounds"),
+        ({}, "at least one key"),
+    ],
+)
+def test_bad_search_spaces_are_one_line_errors(space, expected):
+    with pytest.raises(ParamsError, match=expected) as err:
+        check_section(tiny(), "gmm", section(space=space))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"metric": "accuracy"}, "metric"),
+        ({"metric": "mse"}, "does not reconstruct"),
+        ({"pair": [2]}, "pair"),
+        ({"scheduler": {"hyperband": {}}}, "scheduler"),
+        ({"scheduler": {"asha": {"grace_period": 500}}}, "grace_period"),
+        ({"search": {"algorithm": "grid"}}, "algorithm"),
+        ({"validation": {"num_datasets": 4, "seed": 2}}, "seed of the training or a test set"),
+        ({"budget": 3}, "unknown key"),
+    ],
+)
+def test_bad_sections_are_one_line_errors(changes, expected):
+    with pytest.raises(ParamsError, match=expected):
+        check_section(tiny(), "gmm", section(**changes))
+
+
+def test_cli_rejects_a_bad_space_before_anything_starts(tmp_path, monkeypatch, capsys):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny()))
+    (tmp_path / "tune.yaml").write_text(
+        yaml.safe_dump({"gmm": section(space={"train.lr": {"loguniform": [0.0, 0.1]}})})
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as code:
+        main(["--task", "gmm"])
+    assert code.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "loguniform needs 0 < low" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "tune.yaml"]  # nothing written
+
+
+def _trial_dirs(root: Path) -> list[Path]:
+    return sorted((root / "results" / "tune" / "gmm" / "ray").glob("search-*/run_trial_*"))
+
+
+
+
+@pytest.mark.slow
+def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
+    from ray.tune import ExperimentAnalysis
+
+    root = make_repo(tmp_path, tiny())
+    (root / "tune.yaml").write_text(yaml.safe_dump({"gmm": section()}))
+    subprocess.run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], cwd=root, env=env(), check=True)
+    cmd = [sys.executable, "-m", "pipeline.tune", "--task", "gmm"]
+    proc = subprocess.Popen(cmd, cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # Interrupt once a trial has reported twice: trials are then mid-way.
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if any((d / "checkpoint_000001").is_dir() for d in _trial_dirs(root)):
+                break
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 2, out[-2000:] + err[-2000:]
+    assert "interrupted" in err and "run the same command again to resume" in err
+    assert not (root / "results" / "tune" / "gmm" / "best-params.yaml").exists()
+    experiment = next((root / "results" / "tune" / "gmm" / "ray").glob("search-*"))
+    trials_before = ExperimentAnalysis(str(experiment)).trials
+    before = {t.trial_id: t.status for t in trials_before}
+    assert any(status != "TERMINATED" for status in before.values()), before
+    checkpointed = {}  # each trial's last validation checkpoint at the interruption
+    for t in trials_before:
+        saved = sorted(Path(t.path).glob("checkpoint_*/trial.pt"))
+        checkpointed[t.trial_id] = load_checkpoint(saved[-1])[1]["iteration"] if saved else 0
+
+    proc = subprocess.run(cmd, cwd=root, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = root / "results" / "tune" / "gmm"
+    trials = {p.stem: read_attempts(out, p.stem) for p in (out / "attempts").glob("*.jsonl")}
+    assert len(trials) == SECTION["search"]["num_samples"]
+    for trial_id, attempts in trials.items():
+        assert attempts[0]["start_iteration"] == 0
+        if before.get(trial_id) == "TERMINATED":  # ended before the interruption: not run again
+            assert len(attempts) == 1, (trial_id, attempts)
+        elif len(attempts) > 1:
+            # resumed from a validation checkpoint, not from scratch: the last one the search
+            # had recorded when it stopped, which can be one report behind the trial's own
+            # last (a report in flight at Ctrl+C); so at most eval_every steps run twice
+            (resumed,) = [a["start_iteration"] for a in attempts[1:]]
+            every = SECTION["eval_every"]
+            assert resumed % every == 0 and checkpointed[trial_id] - every <= resumed <= checkpointed[trial_id], (
+                trial_id, attempts, checkpointed[trial_id])
+    assert any(len(a) > 1 and a[1]["start_iteration"] > 0 for a in trials.values()), trials
+
+    import pandas as pd
+
+    frame = pd.read_csv(root / "results" / "tune" / "gmm" / "trials.csv")
+    assert len(frame) == 6 and frame["stopped_early"].sum() >= 1, frame
+    assert (frame.loc[frame["stopped_early"], "iterations"] < 120).all()
+    summary = json.loads((root / "results" / "tune" / "gmm" / "summary.json").read_text())
+    best = yaml.safe_load((root / "results" / "tune" / "gmm" / "best-params.yaml").read_text())
+    assert best["gmm"]["train"]["lr"] == pytest.approx(summary["best"]["setting"]["train.lr"])
+    assert best["gmm"]["network"]["hidden"] == summary["best"]["setting"]["network.hidden"]
+    assert frame.iloc[0]["score"] == pytest.approx(summary["best"]["score"])
+    report = (root / "reports" / "tune" / "gmm.md").read_text()
+    assert "stopped early" in report and (root / "reports" / "tune" / "gmm.png").is_file()
+
+    # MLflow: one parent, one child run per trial across the interruption, the best tagged
+    _, runs = mlflow_runs(root, "apg-test-tune")
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert [p.info.run_name for p in parents] == ["tune gmm"]
+    assert sorted(r.data.tags[TAG_TRIAL] for r in children) == sorted(trials)
+    assert all(set(r.data.params) == {"train.lr", "network.hidden"} for r in children)
+    tagged = [r for r in children if r.data.tags.get(TAG_BEST) == "true"]
+    assert [r.data.tags[TAG_TRIAL] for r in tagged] == [summary["best"]["trial"]]
+    assert all(r.info.status == "FINISHED" for r in runs)
