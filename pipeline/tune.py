@@ -207,10 +207,13 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
     used = {s["seed"] for s in [task_params["data"]["train"], *_held_out(task_params)]}
     if validation["seed"] in used:
         raise _bad(f"{task}.validation.seed", f"{validation['seed']} is a seed of the training or a test set")
+    method = section.get("method", "apg")
+    options = train.pop("method_options", None) or {}  # keyed by method, as in the sweep's grid
     base = {
         **train,
+        "method_options": dict(options.get(method, {})),
         "task": task,
-        "method": section.get("method", "apg"),
+        "method": method,
         "sweeps": pair[0],
         "particles": pair[1],
         "iterations": iterations,
