@@ -440,6 +440,8 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     client = tracking.client(uri)
     exp_name = params.get("tracking", {}).get("experiment", "apg") + "-tune"
     exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
+    # MLflow 3's UI opens an experiment without a kind in its GenAI (traces) view.
+    client.set_experiment_tag(exp_id, "mlflow.experimentKind", "custom_model_development")
     parent_id = tracking.open_parent(
         client, exp_id, f"{plan['task']}-{name}", f"tune {plan['task']}",
         {"metric": plan["metric"], "method": plan["base"]["method"], "K": plan["pair"][0], "L": plan["pair"][1],
@@ -582,6 +584,7 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
     """``reports/tune/<task>.md``: trials table, best settings, score against each
     searched key (early-stopped trials as crosses), learning curves."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -599,6 +602,7 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
             ax.scatter(part[key], part["score"], marker=marker, label=label)
         if plan["space"][key][0] == "loguniform":
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # unreadable when crowded
         ax.set_xlabel(key)
         ax.set_ylabel(f"validation {plan['metric']}")
     axes[0][0].legend(fontsize=8)

@@ -53,6 +53,13 @@ def test_a_good_section_plans_the_search():
     assert set(plan["space"]) == {"train.lr", "network.hidden"}
 
 
+def test_method_options_are_the_searched_methods_own():
+    params = tiny(**{"gmm.train.method_options": {"hmc-rws": {"step_size": 0.05}}})
+    assert check_section(params, "gmm", section())["base"]["method_options"] == {}
+    plan = check_section(params, "gmm", section(method="hmc-rws"))
+    assert plan["base"]["method_options"] == {"step_size": 0.05}
+
+
 def test_extremes_touch_every_bound_and_apply_sets_nested_keys():
     space = {"train.lr": ("loguniform", [1e-4, 1e-2]), "network.hidden": ("choice", [4, 8, 16]),
              "train.batch_size": ("randint", [2, 6])}
@@ -193,6 +200,9 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
     assert [p.info.run_name for p in parents] == ["tune gmm"]
+    client, _ = mlflow_runs(root, "apg-test-tune")
+    kind = client.get_experiment_by_name("apg-test-tune").tags.get("mlflow.experimentKind")
+    assert kind == "custom_model_development"  # opens in the runs table, not the GenAI view
     assert sorted(r.data.tags[TAG_TRIAL] for r in children) == sorted(trials)
     assert all(set(r.data.params) == {"train.lr", "network.hidden"} for r in children)
     tagged = [r for r in children if r.data.tags.get(TAG_BEST) == "true"]
