@@ -12,13 +12,19 @@ Layout (see params.yaml for the documented defaults)::
     <task>:                      # one section per task: model, network, data,
       ...                        # train, grid, evaluate
 
-A *cell* is one trial: (task, method, K, L, seed) plus the task's training options.
+A *cell* is one trial: (task, method, K, L, seed) plus the task's training options. A
+grid entry's ``axes`` crosses any ``train``, ``network`` or ``model`` key as well::
+
+    - methods: [apg]
+      pairs: [[5, 10]]
+      axes: {network.hidden: [16, 64], train.lr: [0.003, 0.01]}   # 4 cells per seed
 """
 
 from __future__ import annotations
 
 import difflib
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +93,17 @@ TRAIN_KEYS: dict[str, Any] = {
 }
 # ``train``: overrides of ``<task>.train`` for this entry's cells only (e.g. one iteration
 # for exact Gibbs, which has nothing to learn).
-GRID_KEYS: dict[str, Any] = {"methods": list, "pairs": list, "budget": dict, "seeds": list, "train": dict}
+# ``axes``: ``{section.key: [values]}`` crossed with the entry's methods, budgets and seeds;
+# section is one of AXIS_SECTIONS (``train.lr``, ``network.hidden``, ``model.sigma0``).
+GRID_KEYS: dict[str, Any] = {
+    "methods": list,
+    "pairs": list,
+    "budget": dict,
+    "seeds": list,
+    "train": dict,
+    "axes": dict,
+}
+AXIS_SECTIONS = ("train", "network", "model")
 BUDGET_KEYS: dict[str, Any] = {"total": int, "sweeps": list}
 EVALUATE_KEYS: dict[str, Any] = {
     "batch_size": int,
@@ -112,6 +128,9 @@ class Cell:
     particles: int
     seed: int
     train: TrainConfig
+    # The values this cell takes on its grid entry's ``axes``, in the entry's order:
+    # ``(("network.hidden", 64), ...)``; empty for a cell of the task's own settings.
+    axes: tuple[tuple[str, Any], ...] = ()
     # Set by the sweep's plan: the id without the code, and the digest of the code that
     # trains it (pipeline.provenance).
     config_key: str | None = None
@@ -120,7 +139,13 @@ class Cell:
     @property
     def name(self) -> str:
         """Human-readable name, also the MLflow child run's name."""
-        return f"{self.task}/{self.method}/K{self.sweeps}/L{self.particles}/seed{self.seed}"
+        name = f"{self.task}/{self.method}/K{self.sweeps}/L{self.particles}/seed{self.seed}"
+        return f"{name}/{self.variant}" if self.axes else name
+
+    @property
+    def variant(self) -> str:
+        """The swept settings as text (``network.hidden=64,train.lr=0.003``); '' for none."""
+        return ",".join(f"{key}={value}" for key, value in self.axes)
 
     def cell_id(self, data_digest: str) -> str:
         """Stable id: the name plus a hash of everything that changes the result.
@@ -207,12 +232,25 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     cells = grid_cells(params, task)  # validates every cell's TrainConfig
     network = section.get("network", {})
     overrides = {json.dumps(s.get("network", {}), sort_keys=True): s["where"] for s in sets}
-    for method in {c.method for c in cells}:
+    models: dict[str, Cell] = {}
+    networks: dict[tuple[str, str], Cell] = {}
+    for c in cells:  # the first cell of each distinct model and (method, network)
+        models.setdefault(json.dumps(c.train.model, sort_keys=True), c)
+        networks.setdefault((c.method, json.dumps(c.train.network, sort_keys=True)), c)
+    for cell in models.values():
+        try:
+            spec.build_model(**cell.train.model)  # a model an entry's axes set
+        except (TypeError, ValueError) as err:
+            raise ParamsError(f"{task}.grid ({cell.name}): {_first_line(err)}") from None
+    # Every network a cell trains (the task's, or one its axes set) under every override.
+    for (method, cell_network), cell in networks.items():
         for key, where in overrides.items():
             try:
-                get_method(method).build_proposals(spec, model, **{**network, **json.loads(key)})
+                get_method(method).build_proposals(spec, model, **{**json.loads(cell_network), **json.loads(key)})
             except (TypeError, ValueError) as err:
                 at = f"{where}.network" if key != "{}" else f"{task}.network"
+                if json.loads(cell_network) != network:
+                    at = f"{task}.grid ({cell.name})"
                 raise ParamsError(f"{at}: {_first_line(err)} (method {method})") from None
     ev = _check_mapping(section.get("evaluate"), f"{task}.evaluate", EVALUATE_KEYS)
     for j, pair in enumerate(ev.get("pairs", [])):
@@ -294,7 +332,8 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
 
     Each grid entry crosses its ``methods`` x budgets x ``seeds``; budgets are either
     explicit ``pairs: [[K, L], ...]`` or ``budget: {total: K*L, sweeps: [K, ...]}`` with
-    ``L = total // K``. Duplicate cells are kept once.
+    ``L = total // K``; ``axes`` crosses any train/network/model keys as well. Cells of the
+    same experiment are kept once; two different experiments under one name are an error.
     """
     section = params[task]
     train = dict(section.get("train", {}))
@@ -330,6 +369,7 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
             overrides, f"{where}.train", {k: v for k, v in TRAIN_KEYS.items() if k != "method_options"}
         )
         entry_train = {**train, **overrides}
+        axes = check_axes(entry.get("axes") or {}, f"{where}.axes")
         seeds = entry.get("seeds", [0])
         for j, seed in enumerate(seeds):
             if not isinstance(seed, int) or isinstance(seed, bool):
@@ -339,32 +379,97 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
                 raise ParamsError(
                     f"{where}.methods[{j}]: unknown method {method!r}; choose one of {sorted(METHODS)}"
                 )
-            for k, l in pairs:
-                for seed in seeds:
-                    cfg = TrainConfig(
-                        task=task,
-                        method=method,
-                        sweeps=k,
-                        particles=l,
-                        model=dict(section.get("model", {})),
-                        network=dict(section.get("network", {})),
-                        method_options=dict(options.get(method, {})),
-                        **entry_train,
-                    )
-                    try:
-                        cfg.validate()
-                    except ValueError as err:
-                        field = _first_line(err).split(" ")[0]
-                        head, _, rest = field.partition(".")
-                        if head == "method_options":
-                            key = f"{task}.train.method_options.{method}" + (f".{rest}" if rest else "")
-                        else:
-                            section_key = f"{where}.train" if field in overrides else f"{task}.train"
-                            key = f"{section_key}.{field}" if field in TRAIN_KEYS else where
-                        raise ParamsError(f"{key}: {_first_line(err)}") from None
-                    cell = Cell(task, method, k, l, seed, cfg)
-                    cells.setdefault(cell.name, cell)
+            for (k, l), setting, seed in itertools.product(pairs, axis_settings(axes), seeds):
+                base = TrainConfig(
+                    task=task,
+                    method=method,
+                    sweeps=k,
+                    particles=l,
+                    model=dict(section.get("model", {})),
+                    network=dict(section.get("network", {})),
+                    method_options=dict(options.get(method, {})),
+                    **entry_train,
+                )
+                cfg = TrainConfig.from_dict(apply_setting(base.to_dict(), dict(setting)))
+                try:
+                    cfg.validate()
+                except ValueError as err:
+                    field = _first_line(err).split(" ")[0]
+                    head, _, rest = field.partition(".")
+                    if head == "method_options":
+                        key = f"{task}.train.method_options.{method}" + (f".{rest}" if rest else "")
+                    elif f"train.{field}" in axes:
+                        key = f"{where}.axes.train.{field}"
+                    else:
+                        section_key = f"{where}.train" if field in overrides else f"{task}.train"
+                        key = f"{section_key}.{field}" if field in TRAIN_KEYS else where
+                    raise ParamsError(f"{key}: {_first_line(err)}") from None
+                cell = Cell(task, method, k, l, seed, cfg, axes=setting)
+                # One cell per experiment: an axis value equal to the task's own setting is
+                # the cell another entry already trains (it keeps that entry's name).
+                cells.setdefault(json.dumps({"seed": seed, "cfg": cfg.to_dict()}, sort_keys=True), cell)
+    names: dict[str, Cell] = {}
+    for cell in cells.values():
+        if names.setdefault(cell.name, cell) is not cell:
+            raise ParamsError(
+                f"{task}.grid: two entries train {cell.name} with different settings; "
+                "tell them apart with axes: {section.key: [values]}"
+            )
     return list(cells.values())
+
+
+def check_axes(axes: dict[str, Any], where: str) -> dict[str, list[Any]]:
+    """A grid entry's ``axes`` (``{section.key: [values]}``), checked; ParamsError otherwise."""
+    out: dict[str, list[Any]] = {}
+    for key, values in axes.items():
+        section, _, name = str(key).partition(".")
+        if section not in AXIS_SECTIONS or not name:
+            raise ParamsError(
+                f"{where}.{key}: axes are <section>.<key> with section one of {list(AXIS_SECTIONS)}"
+            )
+        if section == "train" and (name not in TRAIN_KEYS or name == "method_options"):
+            known = [k for k in TRAIN_KEYS if k != "method_options"]
+            raise ParamsError(_unknown(f"{where}.{key}", known, "training key"))
+        if not isinstance(values, list) or not values:
+            raise ParamsError(f"{where}.{key}: must be a non-empty list of values, got {values!r}")
+        if section == "train":
+            want = TRAIN_KEYS[name]
+            for j, value in enumerate(values):
+                if isinstance(value, bool) and want is not bool or not isinstance(value, want):
+                    raise ParamsError(f"{where}.{key}[{j}]: wrong type for train.{name}, got {value!r}")
+        out[str(key)] = values
+    return out
+
+
+def axis_settings(axes: dict[str, list[Any]]) -> list[tuple[tuple[str, Any], ...]]:
+    """Every combination of the axes' values, as ``((key, value), ...)`` in the axes' order."""
+    return [tuple(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+
+
+def apply_setting(cfg: dict[str, Any], setting: dict[str, Any]) -> dict[str, Any]:
+    """A ``TrainConfig`` dict with ``{"train.lr": 0.01, "network.hidden": 64, ...}`` applied."""
+    out = json.loads(json.dumps(cfg))
+    for key, value in setting.items():
+        section, _, name = key.partition(".")
+        if section == "train":
+            out[name] = value
+        else:
+            out[section] = {**out.get(section, {}), name: value}
+    return out
+
+
+def setting_of(cfg: dict[str, Any], key: str) -> Any:
+    """The value of ``section.key`` in a ``TrainConfig`` dict (None when the task's default)."""
+    section, _, name = key.partition(".")
+    return cfg.get(name) if section == "train" else cfg.get(section, {}).get(name)
+
+
+def axis_keys(params: dict[str, Any], task: str) -> list[str]:
+    """Every key some grid entry of ``task`` sweeps, in first-seen order."""
+    keys: dict[str, None] = {}
+    for entry in params[task].get("grid", []):
+        keys.update(dict.fromkeys((entry.get("axes") or {}).keys()))
+    return list(keys)
 
 
 def evaluation_pairs(params: dict[str, Any], task: str) -> dict[str, list[tuple[int, int]]]:

@@ -62,7 +62,7 @@ from pipeline.common import (
     seed_everything,
     with_network,
 )
-from pipeline.config import evaluation_pairs, evaluation_sets, grid_cells, load_params
+from pipeline.config import axis_keys, evaluation_pairs, evaluation_sets, grid_cells, load_params, setting_of
 from pipeline.provenance import record_stage_time
 
 COLUMNS = [
@@ -253,7 +253,7 @@ def tracking_errors(
             method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect])
     curves: dict[str, list[np.ndarray]] = {}
     for k in sorted(per_sweep):
-        where, centres = (np.concatenate(part) for part in zip(*per_sweep[k]))
+        where, centres = (np.concatenate(part) for part in zip(*per_sweep[k], strict=True))
         errors = position_errors(truth["z_where"], where, true_centres=truth["centres"], centres=centres)
         for name, value in errors.items():
             curves.setdefault(name, []).append(value)
@@ -313,6 +313,8 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     frames, histories, samples, index = [], [], {}, []
     unique_pairs = sorted({tuple(p) for pairs in plan.values() for p in pairs})
     roles = cell_roles(params, task)
+    swept = axis_keys(params, task)
+    settings: dict[str, dict[str, Any]] = {}  # every cell's value of every swept key
     started = time.monotonic()
     for done, cell in enumerate(summary["cells"]):
         if done:
@@ -325,6 +327,7 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         if file_digest(ckpt) != cell["checkpoint_sha256"]:
             raise CheckpointError(f"checkpoint {ckpt} changed since the sweep recorded it; re-run the sweep")
         cfg, model, proposals = load_trained(ckpt)
+        settings[cell["cell_id"]] = {key: setting_of(cfg.to_dict(), key) for key in swept}
         # Cells of an earlier grid still in the summary have no entry now: treat as main.
         cell_role = roles.get(cell["name"], ["main"])
         ids = {
@@ -370,8 +373,10 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                 cell_id=cell["cell_id"],
             )
         )
-        # Figure 2's retrained cells stand for one number each; the pictures show main cells.
-        for i, entry in enumerate(figure_sets if "main" in cell_role else []):
+        # Figure 2's retrained cells stand for one number each, and cells of a swept axis
+        # for one point of its figure; the pictures show the task's own main cells.
+        pictured = "main" in cell_role and not cell.get("axes")
+        for i, entry in enumerate(figure_sets if pictured else []):
             stem, x = entry["stem"], entry["x"]
             samples[f"x__{stem}"] = x.numpy()
             if entry["truth"] is not None:
@@ -443,11 +448,16 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                 },
                 "mlflow_run_id": run_ids.get(c["cell_id"]),
                 "roles": roles.get(c["name"], ["main"]),
+                # The settings this cell's grid entry swept, and its value of every key any
+                # entry sweeps (the report's figure per swept key).
+                "axes": c.get("axes", {}),
+                "settings": settings[c["cell_id"]],
                 # Reused from other code (sweep.reuse_across_code): the report says so in bold.
                 "trained_by_other_code": bool(c.get("trained_by_other_code", False)),
             }
             for c in summary["cells"]
         ],
+        "axes": swept,
         "pairs": [list(p) for p in plan.get("pairs", [])],
         "budget": {"total": ev["budget"]["total"], "pairs": [list(p) for p in plan["budget"]]}
         if "budget" in plan

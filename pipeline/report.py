@@ -75,12 +75,23 @@ def load_results(eval_dir: Path) -> dict[str, Any]:
             raise ValueError(f"{eval_dir / name} not found; run the evaluate stage first")
     with np.load(eval_dir / "samples.npz") as archive:
         samples = {k: archive[k] for k in archive.files}
-    return {
-        "meta": json.loads((eval_dir / "meta.json").read_text()),
-        "metrics": pd.read_parquet(eval_dir / "metrics.parquet"),
-        "training": pd.read_parquet(eval_dir / "training.parquet"),
-        "samples": samples,
-    }
+    meta = json.loads((eval_dir / "meta.json").read_text())
+    metrics = pd.read_parquet(eval_dir / "metrics.parquet")
+    training = pd.read_parquet(eval_dir / "training.parquet")
+    # A cell of a swept axis is a method of its own in every table and figure: "apg
+    # [network.hidden=64]"; its plain method name stays in base_method.
+    labels = {c["cell_id"]: method_label(c) for c in meta["cells"]}
+    for cell in meta["cells"]:
+        cell["base_method"], cell["method"] = cell["method"], labels[cell["cell_id"]]
+    for frame in (metrics, training):
+        frame["method"] = frame["cell_id"].map(labels).fillna(frame["method"])
+    return {"meta": meta, "metrics": metrics, "training": training, "samples": samples}
+
+
+def method_label(cell: dict[str, Any]) -> str:
+    """``method``, or ``method [key=value,...]`` for a cell of a grid entry's axes."""
+    axes = cell.get("axes") or {}
+    return f"{cell['method']} [{','.join(f'{k}={v}' for k, v in axes.items())}]" if axes else cell["method"]
 
 
 def finals(frame: pd.DataFrame) -> pd.DataFrame:
@@ -1337,6 +1348,92 @@ def _save(fig, path: Path, caption: str) -> None:
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- swept axes
+
+AXIS_METRICS = ("log_joint", "ess", "ari", "pos_err", "mse")
+AXIS_LABELS = {"pos_err": "position error (px)", "mse": "MSE per pixel"}
+
+
+def axis_estimates(frame: pd.DataFrame, meta: dict[str, Any], key: str) -> pd.DataFrame:
+    """One row per (method, training pair, value of ``key``, metric): the mean over seeds and
+    its 95% interval of the final-sweep metric at the cells' own training pair, each seed
+    first averaged over the held-out datasets. Only (method, pair) groups whose cells take
+    two or more values of ``key`` (a line, not a point); the task's own cells count at their
+    value, so a swept axis is drawn through the default."""
+    cells = {c["cell_id"]: c for c in meta["cells"]}
+    fin = finals(frame)
+    fin = fin[(fin["K"] == fin["train_K"]) & (fin["L"] == fin["train_L"]) & fin["metric"].isin(AXIS_METRICS)]
+    rows = []
+    for (cid, metric), part in fin.groupby(["cell_id", "metric"]):
+        value = cells.get(cid, {}).get("settings", {}).get(key)
+        if value is not None:
+            cell = cells[cid]
+            rows.append((cell["base_method"], cell["K"], cell["L"], value, metric, cell["seed"], cid,
+                         float(part["value"].mean())))
+    per_seed = pd.DataFrame(rows, columns=["method", "K", "L", "value", "metric", "seed", "cell_id", "mean"])
+    out = []
+    for (method, k, l), group in per_seed.groupby(["method", "K", "L"]):
+        if group["value"].nunique() < 2:
+            continue
+        for (value, metric), part in group.groupby(["value", "metric"]):
+            est = seed_interval(part["mean"].to_numpy(), tuple(sorted(part["cell_id"])))
+            out.append((method, k, l, value, metric, est.mean, est.lo, est.hi, est.n, " ".join(est.cells)))
+    columns = ["method", "K", "L", "value", "metric", "mean", "lo", "hi", "seeds", "cells"]
+    return pd.DataFrame(out, columns=columns)
+
+
+def axis_figure(est: pd.DataFrame, key: str, caption: str, path: Path) -> None:
+    metrics = [m for m in AXIS_METRICS if m in set(est["metric"])]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.4 * len(metrics), 3.6), squeeze=False)
+    values = sorted(set(est["value"]), key=lambda v: (not isinstance(v, (int, float)), v))
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    position = {v: (v if numeric else i) for i, v in enumerate(values)}
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        for (method, k, l), part in est[est["metric"] == metric].groupby(["method", "K", "L"]):
+            part = part.assign(x=part["value"].map(position)).sort_values("x")
+            err = np.vstack([part["mean"] - part["lo"], part["hi"] - part["mean"]])
+            ax.errorbar(part["x"], part["mean"], yerr=None if np.isnan(err).all() else err, marker="o",
+                        capsize=3, label=f"{method} K={k} L={l}")
+        if numeric and min(values) > 0 and max(values) / min(values) >= 8:
+            ax.set_xscale("log")
+        ax.set_xticks([position[v] for v in values], [str(v) for v in values])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_xlabel(key)
+        ax.set_ylabel(f"{AXIS_LABELS.get(metric, _label(metric, None))}, held-out")
+    axes[0, 0].legend(fontsize=7)
+    _save(fig, path, caption)
+
+
+def axes_markdown(frame: pd.DataFrame, meta: dict[str, Any], caption: str, out: Path, task: str, fmt: str) -> str:
+    """Per swept key: a figure of each metric against the key's values and a table (with
+    the cells each point averages); '' when no key has two values for one method."""
+    parts = []
+    for key in meta.get("axes", []):
+        est = axis_estimates(frame, meta, key)
+        if est.empty:
+            continue
+        stem = f"{task}_axis_{key.replace('.', '_')}"
+        axis_figure(est, key, caption, out / "figures" / f"{stem}.{fmt}")
+        atomic_write(out / "tables" / f"{stem}.csv", lambda tmp, est=est: est.to_csv(tmp, index=False))
+        metrics = [m for m in AXIS_METRICS if m in set(est["metric"])]
+        wide = est.pivot_table(index=["method", "K", "L", "value"], columns="metric", values="mean", aggfunc="first")
+        seeds = est.groupby(["method", "K", "L", "value"])["seeds"].max()
+        lines = [
+            f"#### `{key}` ([csv](tables/{stem}.csv))",
+            "",
+            f"![{task} {key}](figures/{stem}.{fmt})",
+            "",
+            f"| method | K | L | {key} | " + " | ".join(AXIS_LABELS.get(m, _label(m, None)) for m in metrics)
+            + " | seeds |",
+            "| --- | --- | --- | --- | " + " | ".join("---" for _ in metrics) + " | --- |",
+        ]
+        for (method, k, l, value), row in wide.iterrows():
+            numbers = " | ".join(_num(row.get(m)) for m in metrics)
+            lines.append(f"| {method} | {k} | {l} | {value} | {numbers} | {seeds[(method, k, l, value)]} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -1382,6 +1479,7 @@ def report_task(
             ]
         ) + _footnote(mse)
     tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking.csv")
+    axes_md = axes_markdown(frame, meta, caption, out, task, fmt)
     claims = [
         check_claim(spec, task, finals(frame), finals(retrained), all_sets)
         for spec in (paper or {}).get("claims") or []
@@ -1438,6 +1536,7 @@ def report_task(
         "paper": paper,
         "mse_md": mse_md,
         "tracking_md": tracking_md,
+        "axes_md": axes_md,
         "training_md": training_md,
         "cell_flags": flags,
         "claims": claims,
@@ -1606,6 +1705,19 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> s
                 "digit's mean offset over its video.",
                 "",
                 part["tracking_md"],
+                "",
+            ]
+        if part.get("axes_md"):
+            lines += [
+                "### Swept settings (grid entries' `axes`)",
+                "",
+                "Each point: the cells trained at one value of the key (the task's own cells at "
+                "theirs), evaluated at their training pair on the first held-out set after the last "
+                "sweep; mean over seeds of the per-seed mean over datasets, error bars the 95% "
+                "interval over seeds (with 3 or more). In the tables above such cells are rows "
+                "`method [key=value]`.",
+                "",
+                part["axes_md"],
                 "",
             ]
         for name, rel in part["figures"].items():

@@ -50,7 +50,7 @@ import torch
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
-from apg.training import TrainConfig, Trainer, build
+from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline import tracking
 from pipeline.common import file_digest, project_root, seed_everything
 from pipeline.config import Cell, grid_cells, load_params
@@ -571,6 +571,7 @@ def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) ->
                 "K": cell.sweeps,
                 "L": cell.particles,
                 "seed": cell.seed,
+                "axes": dict(cell.axes),  # the swept settings (grid entry axes), {} for none
                 "iterations": done["iterations"],
                 "code_digest": done.get("code_digest"),
                 # Reused across code changes (sweep.reuse_across_code): not this code's result.
@@ -585,9 +586,18 @@ def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) ->
     return {"task": task, "cells": rows}
 
 
+def estimated_cost(cell: Cell) -> float:
+    """A cell's training cost in likelihood evaluations per dataset (``Method.model_evaluations``,
+    else K*L per step), for ordering trials: the longest start first, so that one long trial
+    does not run alone at the end (the rings' hmc-rws cell ran 22 minutes on one core so)."""
+    counted = make_method(cell.train).model_evaluations(cell.sweeps, cell.particles)
+    return cell.train.iterations * (counted[-1] if counted else cell.sweeps * cell.particles)
+
+
 def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False) -> dict[str, Any]:
     cells, data, sweep_dir = plan(params, task, root)
-    todo = {cid: cell for cid, cell in cells.items() if not is_done(sweep_dir, cid)}
+    pending = [(cid, cell) for cid, cell in cells.items() if not is_done(sweep_dir, cid)]
+    todo = dict(sorted(pending, key=lambda item: -estimated_cost(item[1])))  # stable: grid order on ties
     print(
         f"sweep {task}: {len(cells)} cells, {len(cells) - len(todo)} already done, "
         f"{len(todo)} to {'fetch from MLflow' if fetch else 'train'}"
@@ -618,7 +628,8 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
                 parent,
                 cid,
                 cell.name,
-                {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict()},
+                # The swept keys under their grid names too (train.lr beside lr): columns in the UI.
+                {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict(), **dict(cell.axes)},
             )
             for cid, cell in todo.items()
         }

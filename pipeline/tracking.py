@@ -107,11 +107,19 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
+# MLflow 3's UI opens an experiment without a kind in its GenAI view (a traces overview
+# saying "No data"); this kind opens the classic runs table.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
 def experiment_id(mlflow_client, name: str, artifacts: str | None) -> str:
     found = mlflow_client.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    return mlflow_client.create_experiment(name, artifact_location=artifacts)
+    if found is None:
+        return mlflow_client.create_experiment(name, artifact_location=artifacts, tags=EXPERIMENT_KIND)
+    for key, value in EXPERIMENT_KIND.items():  # experiments made before the kind was set
+        if found.tags.get(key) != value:
+            mlflow_client.set_experiment_tag(found.experiment_id, key, value)
+    return found.experiment_id
 
 
 def find_run(mlflow_client, exp_id: str, tags: Mapping[str, str]) -> Any | None:

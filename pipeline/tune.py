@@ -61,7 +61,7 @@ from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, build, evaluate
 from pipeline import tracking
 from pipeline.common import project_root, seed_everything
-from pipeline.config import ParamsError, load_params
+from pipeline.config import ParamsError, apply_setting, load_params, setting_of
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint")
 SECTIONS = ("train", "network", "model")
@@ -125,6 +125,14 @@ def check_space(space: Any, where: str = "space") -> dict[str, tuple[str, Any]]:
     return out
 
 
+def in_space(spec: tuple[str, Any], value: Any) -> bool:
+    """Whether ``value`` is one the distribution ``(kind, args)`` can draw."""
+    kind, args = spec
+    if kind == "choice":
+        return value in args
+    return _is_number(value) and args[0] <= value <= args[1] and (kind != "randint" or isinstance(value, int))
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -142,18 +150,6 @@ def extremes(space: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
     for key, spec in space.items():
         out += [{**first, key: v} for v in values(*spec)[1:]]
     return out
-
-
-def apply(base: dict[str, Any], setting: dict[str, Any]) -> dict[str, Any]:
-    """A ``TrainConfig`` dict with ``setting`` (``{"train.lr": 0.01, ...}``) applied."""
-    cfg = json.loads(json.dumps(base))
-    for key, value in setting.items():
-        section, _, name = key.partition(".")
-        if section == "train":
-            cfg[name] = value
-        else:
-            cfg[section] = {**cfg.get(section, {}), name: value}
-    return cfg
 
 
 def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) -> dict[str, Any]:
@@ -224,14 +220,19 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
     # Every bound of every key must make a model and proposals that the method accepts.
     for setting in extremes(space):
         try:
-            cfg = TrainConfig.from_dict(apply(base, setting)).validate()
+            cfg = TrainConfig.from_dict(apply_setting(base, setting)).validate()
             build(cfg)
         except (TypeError, ValueError, KeyError) as err:
             text = str(err).strip().splitlines()
             raise _bad(f"{task}.space", f"{setting}: {text[0] if text else type(err).__name__}") from None
+    # params.yaml's own settings are the search's first trial when the space holds them: the
+    # report then says whether the search beat the defaults at equal iterations.
+    current = {key: setting_of(base, key) for key in space}
+    reference = current if all(in_space(space[k], v) for k, v in current.items()) else None
     return {
         "task": task,
         "space": space,
+        "reference": reference,
         "base": base,
         "metric": metric,
         "mode": METRICS[metric],
@@ -294,7 +295,7 @@ def run_trial(config: dict[str, Any], plan: dict[str, Any], paths: dict[str, str
 
     torch.set_num_threads(1)
     setting = {key: config[key] for key in plan["space"]}
-    cfg = TrainConfig.from_dict(apply(plan["base"], setting)).validate()
+    cfg = TrainConfig.from_dict(apply_setting(plan["base"], setting)).validate()
     seed_everything(plan["seed"])
     x = torch.from_numpy(load_dataset(paths["train"])["x"]).to(torch.get_default_dtype())
     x_val = torch.from_numpy(load_dataset(paths["validation"])["x"]).to(torch.get_default_dtype())
@@ -408,12 +409,13 @@ def prepare_validation(params: dict[str, Any], plan: dict[str, Any], out: Path) 
 def searcher(plan: dict[str, Any]):
     from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
+    first = [plan["reference"]] if plan.get("reference") else None  # params.yaml's settings
     if plan["algorithm"] == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
         # TPE learns from finished trials: keep a few in flight, not all of them.
-        return ConcurrencyLimiter(OptunaSearch(seed=plan["seed"]), max_concurrent=2)
-    return BasicVariantGenerator(random_state=plan["seed"])
+        return ConcurrencyLimiter(OptunaSearch(seed=plan["seed"], points_to_evaluate=first), max_concurrent=2)
+    return BasicVariantGenerator(random_state=plan["seed"], points_to_evaluate=first)
 
 
 def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
@@ -440,8 +442,6 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     client = tracking.client(uri)
     exp_name = params.get("tracking", {}).get("experiment", "apg") + "-tune"
     exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
-    # MLflow 3's UI opens an experiment without a kind in its GenAI (traces) view.
-    client.set_experiment_tag(exp_id, "mlflow.experimentKind", "custom_model_development")
     parent_id = tracking.open_parent(
         client, exp_id, f"{plan['task']}-{name}", f"tune {plan['task']}",
         {"metric": plan["metric"], "method": plan["base"]["method"], "K": plan["pair"][0], "L": plan["pair"][1],
@@ -508,17 +508,19 @@ def trials_frame(plan: dict[str, Any], results, out: Path):
         scores = history["score"].tolist() if history is not None and "score" in history else []
         iterations = int(history["iteration"].max()) if scores else 0
         best = max(scores, key=lambda s: sign * s) if scores else float("nan")
+        setting = {key: result.config[key] for key in plan["space"]}
         rows.append(
             {
                 "trial": trial_id,
-                **{key: result.config[key] for key in plan["space"]},
+                **setting,
+                "defaults": setting == plan.get("reference"),  # params.yaml's own settings
                 "score": scores[-1] if scores else float("nan"),
                 "best_score": best,
                 "iterations": iterations,
                 "stopped_early": result.error is None and 0 < iterations < plan["iterations"],
                 "failed": result.error is not None,
                 "attempts": len(read_attempts(out, trial_id)),
-                "history": json.dumps([[int(i), float(s)] for i, s in zip(history["iteration"], history["score"])])
+                "history": json.dumps([[int(i), float(s)] for i, s in zip(history["iteration"], history["score"], strict=True)])
                 if scores
                 else "[]",
             }
@@ -563,12 +565,22 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
     tracking.log_params(client, parent_id, {f"best.{k}": v for k, v in setting.items()})
     client.log_metric(parent_id, f"best_val_{plan['metric']}", float(best["score"]))
     tracking.finish(client, parent_id)
+    defaults = frame[frame["defaults"]]
     summary = {
         "task": plan["task"],
         "metric": plan["metric"],
         "mode": plan["mode"],
         "best": {"trial": str(best["trial"]), "setting": setting, "score": float(best["score"])},
+        "defaults": None
+        if defaults.empty
+        else {
+            "trial": str(defaults.iloc[0]["trial"]),
+            "setting": plan["reference"],
+            "score": float(defaults.iloc[0]["score"]),
+            "iterations": int(defaults.iloc[0]["iterations"]),
+        },
         "trials": len(frame),
+        "max_iterations": plan["iterations"],
         "stopped_early": int(frame["stopped_early"].sum()),
         "failed": int(frame["failed"].sum()),
         "mlflow_parent_run": parent_id,
@@ -578,6 +590,22 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
 
 
 # --------------------------------------------------------------------------- the report
+
+
+def defaults_line(summary: dict[str, Any]) -> str:
+    """How the best trial compares with params.yaml's own settings (the first trial)."""
+    ref = summary.get("defaults")
+    if ref is None:
+        return "params.yaml's own settings lie outside the searched space: no trial ran them."
+    if ref["trial"] == summary["best"]["trial"]:
+        return f"**params.yaml's own settings** ({_trial_name(ref['setting'])}, trial `{ref['trial']}`) scored best."
+    gain = summary["best"]["score"] - ref["score"]
+    return (
+        f"**params.yaml's own settings** ({_trial_name(ref['setting'])}, trial `{ref['trial']}`, the "
+        f"search's first): {ref['score']:.6g} after {ref['iterations']} iterations"
+        + (" (stopped early by ASHA)" if ref["iterations"] < summary.get("max_iterations", ref["iterations"]) else "")
+        + f"; the best differs from it by {gain:+.4g}."
+    )
 
 
 def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
@@ -596,10 +624,12 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
     report_dir.mkdir(parents=True, exist_ok=True)
     keys = list(plan["space"])
     fig, axes = plt.subplots(1, len(keys) + 1, figsize=(4.2 * (len(keys) + 1), 3.4), squeeze=False)
-    for ax, key in zip(axes[0], keys):
+    for ax, key in zip(axes[0][:-1], keys, strict=True):
         for early, marker, label in ((False, "o", "ran to the end"), (True, "x", "stopped early (ASHA)")):
             part = frame[frame["stopped_early"] == early]
             ax.scatter(part[key], part["score"], marker=marker, label=label)
+        mine = frame[frame["defaults"]]
+        ax.scatter(mine[key], mine["score"], s=160, facecolors="none", edgecolors="k", label="params.yaml's settings")
         if plan["space"][key][0] == "loguniform":
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # unreadable when crowded
@@ -639,6 +669,8 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
             "",
             f"**Best:** trial `{best['trial']}`, {_trial_name(best['setting'])}: {best['score']:.6g}. "
             f"`results/tune/{task}/best-params.yaml` has the task's sections with these settings.",
+            "",
+            defaults_line(summary),
             "",
             f"{summary['trials']} trials, {summary['stopped_early']} stopped early by ASHA, "
             f"{summary['failed']} failed; `attempts` > 1: the trial was resumed after an interruption.",

@@ -114,6 +114,46 @@ def test_cell_id_changes_with_any_option():
     assert grid_cells(tiny(), "gmm")[0].cell_id("other data") != base
 
 
+def test_axes_cross_any_key_with_methods_and_seeds():
+    entry = {"methods": ["apg"], "pairs": [[2, 3]], "seeds": [0, 1],
+             "axes": {"network.hidden": [8, 16], "train.lr": [0.01, 0.003]}}
+    cells = grid_cells(tiny(**{"gmm.grid": [TINY["gmm"]["grid"][0], entry]}), "gmm")
+    swept = [c for c in cells if c.axes]
+    # hidden 8 with lr 0.01 at seed 0 is the first entry's cell: trained once, under its name
+    assert len(cells) == 2 + 2 * 4 - 1 and len(swept) == 2 * 4 - 1
+    by_setting = {(c.train.network["hidden"], c.train.lr, c.seed): c for c in cells if c.method == "apg"}
+    assert len(by_setting) == 8
+    assert by_setting[(8, 0.01, 0)].name == "gmm/apg/K2/L3/seed0"
+    one = by_setting[(16, 0.003, 1)]
+    assert one.name == "gmm/apg/K2/L3/seed1/network.hidden=16,train.lr=0.003"
+    assert one.axes == (("network.hidden", 16), ("train.lr", 0.003))
+    assert len({c.name for c in cells}) == len({c.cell_id("d") for c in cells}) == len(cells)
+
+
+@pytest.mark.parametrize(
+    "axes, expected",
+    [
+        ({"netwrk.hidden": [8]}, "gmm.grid[0].axes.netwrk.hidden: axes are <section>.<key>"),
+        ({"train.lr_final": [0.1]}, "gmm.grid[0].axes.train.lr_final: unknown training key; did you mean"),
+        ({"train.lr": []}, "gmm.grid[0].axes.train.lr: must be a non-empty list"),
+        ({"train.lr": ["fast"]}, "gmm.grid[0].axes.train.lr[0]: wrong type for train.lr"),
+        ({"train.lr": [-0.1]}, "gmm.grid[0].axes.train.lr: lr must be a positive number"),
+        ({"network.hiden": [8]}, "gmm.grid (gmm/apg/K2/L3/seed0/network.hiden=8): "),
+        ({"model.nu_0": [0.3]}, "gmm.grid (gmm/apg/K2/L3/seed0/model.nu_0=0.3): "),
+    ],
+)
+def test_bad_axes_name_the_key(axes, expected):
+    with pytest.raises(ParamsError) as info:
+        validate_params(tiny(**{"gmm.grid.0.axes": axes}))
+    assert "\n" not in str(info.value) and str(info.value).startswith(expected), str(info.value)
+
+
+def test_two_experiments_under_one_name_are_an_error():
+    entry = {"methods": ["apg"], "pairs": [[2, 3]], "train": {"iterations": 9}}
+    with pytest.raises(ParamsError, match="two entries train gmm/apg/K2/L3/seed0 with different settings"):
+        grid_cells(tiny(**{"gmm.grid": [TINY["gmm"]["grid"][0], entry]}), "gmm")
+
+
 @pytest.mark.parametrize(
     "changes, expected",
     [
@@ -223,17 +263,30 @@ def mlflow_runs(root: Path, experiment: str) -> pd.DataFrame:
 
 @pytest.mark.slow
 def test_dvc_repro_end_to_end(tmp_path):
-    root = make_repo(tmp_path, tiny())
+    # A second entry sweeps the proposals' width: 8 is the task's own (the first entry's cell).
+    axis = {"methods": ["apg"], "pairs": [[2, 3]], "seeds": [0], "axes": {"network.hidden": [4, 8]}}
+    root = make_repo(tmp_path, tiny(**{"gmm.grid": [TINY["gmm"]["grid"][0], axis]}))
     first = run(["dvc", "repro"], root)
     for stage in ("generate@gmm", "sweep@gmm", "evaluate@gmm", "report"):
         assert f"Running stage '{stage}'" in first.stdout
 
-    # MLflow: one parent per sweep, one child per trial, with step metrics.
+    # MLflow: one parent per sweep, one child per trial, with step metrics; the experiment
+    # opens in the runs table; the swept key is a param under its grid name.
     client, runs = mlflow_runs(root, "apg-test")
+    kind = client.get_experiment_by_name("apg-test").tags.get("mlflow.experimentKind")
+    assert kind == "custom_model_development"
     parents = [r for r in runs if tracking.TAG_SWEEP in r.data.tags]
     assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get(tracking.TAG_PARENT) == parents[0].info.run_id]
-    assert sorted(r.info.run_name for r in children) == ["gmm/apg/K2/L3/seed0", "gmm/rws-mlp/K2/L3/seed0"]
+    assert sorted(r.info.run_name for r in children) == [
+        "gmm/apg/K2/L3/seed0",
+        "gmm/apg/K2/L3/seed0/network.hidden=4",
+        "gmm/rws-mlp/K2/L3/seed0",
+    ]
+    assert {r.info.run_name: r.data.params["network.hidden"] for r in children if "apg" in r.info.run_name} == {
+        "gmm/apg/K2/L3/seed0": "8",
+        "gmm/apg/K2/L3/seed0/network.hidden=4": "4",
+    }
     for child in children:
         assert child.info.status == "FINISHED"
         history = client.get_metric_history(child.info.run_id, "log_joint")
@@ -257,9 +310,17 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert sorted(zip(table["method"], table["K"], table["L"], strict=True)) == [
         ("apg", 2, 3),
         ("apg", 3, 3),
+        ("apg [network.hidden=4]", 2, 3),
+        ("apg [network.hidden=4]", 3, 3),
         ("rws-mlp", 2, 3),
         ("rws-mlp", 3, 3),
     ]
+    # The swept key's figure and table: APG at width 4 (the swept cell) and 8 (the task's cell).
+    assert (reports / "figures" / "gmm_axis_network_hidden.png").is_file()
+    axis_table = pd.read_csv(reports / "tables" / "gmm_axis_network_hidden.csv")
+    lj = axis_table[axis_table["metric"] == "log_joint"]
+    assert sorted(lj["value"]) == [4, 8] and set(lj["method"]) == {"apg"} and lj["mean"].map(math.isfinite).all()
+    assert "#### `network.hidden`" in (reports / "README.md").read_text()
     for column in ("log_joint", "d_log_joint", "ess", "log_evidence"):
         assert table[column].map(math.isfinite).all(), column
     apg = table[table["method"] == "apg"]
@@ -267,7 +328,10 @@ def test_dvc_repro_end_to_end(tmp_path):
         assert apg[column].map(math.isfinite).all(), column
     assert "tiny test" in (reports / "README.md").read_text()
     metrics = json.loads((reports / "metrics.json").read_text())
-    assert set(metrics["gmm"]) == {"apg/K2/L3", "apg/K3/L3", "rws-mlp/K2/L3", "rws-mlp/K3/L3"}
+    assert set(metrics["gmm"]) == {
+        "apg/K2/L3", "apg/K3/L3", "apg [network.hidden=4]/K2/L3", "apg [network.hidden=4]/K3/L3",
+        "rws-mlp/K2/L3", "rws-mlp/K3/L3",
+    }
 
     second = run(["dvc", "repro"], root)
     assert "Running stage" not in second.stdout

@@ -20,9 +20,8 @@ import pytest
 import yaml
 
 from apg.checkpoint import load_checkpoint
-
-from pipeline.config import ParamsError
-from pipeline.tune import TAG_BEST, TAG_TRIAL, apply, check_section, extremes, main, read_attempts
+from pipeline.config import ParamsError, apply_setting
+from pipeline.tune import TAG_BEST, TAG_TRIAL, check_section, extremes, main, read_attempts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline import env, make_repo, mlflow_runs, tiny  # noqa: E402
@@ -51,6 +50,10 @@ def test_a_good_section_plans_the_search():
     assert plan["mode"] == "max" and plan["base"]["sweeps"] == 2 and plan["base"]["particles"] == 3
     assert plan["base"]["iterations"] == 120 and plan["base"]["network"] == {"hidden": 8}
     assert set(plan["space"]) == {"train.lr", "network.hidden"}
+    # params.yaml's own settings are in the space: they are the search's first trial
+    assert plan["reference"] == {"train.lr": 0.01, "network.hidden": 8}
+    outside = check_section(tiny(), "gmm", section(space={"network.hidden": {"choice": [4, 16]}}))
+    assert outside["reference"] is None
 
 
 def test_method_options_are_the_searched_methods_own():
@@ -67,7 +70,7 @@ def test_extremes_touch_every_bound_and_apply_sets_nested_keys():
     assert {s["train.lr"] for s in settings} == {1e-4, 1e-2}
     assert {s["network.hidden"] for s in settings} == {4, 8, 16}
     assert {s["train.batch_size"] for s in settings} == {2, 5}  # randint's high is exclusive
-    cfg = apply({"lr": 1.0, "network": {"hidden": 8, "other": 1}}, {"train.lr": 0.5, "network.hidden": 4})
+    cfg = apply_setting({"lr": 1.0, "network": {"hidden": 8, "other": 1}}, {"train.lr": 0.5, "network.hidden": 4})
     assert cfg == {"lr": 0.5, "network": {"hidden": 4, "other": 1}}
 
 
@@ -140,12 +143,14 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     cmd = [sys.executable, "-m", "pipeline.tune", "--task", "gmm"]
     proc = subprocess.Popen(cmd, cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        # Interrupt once a trial has reported twice: trials are then mid-way.
+        # Interrupt once a trial has reported twice: trials are then mid-way. Tune keeps only
+        # a trial's last checkpoint, and a tiny trial reports several times between two polls,
+        # so look for any checkpoint past the first, not for the second one by name.
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None:
-            if any((d / "checkpoint_000001").is_dir() for d in _trial_dirs(root)):
+            if any(d.name != "checkpoint_000000" for t in _trial_dirs(root) for d in t.glob("checkpoint_*")):
                 break
-            time.sleep(0.2)
+            time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -180,7 +185,7 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
             every = SECTION["eval_every"]
             assert resumed % every == 0 and checkpointed[trial_id] - every <= resumed <= checkpointed[trial_id], (
                 trial_id, attempts, checkpointed[trial_id])
-    assert any(len(a) > 1 and a[1]["start_iteration"] > 0 for a in trials.values()), trials
+    assert any(len(a) > 1 and a[1]["start_iteration"] > 0 for a in trials.values()), (trials, before, checkpointed)
 
     import pandas as pd
 
@@ -192,6 +197,11 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     assert best["gmm"]["train"]["lr"] == pytest.approx(summary["best"]["setting"]["train.lr"])
     assert best["gmm"]["network"]["hidden"] == summary["best"]["setting"]["network.hidden"]
     assert frame.iloc[0]["score"] == pytest.approx(summary["best"]["score"])
+    # params.yaml's settings (lr 0.01, hidden 8) ran as one trial and the report says how they did
+    mine = frame[frame["defaults"]]
+    assert len(mine) == 1 and mine.iloc[0]["train.lr"] == pytest.approx(0.01)
+    assert summary["defaults"]["trial"] == mine.iloc[0]["trial"]
+    assert "params.yaml's own settings" in (root / "reports" / "tune" / "gmm.md").read_text()
     report = (root / "reports" / "tune" / "gmm.md").read_text()
     assert "stopped early" in report and (root / "reports" / "tune" / "gmm.png").is_file()
 
