@@ -668,6 +668,7 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
             "logging the sweep's summary",
         )
         tracking.finish(client, parent)
+    print(tracking.browse_hint(uri, exp_id))
     return summary
 
 

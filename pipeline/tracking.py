@@ -112,6 +112,21 @@ def client(uri: str):
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
+def ui_url(base: str, exp_id: str) -> str:
+    """The MLflow UI's page of an experiment's runs table. MLflow 3.17's UI opens every
+    experiment in its GenAI view (a traces overview saying "No data") unless the URL asks for
+    the model-training one: the view is the browser's setting, and the experiment's kind
+    alone does not switch it (seen in headless Chromium, tests/test_cluster.py)."""
+    return f"{base.rstrip('/')}/#/experiments/{exp_id}?workflowType=machine_learning"
+
+
+def browse_hint(uri: str, exp_id: str) -> str:
+    """One line telling where to look at the runs of ``exp_id`` in the store ``uri``."""
+    if uri.startswith(("http://", "https://")):
+        return f"browse the runs: {ui_url(redact(uri), exp_id)}"
+    return f"browse the runs: mlflow ui --backend-store-uri {uri}, then {ui_url('http://127.0.0.1:5000', exp_id)}"
+
+
 def experiment_id(mlflow_client, name: str, artifacts: str | None) -> str:
     found = mlflow_client.get_experiment_by_name(name)
     if found is None:

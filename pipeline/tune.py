@@ -21,7 +21,8 @@ set). Its params are ``tune.yaml``, one section per task::
       time_budget_s: 1800           # optional: stop proposing trials after this long
       validation: {num_datasets: 20, seed: 101, sizes: {num_points: 60}}
 
-Every other training setting is the task's in ``params.yaml``. Everything in the section
+Every other training setting is the task's in ``params.yaml``; its values of the searched
+keys, when the space holds them, are the first trial (the report compares the best with them). Everything in the section
 is checked before Ray starts: a bad space (unknown key, an empty choice, a negative
 learning-rate bound, a log-uniform range touching zero) is one line on stderr.
 
@@ -426,6 +427,8 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
 
     from pipeline.sweep import start_ray
 
+    # One snapshot per validation checkpoint is what resuming needs; Tune's warning about it is noise.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     out.mkdir(parents=True, exist_ok=True)
     (out / ATTEMPTS).mkdir(exist_ok=True)
     paths = {
@@ -493,7 +496,9 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
             file=sys.stderr,
         )
         raise KeyboardInterrupt
-    return write_outputs(params, plan, results, out, client, parent_id, exp_id)
+    summary = write_outputs(params, plan, results, out, client, parent_id, exp_id)
+    print(tracking.browse_hint(uri, exp_id))
+    return summary
 
 
 def trials_frame(plan: dict[str, Any], results, out: Path):
@@ -650,8 +655,10 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
     plt.close(fig)
     shown = frame.drop(columns=["history"])
     table = ["| " + " | ".join(shown.columns) + " |", "|" + " --- |" * len(shown.columns)]
+    scores = {"score", "best_score"}  # settings differ by about a nat: print them to 0.01
     for row in shown.itertuples(index=False):
-        table.append("| " + " | ".join(_short(_plain(v)) for v in row) + " |")
+        cells = [f"{v:.2f}" if c in scores else _short(_plain(v)) for c, v in zip(shown.columns, row, strict=True)]
+        table.append("| " + " | ".join(cells) + " |")
     best = summary["best"]
     text = "\n".join(
         [
