@@ -107,8 +107,8 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-# MLflow 3's UI opens an experiment without a kind in its GenAI view (a traces overview
-# saying "No data"); this kind opens the classic runs table.
+# The experiment's kind: model training, as MLflow's experiments list shows it. (Which view
+# the UI opens is the address's choice, not the kind's: ui_url.)
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
