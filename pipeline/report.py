@@ -1619,6 +1619,13 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> s
         "",
         claims_md,
         "",
+        "## Where the settings come from",
+        "",
+        "Every setting is `params.yaml`'s; its comments say how each was chosen (the learning-rate "
+        "schedules were measured per task). `apg-pipeline tune --task <task>` searches a task's "
+        "training settings (`tune.yaml`) with `params.yaml`'s own as its first trial; each search's "
+        "report, in [tune/](tune/), says whether the best beat them.",
+        "",
     ]
     for part in parts:
         task = part["task"]

@@ -1,0 +1,184 @@
+"""Benchmark: every cell of the paper's configuration at its per-step sizes, and what the
+full paper-scale run would cost.
+
+For each task of ``params-paper.yaml`` and each distinct (method, K, L) of its grid, a
+fresh process builds the cell's trainer exactly as the sweep would (paper batch size,
+dataset sizes, networks, method options), trains it for a warm-up step and ``--steps``
+timed steps on ``B`` simulated datasets, and reports the median seconds per step and the
+process's peak resident memory (each cell in its own process, so each peak is its own).
+The training set's size on disk comes from the same simulated datasets (bytes per dataset
+in the params' storage dtype, times the paper's dataset count). The full cost is then
+cells x iterations x seconds per step, shown per row with its arithmetic.
+
+    python bench/paper_scale.py [--params params-paper.yaml] [--steps 3] [--threads 1]
+        [--tasks gmm dgmm bmnist] [--json OUT] [--markdown OUT]
+
+Bouncing MNIST reads MNIST from ``$APG_MNIST_DIR``. It measures wall time: run it on an
+otherwise quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vm_hwm_mb() -> float:
+    """Peak resident set size of this process in MB (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def plan(params_file: Path, tasks: list[str] | None) -> list[dict]:
+    """One row per (task, method, K, L) of the grid: the cell's config and how many cells
+    (seeds, roles) of the grid share it."""
+    from pipeline.config import grid_cells, load_params
+
+    params = load_params(params_file)
+    rows: dict[tuple, dict] = {}
+    for task in tasks or params["tasks"]:
+        section = params[task]
+        for cell in grid_cells(params, task):
+            key = (task, cell.method, cell.sweeps, cell.particles)
+            row = rows.setdefault(
+                key,
+                {
+                    "task": task,
+                    "method": cell.method,
+                    "K": cell.sweeps,
+                    "L": cell.particles,
+                    "train": cell.train.to_dict(),
+                    "sizes": section["data"]["train"].get("sizes", {}),
+                    "num_datasets": section["data"]["train"]["num_datasets"],
+                    "x_dtype": section["data"].get("x_dtype", "float32"),
+                    "cells": 0,
+                },
+            )
+            row["cells"] += 1
+    return list(rows.values())
+
+
+def measure(row: dict, steps: int, threads: int) -> dict:
+    """Time one cell's training steps in this process (called in a fresh subprocess)."""
+    import numpy as np
+    import torch
+
+    from apg.training import TrainConfig, Trainer
+    from pipeline.generate import simulate_set
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    cfg = TrainConfig.from_dict(row["train"])
+    start = time.perf_counter()
+    arrays = simulate_set(cfg.task, cfg.model, cfg.batch_size, 0, row["sizes"])
+    simulate_seconds = (time.perf_counter() - start) / cfg.batch_size
+    arrays["x"] = arrays["x"].astype(np.dtype(row["x_dtype"]))
+    bytes_per_dataset = sum(a.nbytes for a in arrays.values()) / cfg.batch_size
+    trainer = Trainer(cfg, torch.from_numpy(arrays["x"]))
+    trainer.step()  # warm-up: first-call costs (kernel compilation, allocator) are paid once per trial
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        trainer.step()
+        times.append(time.perf_counter() - t0)
+    return {
+        "seconds_per_step": statistics.median(times),
+        "step_seconds": times,
+        "peak_rss_mb": vm_hwm_mb(),
+        "train_set_gb": bytes_per_dataset * row["num_datasets"] / 1e9,
+        "simulate_seconds_per_dataset": simulate_seconds,
+    }
+
+
+def full_cost(row: dict) -> dict:
+    """Hours for every cell of this row at the paper's iterations, one trial at a time."""
+    iterations = row["train"]["iterations"]
+    hours = row["cells"] * iterations * row["seconds_per_step"] / 3600
+    arithmetic = f"{row['cells']} x {iterations:,} x {row['seconds_per_step']:.3g} s"
+    return {"iterations": iterations, "hours": hours, "arithmetic": arithmetic}
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    lines = [
+        f"Paper per-step sizes (`{meta['params']}`), {meta['threads']} thread(s), median of "
+        f"{meta['steps']} steps after a warm-up, each cell in its own process; {meta['machine']}.",
+        "",
+        "| task | method | K | L | B | s/step | peak RSS (MB) | train set (GB) | cells | full run: cells x iterations x s/step | hours |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['task']} | {r['method']} | {r['K']} | {r['L']} | {r['train']['batch_size']} | "
+            f"{r['seconds_per_step']:.3g} | {r['peak_rss_mb']:.0f} | {r['train_set_gb']:.2f} | {r['cells']} | "
+            f"{r['cost']['arithmetic']} | {r['cost']['hours']:.1f} |"
+        )
+    by_task: dict[str, float] = {}
+    for r in rows:
+        by_task[r["task"]] = by_task.get(r["task"], 0.0) + r["cost"]["hours"]
+    total = sum(by_task.values())
+    lines += [
+        "",
+        "Total, one trial at a time: "
+        + " + ".join(f"{t} {h:.0f} h" for t, h in by_task.items())
+        + f" = **{total:.0f} h** (divide by the trials that run at once).",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", default=str(REPO / "params-paper.yaml"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tasks", nargs="*", default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a row as JSON: measure it here
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(measure(json.loads(args.one), args.steps, args.threads)), flush=True)
+        return []
+    rows = plan(Path(args.params), args.tasks)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    for row in rows:
+        cmd = [sys.executable, __file__, "--one", json.dumps(row), "--steps", str(args.steps),
+               "--threads", str(args.threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+        if proc.returncode != 0:
+            raise SystemExit(f"{row['task']}/{row['method']}: {proc.stderr.strip().splitlines()[-1]}")
+        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        row["cost"] = full_cost(row)
+        print(
+            f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} "
+            f"{row['seconds_per_step']:.4f} s/step  {row['peak_rss_mb']:.0f} MB  "
+            f"{row['cost']['hours']:.1f} h for {row['cost']['arithmetic']}",
+            flush=True,
+        )
+    meta = {
+        "params": os.path.relpath(args.params, REPO),
+        "steps": args.steps,
+        "threads": args.threads,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+    }
+    text = markdown(rows, meta)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
