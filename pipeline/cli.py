@@ -107,6 +107,12 @@ def cmd_smoke(args: argparse.Namespace) -> None:
     print(timing_table(times, total))
 
 
+def cmd_record(args: argparse.Namespace) -> None:
+    from pipeline.recorded import record
+
+    record(args.profile, Path(args.params), Path(args.dir) if args.dir else None, args.fresh)
+
+
 # --------------------------------------------------------------------------- train
 
 
@@ -266,6 +272,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     smoke.add_argument("--dir", default="results/smoke", help="where the throwaway repo goes (replaced)")
     smoke.set_defaults(func=cmd_smoke)
+
+    rec = sub.add_parser(
+        "record",
+        help="run a profile of params-paper.yaml (paper-gmm: GMM Table 1 at paper scale) and keep "
+        "its results in recorded/ for the report; resumes a stopped run",
+    )
+    rec.add_argument("profile", help="paper-gmm or paper-check")
+    rec.add_argument("--params", default="params-paper.yaml", help="the params the profile derives from")
+    rec.add_argument("--dir", default=None, help="the sandbox repo (default runs/<profile>)")
+    rec.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    rec.set_defaults(func=cmd_record)
 
     for name, module, text in (
         ("sweep", "sweep", "stage: Ray Tune sweep of one task's grid (params.yaml)"),

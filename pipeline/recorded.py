@@ -1,0 +1,247 @@
+"""``apg-pipeline record``: the pipeline at another scale, run once, kept in git.
+
+The reproduction (``params.yaml``) is retrained from scratch by every ``dvc repro``; a run
+at the paper's scale takes hours and is not. A *profile* derives a params file from
+``params-paper.yaml`` (which tasks, which grid cells, how many trials at once: never the
+per-step sizes B, N, T, D, K, L or the networks). ``record`` runs the whole pipeline on it
+in a sandbox repo under ``runs/<profile>/`` (as ``apg-pipeline smoke`` does), resumes it
+if it was stopped (finished cells are skipped, unfinished ones restart from their last
+checkpoint), and copies what the report needs into ``recorded/<profile>/``: the
+evaluation results, each cell's summary and its trained weights, and a manifest naming
+the commit and code digest that trained them. The report stage shows every recorded run
+beside the paper's numbers without retraining.
+
+    apg-pipeline record paper-gmm           # GMM Table 1 at the paper's scale (CPU: ~1 h)
+    apg-pipeline record paper-check         # every task and method, a few steps at paper sizes
+    nohup apg-pipeline record paper-gmm > runs/paper-gmm.log 2>&1 &    # in the background
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from pipeline import provenance
+from pipeline.common import project_root
+from pipeline.config import load_params, validate_params
+from pipeline.smoke import make_sandbox
+
+RECORDED = "recorded"
+MANIFEST = "manifest.json"
+SANDBOX_INFO = "record.json"
+# What the report reads from a recorded run's evaluation (metrics.csv is the parquet's copy).
+EVAL_FILES = ("meta.json", "metrics.parquet", "training.parquet", "samples.npz")
+# Table 1's cells (section 5.1): the methods the paper compares, at its training budget.
+TABLE1_METHODS = ("apg", "rws-mlp", "rws-lstm")
+
+
+def _one_trial_per_core(params: dict[str, Any]) -> None:
+    """On a small CPU machine: one thread per trial, as many trials as cores, no GPU."""
+    params["sweep"].update(cpus_per_trial=1, torch_threads=1, gpus_per_trial=0, num_cpus=None)
+
+
+def paper_gmm(paper: dict[str, Any]) -> dict[str, Any]:
+    """GMM Table 1 as the paper ran it: APG, RWS-MLP and RWS-LSTM trained at K=10, L=10
+    (RWS: K*L particles) for the paper's 200,000 iterations on its 20,000 datasets, one
+    seed each (the paper trained one model per method), and the exact Gibbs sampler
+    (nothing to train) as the reference; evaluated at the paper's K in {5, 10, 15}, L=10."""
+    params = copy.deepcopy(paper)
+    params["tasks"] = ["gmm"]
+    gmm = params["gmm"]
+    table1 = [e for e in gmm["grid"] if set(TABLE1_METHODS) <= set(e["methods"])]
+    if len(table1) != 1:
+        raise ValueError("params-paper.yaml: expected one gmm grid entry with apg, rws-mlp and rws-lstm")
+    gmm["grid"] = [
+        {**table1[0], "methods": list(TABLE1_METHODS), "seeds": [0]},
+        {"methods": ["gibbs"], "pairs": table1[0]["pairs"], "seeds": [0], "train": {"iterations": 0}},
+    ]
+    _one_trial_per_core(params)
+    params["tracking"]["experiment"] = "apg-paper-gmm"
+    params["report"]["scale"] = "paper scale (GMM Table 1 cells, one seed, CPU)"
+    return params
+
+
+# paper-check caps: enough steps to run every code path (training, logging, the final
+# checkpoint) and enough datasets for one batch of each stage.
+CHECK_ITERATIONS = 3
+
+
+def paper_check(paper: dict[str, Any]) -> dict[str, Any]:
+    """Every task, method and budget of the paper's configuration at its per-step sizes, but
+    ``CHECK_ITERATIONS`` training steps and one batch of datasets per set: what a cluster run
+    would hit first (memory, shapes, every stage's code path), in minutes on a CPU."""
+    params = copy.deepcopy(paper)
+    for task in params["tasks"]:
+        section = params[task]
+        train_batch = section["train"]["batch_size"]
+        eval_batch = section["evaluate"]["batch_size"]
+        section["train"]["iterations"] = min(section["train"]["iterations"], CHECK_ITERATIONS)
+        data = section["data"]
+        data["train"]["num_datasets"] = min(data["train"]["num_datasets"], train_batch)
+        for key in ("test", "tests", "figures"):
+            entries = data.get(key)
+            for entry in entries if isinstance(entries, list) else [entries] if entries else []:
+                cap = eval_batch if key != "figures" else 2
+                entry["num_datasets"] = min(entry["num_datasets"], cap)
+        for entry in section["grid"]:
+            entry["seeds"] = entry["seeds"][:1]
+            if "iterations" in entry.get("train", {}):
+                entry["train"]["iterations"] = min(entry["train"]["iterations"], CHECK_ITERATIONS)
+    _one_trial_per_core(params)
+    params["sweep"].update(checkpoint_every=1, log_every=1)
+    params["tracking"]["experiment"] = "apg-paper-check"
+    params["report"]["scale"] = f"paper per-step sizes, {CHECK_ITERATIONS} training steps (a check, not results)"
+    return params
+
+
+PROFILES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "paper-gmm": paper_gmm,
+    "paper-check": paper_check,
+}
+
+
+def derive(name: str, base: Path) -> dict[str, Any]:
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; known: {', '.join(PROFILES)}")
+    params = PROFILES[name](load_params(base))
+    validate_params(params)
+    return params
+
+
+def sandbox_for(name: str, base: Path, directory: Path, fresh: bool) -> tuple[Path, dict[str, Any]]:
+    """The profile's sandbox repo: made anew, or the one a stopped run left (resumed only if
+    the same code and params made it, since its finished cells are reused as they are)."""
+    code = provenance.package_root()
+    params = derive(name, base)
+    info = {
+        "profile": name,
+        "base": base.name,
+        "commit": provenance.git_commit(code),
+        "code_digest": {t: provenance.code_digest("sweep", t, code) for t in params["tasks"]},
+        "params_sha": _digest(params),
+    }
+    marker = directory / SANDBOX_INFO
+    if directory.exists() and not fresh:
+        if not marker.is_file():
+            raise ValueError(f"{directory} exists and is not a recorded run's sandbox; remove it or pass --fresh")
+        old = json.loads(marker.read_text())
+        if (old["code_digest"], old["params_sha"]) != (info["code_digest"], info["params_sha"]):
+            raise ValueError(
+                f"{directory} was started by other code or params (commit {old['commit'][:10]}); "
+                "pass --fresh to start over"
+            )
+        info = {**old, "resumed": old.get("resumed", 0) + 1}
+    else:
+        with _params_file(params) as path:
+            make_sandbox(directory, path)
+        info["started"] = _now()
+    marker.write_text(json.dumps(info, indent=2) + "\n")
+    return directory, info
+
+
+class _params_file:
+    def __init__(self, params: dict[str, Any]):
+        self.params = params
+
+    def __enter__(self) -> Path:
+        import tempfile
+
+        self.dir = tempfile.TemporaryDirectory()
+        path = Path(self.dir.name) / "params.yaml"
+        path.write_text(yaml.safe_dump(self.params, sort_keys=False))
+        return path
+
+    def __exit__(self, *exc) -> None:
+        self.dir.cleanup()
+
+
+def _digest(params: dict[str, Any]) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_profile(sandbox: Path) -> float:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # the sandbox's own ./mlflow.db
+    start = time.monotonic()
+    proc = subprocess.run(["dvc", "repro"], cwd=sandbox, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"apg-pipeline: error: dvc repro failed in {sandbox} (exit {proc.returncode}); "
+            "run the same command again to resume"
+        )
+    return time.monotonic() - start
+
+
+def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float) -> Path:
+    """Copy the report's inputs, each cell's summary and weights, and a manifest."""
+    params = yaml.safe_load((sandbox / "params.yaml").read_text())
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cells = {}
+    for task in params["tasks"]:
+        for name in EVAL_FILES:
+            target = tmp / "eval" / task / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(sandbox / "results" / "eval" / task / name, target)
+        sweep = json.loads((sandbox / "results" / task / "sweep.json").read_text())
+        for cell in sweep["cells"]:
+            cell_dir = tmp / "cells" / task / cell["cell_id"]
+            cell_dir.mkdir(parents=True)
+            for key in ("checkpoint", "history"):
+                if cell.get(key):
+                    shutil.copy(sandbox / cell[key], cell_dir / Path(cell[key]).name)
+                    cell[key] = (Path(RECORDED) / dest.name / "cells" / task / cell["cell_id"] / Path(cell[key]).name).as_posix()
+        (tmp / "eval" / task / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
+        cells[task] = len(sweep["cells"])
+    shutil.copy(sandbox / "params.yaml", tmp / "params.yaml")
+    manifest = {
+        **info,
+        "finished": _now(),
+        "wall_minutes_last_run": round(wall_seconds / 60, 1),
+        "stage_minutes": {k: round(v / 60, 1) for k, v in provenance.stage_times(sandbox).items()},
+        "scale": params["report"]["scale"],
+        "cells": cells,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads per trial "
+        f"{params['sweep']['torch_threads']}",
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def record(name: str, base: Path, directory: Path | None, fresh: bool, keep: bool = True) -> Path:
+    root = project_root()
+    sandbox, info = sandbox_for(name, base, (directory or root / "runs" / name).resolve(), fresh)
+    print(f"record {name}: dvc repro in {sandbox} (commit {info['commit'][:10]})", flush=True)
+    wall = run_profile(sandbox)
+    if not keep:
+        return sandbox
+    dest = collect(sandbox, info, root / RECORDED / name, wall)
+    print(f"record {name}: done in {wall / 60:.1f} min; results in {dest} (commit them, then `dvc repro report`)")
+    return dest
+
+
+def recorded_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every recorded run under ``root/recorded`` with its manifest, by name."""
+    base = root / RECORDED
+    return [
+        (p.parent, json.loads(p.read_text())) for p in sorted(base.glob(f"*/{MANIFEST}"))
+    ] if base.is_dir() else []
