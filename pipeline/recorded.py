@@ -26,8 +26,9 @@ import platform
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -100,7 +101,9 @@ def paper_check(paper: dict[str, Any]) -> dict[str, Any]:
     _one_trial_per_core(params)
     params["sweep"].update(checkpoint_every=1, log_every=1)
     params["tracking"]["experiment"] = "apg-paper-check"
-    params["report"]["scale"] = f"paper per-step sizes, {CHECK_ITERATIONS} training steps (a check, not results)"
+    params["report"]["scale"] = (
+        f"paper per-step sizes, {CHECK_ITERATIONS} training steps (a check, not results)"
+    )
     return params
 
 
@@ -133,7 +136,9 @@ def sandbox_for(name: str, base: Path, directory: Path, fresh: bool) -> tuple[Pa
     marker = directory / SANDBOX_INFO
     if directory.exists() and not fresh:
         if not marker.is_file():
-            raise ValueError(f"{directory} exists and is not a recorded run's sandbox; remove it or pass --fresh")
+            raise ValueError(
+                f"{directory} exists and is not a recorded run's sandbox; remove it or pass --fresh"
+            )
         old = json.loads(marker.read_text())
         if (old["code_digest"], old["params_sha"]) != (info["code_digest"], info["params_sha"]):
             raise ValueError(
@@ -178,6 +183,7 @@ def _now() -> str:
 def run_profile(sandbox: Path) -> float:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)  # the sandbox's own ./mlflow.db
+    env.pop("APG_PROJECT_ROOT", None)  # the stages' root is the sandbox
     start = time.monotonic()
     proc = subprocess.run(["dvc", "repro"], cwd=sandbox, env=env)
     if proc.returncode != 0:
@@ -207,7 +213,9 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
             for key in ("checkpoint", "history"):
                 if cell.get(key):
                     shutil.copy(sandbox / cell[key], cell_dir / Path(cell[key]).name)
-                    cell[key] = (Path(RECORDED) / dest.name / "cells" / task / cell["cell_id"] / Path(cell[key]).name).as_posix()
+                    cell[key] = (
+                        Path(RECORDED) / dest.name / "cells" / task / cell["cell_id"] / Path(cell[key]).name
+                    ).as_posix()
         (tmp / "eval" / task / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
         cells[task] = len(sweep["cells"])
     shutil.copy(sandbox / "params.yaml", tmp / "params.yaml")
@@ -227,21 +235,57 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
     return dest
 
 
-def record(name: str, base: Path, directory: Path | None, fresh: bool, keep: bool = True) -> Path:
+def record(name: str, base: Path, directory: Path | None = None, fresh: bool = False) -> Path:
+    """Run profile ``name`` (resuming a stopped run) and keep its results in ``recorded/<name>``;
+    ``paper-check`` is a check, not results: it prints what each cell cost instead."""
     root = project_root()
     sandbox, info = sandbox_for(name, base, (directory or root / "runs" / name).resolve(), fresh)
-    print(f"record {name}: dvc repro in {sandbox} (commit {info['commit'][:10]})", flush=True)
+    print(f"record {name}: dvc repro in {sandbox} (commit {info['commit']})", flush=True)
     wall = run_profile(sandbox)
-    if not keep:
+    if name == "paper-check":
+        text = check_summary(sandbox, wall)
+        (sandbox / "summary.md").write_text(text + "\n")
+        print(text)
         return sandbox
     dest = collect(sandbox, info, root / RECORDED / name, wall)
-    print(f"record {name}: done in {wall / 60:.1f} min; results in {dest} (commit them, then `dvc repro report`)")
+    print(
+        f"record {name}: done in {wall / 60:.1f} min; kept in {dest} (commit it; `dvc repro report` shows it)"
+    )
     return dest
+
+
+def check_summary(sandbox: Path, wall: float) -> str:
+    """Per task: the data on disk; per cell: seconds per training step (the last step's,
+    after first-call costs) and where the stages' time went."""
+    import pandas as pd
+
+    params = yaml.safe_load((sandbox / "params.yaml").read_text())
+    lines = [
+        f"paper-check: `dvc repro` of every stage in {wall / 60:.1f} min at the paper's per-step sizes "
+        f"({CHECK_ITERATIONS} training steps per cell).",
+        "",
+        "| task | data on disk (MB) | cell | s/step (last step) |",
+        "| --- | ---: | --- | ---: |",
+    ]
+    for task in params["tasks"]:
+        size = sum(f.stat().st_size for f in (sandbox / "data" / task).rglob("*") if f.is_file()) / 1e6
+        sweep = json.loads((sandbox / "results" / task / "sweep.json").read_text())
+        for cell in sweep["cells"]:
+            history = pd.read_csv(sandbox / cell["history"]) if cell.get("history") else None
+            rate = history["it_per_s"].iloc[-1] if history is not None and len(history) else None
+            per_step = f"{1 / rate:.3g}" if rate else "nothing to train"
+            lines.append(f"| {task} | {size:.1f} | {cell['name']} | {per_step} |")
+    times = provenance.stage_times(sandbox)
+    lines += ["", "| stage | minutes |", "| --- | ---: |"]
+    lines += [f"| `{k}` | {v / 60:.1f} |" for k, v in times.items()]
+    return "\n".join(lines)
 
 
 def recorded_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Every recorded run under ``root/recorded`` with its manifest, by name."""
     base = root / RECORDED
-    return [
-        (p.parent, json.loads(p.read_text())) for p in sorted(base.glob(f"*/{MANIFEST}"))
-    ] if base.is_dir() else []
+    return (
+        [(p.parent, json.loads(p.read_text())) for p in sorted(base.glob(f"*/{MANIFEST}"))]
+        if base.is_dir()
+        else []
+    )

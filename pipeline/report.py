@@ -61,6 +61,7 @@ from apg.tasks import get_task  # noqa: E402
 from pipeline import provenance  # noqa: E402
 from pipeline.common import project_root  # noqa: E402
 from pipeline.config import load_params  # noqa: E402
+from pipeline.recorded import recorded_runs  # noqa: E402
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 CURVE_METRICS = ("log_joint", "ess")
@@ -1601,7 +1602,7 @@ FIGURE_TEXT = {
 }
 
 
-def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> str:
+def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str, recorded_md: str = "") -> str:
     lines = [
         "# Reproduction report",
         "",
@@ -1626,7 +1627,14 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> s
         "training settings (`tune.yaml`) with `params.yaml`'s own as its first trial; each search's "
         "report, in [tune/](tune/), says whether the best beat them.",
         "",
+        *([recorded_md] if recorded_md else []),
     ]
+    return "\n".join(lines + task_sections(parts))
+
+
+def task_sections(parts: list[dict[str, Any]]) -> list[str]:
+    """Each task's tables and figures (links relative to the report holding them)."""
+    lines: list[str] = []
     for part in parts:
         task = part["task"]
         lines += [f"## {task}", "", part["caption"] + ".", ""]
@@ -1736,7 +1744,7 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str) -> s
                 f"{FIGURE_TEXT[name]} {part['caption']}.",
                 "",
             ]
-    return "\n".join(lines)
+    return lines
 
 
 def make_report(params: dict[str, Any], root: Path) -> Path:
@@ -1757,7 +1765,7 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
     unclaimed = [t for t in params["tasks"] if not (paper_all.get(t) or {}).get("claims")]
     flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
     claims_md = claims_markdown(claims, flags, unclaimed)
-    text = index_markdown(parts, label, claims_md)
+    text = index_markdown(parts, label, claims_md, recorded_markdown(root, out, paper_all, fmt))
     times = provenance.stage_times(root)
     lead = reused_cells_markdown(parts) + pipeline_time_markdown(times)
     text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
@@ -1777,6 +1785,80 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
 
 
 RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+# --------------------------------------------------------------------------- recorded runs
+
+
+def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str) -> str:
+    """Each recorded run (``apg-pipeline record``, results kept in ``recorded/``): its own
+    report under ``reports/recorded/<name>/``, and here its Table 1 beside the paper's, labelled
+    with its scale and the commit that trained it. Nothing is retrained."""
+    runs = recorded_runs(root)
+    if not runs:
+        return ""
+    lines = [
+        "## Recorded runs at other scales",
+        "",
+        "Runs too long for `dvc repro` (`apg-pipeline record <profile>`, `pipeline/recorded.py`): "
+        "their evaluation results and trained weights are kept in `recorded/` and this stage "
+        "rebuilds their tables and figures from them. Each names the commit whose code trained it; "
+        "`training code today` says whether the training code (the sweep stage's code digest) is "
+        "still that code.",
+        "",
+    ]
+    for run_dir, manifest in runs:
+        sub = out / "recorded" / run_dir.name
+        params = yaml.safe_load((run_dir / "params.yaml").read_text())
+        label = manifest["scale"]
+        parts, claims = [], []
+        for task in params["tasks"]:
+            paper = paper_all.get(task) or {}
+            paper = {**paper, "claims": (paper.get("claims") or []) + (paper.get("paper_scale_claims") or [])}
+            part = report_task(task, load_results(run_dir / "eval" / task), paper, sub, root, label, fmt)
+            parts.append(part)
+            claims += part["claims"]
+        flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
+        claims_md = claims_markdown(claims, flags, [])
+        same = all(
+            provenance.code_digest("sweep", t, provenance.package_root()) == d
+            for t, d in manifest["code_digest"].items()
+        )
+        about = (
+            f"Trained by commit `{manifest['commit']}` ({manifest.get('started', '?')} to "
+            f"{manifest['finished']}, last `dvc repro` {manifest['wall_minutes_last_run']} min wall; "
+            f"{manifest['machine']}). Training code today: {'the same' if same else '**changed since**'}. "
+            f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
+            f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
+        )
+        body = [
+            f"# Recorded run `{run_dir.name}`: {label}",
+            "",
+            about.replace("{up}", "../../../"),
+            "",
+            "## Claims of the paper, checked at this scale",
+            "",
+            claims_md,
+            "",
+            *task_sections(parts),
+        ]
+        page = "\n".join(body) + "\n"
+        atomic_write(sub / "README.md", lambda tmp, page=page: tmp.write_text(page))
+        lines += [
+            f"### [`{run_dir.name}`](recorded/{run_dir.name}/README.md): {label}",
+            "",
+            about.replace("{up}", "../"),
+            "",
+        ]
+        for part in parts:
+            lines += [f"Table 1, {part['task']} ({part['caption']}):", "", part["table_md"], ""]
+        held = [c for c in claims if c.passed is not None]
+        lines += [
+            f"{sum(bool(c.passed) for c in held)} of its {len(held)} claims with a verdict hold "
+            f"([its report](recorded/{run_dir.name}/README.md)).",
+            "",
+        ]
+    return "\n".join(lines)
 
 
 def reused_cells_markdown(parts: list[dict[str, Any]]) -> str:

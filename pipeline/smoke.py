@@ -34,6 +34,7 @@ def make_sandbox(directory: Path, params_file: Path) -> Path:
         else:
             shutil.copy(path, directory / name)
     shutil.copy(params_file, directory / "params.yaml")
+    no_recorded_runs(directory)
     for cmd in (
         ["git", "init", "-q"],
         ["dvc", "init", "-q"],
@@ -42,6 +43,12 @@ def make_sandbox(directory: Path, params_file: Path) -> Path:
     ):
         subprocess.run(cmd, cwd=directory, check=True, capture_output=True)
     return directory
+
+
+def no_recorded_runs(directory: Path) -> None:
+    """The report stage reads recorded runs (``pipeline.recorded``, a dvc dep); a sandbox has none."""
+    (directory / "recorded").mkdir(exist_ok=True)
+    (directory / "recorded" / "README.md").write_text("No recorded runs in a sandbox.\n")
 
 
 def timing_table(times: dict[str, float], total: float) -> str:

@@ -24,6 +24,7 @@ import yaml
 
 from pipeline import tracking
 from pipeline.config import ParamsError, grid_cells, validate_params
+from pipeline.smoke import no_recorded_runs
 from pipeline.sweep import SweepError, check_ray_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -252,6 +253,7 @@ def make_repo(root: Path, params: dict) -> Path:
     for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
         shutil.copy(REPO / name, root / name)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    no_recorded_runs(root)
     for cmd in (
         ["git", "init", "-q"],
         ["dvc", "init", "-q"],

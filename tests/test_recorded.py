@@ -1,0 +1,127 @@
+"""Recorded runs (``apg-pipeline record``): profiles of the paper's params, the resumable
+sandbox, what is kept, and the report's section."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import provenance, recorded
+from pipeline.config import grid_cells, load_params
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER = REPO / "params-paper.yaml"
+
+
+def cell_keys(params: dict, task: str) -> set[tuple]:
+    return {(c.method, c.sweeps, c.particles) for c in grid_cells(params, task)}
+
+
+@pytest.mark.parametrize("profile", sorted(recorded.PROFILES))
+def test_profiles_keep_the_papers_per_step_sizes(profile):
+    paper = load_params(PAPER)
+    derived = recorded.derive(profile, PAPER)
+    for task in derived["tasks"]:
+        ours, theirs = derived[task], paper[task]
+        for key in ("model", "network"):
+            assert ours[key] == theirs[key], (task, key)
+        assert ours["train"]["batch_size"] == theirs["train"]["batch_size"]
+        assert ours["train"]["lr"] == theirs["train"]["lr"]
+        assert ours["data"]["train"]["sizes"] == theirs["data"]["train"]["sizes"]
+        for key in ("test", "tests"):
+            if key in theirs["data"]:
+                sets = lambda d: d if isinstance(d, list) else [d]  # noqa: E731
+                assert [s["sizes"] for s in sets(ours["data"][key])] == [s["sizes"] for s in sets(theirs["data"][key])]
+        assert ours["evaluate"] == theirs["evaluate"]
+        assert cell_keys(derived, task) <= cell_keys(paper, task)
+
+
+def test_paper_check_runs_every_cell_of_the_paper_for_a_few_steps():
+    paper, check = load_params(PAPER), recorded.derive("paper-check", PAPER)
+    assert check["tasks"] == paper["tasks"]
+    for task in paper["tasks"]:
+        assert cell_keys(check, task) == cell_keys(paper, task)
+        assert all(c.train.iterations <= recorded.CHECK_ITERATIONS for c in grid_cells(check, task))
+        assert check[task]["data"]["train"]["num_datasets"] == paper[task]["train"]["batch_size"]
+
+
+def test_paper_gmm_is_table_1_at_the_papers_training_length():
+    paper, run = load_params(PAPER), recorded.derive("paper-gmm", PAPER)
+    cells = {c.method: c for c in grid_cells(run, "gmm")}
+    assert set(cells) == {"apg", "rws-mlp", "rws-lstm", "gibbs"}
+    for method in recorded.TABLE1_METHODS:
+        assert (cells[method].sweeps, cells[method].particles) == (10, 10)
+        assert cells[method].train.iterations == paper["gmm"]["train"]["iterations"] == 200_000
+        assert cells[method].seed == 0
+    assert cells["gibbs"].train.iterations == 0
+    assert run["gmm"]["data"]["train"]["num_datasets"] == 20_000
+    assert run["sweep"]["torch_threads"] == 1 and run["sweep"]["gpus_per_trial"] == 0
+
+
+def test_an_unknown_profile_is_a_one_line_error():
+    with pytest.raises(ValueError, match="unknown profile 'nope'; known: paper-gmm, paper-check"):
+        recorded.derive("nope", PAPER)
+
+
+def test_a_sandbox_is_resumed_only_by_the_code_and_params_that_made_it(tmp_path):
+    box = tmp_path / "box"
+    _, first = recorded.sandbox_for("paper-gmm", PAPER, box, fresh=False)
+    assert first["code_digest"] == {"gmm": provenance.code_digest("sweep", "gmm", provenance.package_root())}
+    _, again = recorded.sandbox_for("paper-gmm", PAPER, box, fresh=False)
+    assert again["resumed"] == 1 and again["started"] == first["started"]
+    with pytest.raises(ValueError, match="started by other code or params"):
+        recorded.sandbox_for("paper-gmm", REPO / "params-smoke.yaml", box, fresh=False)
+    other = tmp_path / "other"
+    other.mkdir()
+    with pytest.raises(ValueError, match="not a recorded run's sandbox"):
+        recorded.sandbox_for("paper-gmm", PAPER, other, fresh=False)
+
+
+@pytest.mark.slow
+def test_record_keeps_a_run_that_the_report_shows_without_retraining(tmp_path):
+    # paper-gmm derived from the smoke profile: the same code path in under a minute.
+    env = {**os.environ, "APG_PROJECT_ROOT": str(tmp_path), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, "-m", "pipeline.cli", "record", "paper-gmm", "--params", str(REPO / "params-smoke.yaml")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kept = tmp_path / "recorded" / "paper-gmm"
+    manifest = json.loads((kept / "manifest.json").read_text())
+    assert manifest["commit"] == provenance.git_commit(REPO)
+    assert manifest["cells"] == {"gmm": 4}
+    for name in recorded.EVAL_FILES + ("sweep.json",):
+        assert (kept / "eval" / "gmm" / name).is_file(), name
+    sweep = json.loads((kept / "eval" / "gmm" / "sweep.json").read_text())
+    for cell in sweep["cells"]:
+        assert (tmp_path / cell["checkpoint"]).is_file()  # paths point into recorded/
+    first = {c["cell_id"]: c["checkpoint_sha256"] for c in sweep["cells"]}
+
+    # Run again: the sandbox is resumed and nothing is retrained.
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    again = json.loads((kept / "eval" / "gmm" / "sweep.json").read_text())
+    assert {c["cell_id"]: c["checkpoint_sha256"] for c in again["cells"]} == first
+    assert json.loads((kept / "manifest.json").read_text())["resumed"] == 1
+
+    from pipeline import report
+
+    paper_all = yaml.safe_load(report.PAPER_NUMBERS.read_text())
+    md = report.recorded_markdown(tmp_path, tmp_path / "reports", paper_all, "png")
+    assert "### [`paper-gmm`](recorded/paper-gmm/README.md): paper scale" in md
+    assert f"Trained by commit `{manifest['commit']}`" in md and "Training code today: the same" in md
+    assert "Table 1, gmm" in md and "| apg" in md
+    page = (tmp_path / "reports" / "recorded" / "paper-gmm" / "README.md").read_text()
+    assert "at the paper's scale, APG {c} ESS/L at or above the paper's" in page  # paper-scale claims
+    assert (tmp_path / "reports" / "recorded" / "paper-gmm" / "figures" / "gmm_training.png").is_file()
+
+
+def test_the_report_has_no_recorded_section_without_recorded_runs(tmp_path):
+    from pipeline import report
+
+    assert report.recorded_markdown(tmp_path, tmp_path / "reports", {}, "png") == ""
