@@ -142,11 +142,11 @@ def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
     digests = file_digests(root, code)
     dirty = subprocess.run(
         ["git", "status", "--porcelain", "--", *sorted(digests)], cwd=root, capture_output=True, text=True
-    ).stdout.strip()
+    ).stdout  # not stripped: each line starts with its two status columns, the first may be a space
     return {
         "commit": git_commit(root),
         # Code that differed from that commit when the results were made.
-        "uncommitted": [line[3:] for line in dirty.splitlines()],
+        "uncommitted": [line[3:] for line in dirty.splitlines() if line],
         "code": digests,
         "params": params_digests(params, keys),
     }

@@ -271,7 +271,8 @@ def check_summary(sandbox: Path, wall: float) -> str:
         size = sum(f.stat().st_size for f in (sandbox / "data" / task).rglob("*") if f.is_file()) / 1e6
         sweep = json.loads((sandbox / "results" / task / "sweep.json").read_text())
         for cell in sweep["cells"]:
-            history = pd.read_csv(sandbox / cell["history"]) if cell.get("history") else None
+            path = sandbox / cell["history"] if cell.get("history") else None
+            history = pd.read_csv(path) if path is not None and path.stat().st_size else None
             rate = history["it_per_s"].iloc[-1] if history is not None and len(history) else None
             per_step = f"{1 / rate:.3g}" if rate else "nothing to train"
             lines.append(f"| {task} | {size:.1f} | {cell['name']} | {per_step} |")

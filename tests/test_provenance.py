@@ -8,6 +8,7 @@ sections of README.md and reports/README.md must open with the stale line that
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import yaml
@@ -96,6 +97,15 @@ def test_check_names_what_changed_and_mark_writes_then_clears_the_stale_line(tmp
     assert (root / "README.md").read_text() == "# x\n\n## Results\n\nnumbers\n"
 
 
+def test_the_record_names_uncommitted_code_by_its_full_path(tmp_path):
+    root = make_project(tmp_path)
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    (root / "apg" / "core.py").write_text("CORE = 2\n")  # git status: " M apg/core.py"
+    assert provenance.record(PARAMS, root)["uncommitted"] == ["apg/core.py"]
+
+
 def test_committed_results_are_this_checkouts_or_say_they_are_stale():
     current, message = provenance.check(REPO)
     banners = provenance.current_banners(REPO)
@@ -106,3 +116,4 @@ def test_committed_results_are_this_checkouts_or_say_they_are_stale():
             f"committed results are stale and not marked so ({message}); run `dvc repro`, or "
             "`python -m pipeline.provenance mark` to say so in README.md and reports/README.md"
         )
+
