@@ -203,6 +203,10 @@ class TaskSpec(NamedTuple):
         conditionals (conjugate models); enables the inclusive-KL metric (eq. 4).
     reconstruct: optional ``(model, x, z) -> (L, B, ...)`` mean of ``p(x | z)`` shaped
         like the data; enables the reconstruction-MSE metric and pictures.
+    sample_data: optional ``(model, x, z) -> (L, B, ...)``: a draw of data from
+        ``p_theta(x | z)``, shaped like ``x`` (which gives only the sizes). Every task here
+        has entries of ``x`` independent given ``z``, so the draw's entries are draws from
+        their own conditionals too: what imputation of missing entries redraws.
     draw: optional ``(ax, x, z) -> None``: draw one dataset ``x`` (numpy, no batch dim)
         with one sample ``z`` (numpy dict, no particle or batch dims) on a matplotlib axes;
         the report uses it for Figure 1/3-style sample pictures.
@@ -218,5 +222,6 @@ class TaskSpec(NamedTuple):
     data_dims: tuple[str, ...]
     exact_gibbs: Callable[[Model], Proposals] | None = None
     reconstruct: Callable[..., Tensor] | None = None
+    sample_data: Callable[..., Tensor] | None = None
     draw: Callable[..., None] | None = None
     animate: Callable[..., Any] | None = None

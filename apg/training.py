@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from apg.baselines import Method, get_method
+from apg.data import StoredRows
 from apg.metrics import importance_log_evidence, inclusive_kl, reconstruction_mse, sweep_curves
 from apg.smc.resampling import get_resampler
 from apg.smc.sampler import RESAMPLE_MODES
@@ -118,11 +119,12 @@ def build(cfg: TrainConfig, device: torch.device | str = "cpu"):
 class Trainer:
     """Adam on the method's surrogate loss over batches of training datasets.
 
-    ``train_x``: ``(M, ...)`` training datasets; batches of ``cfg.batch_size`` are drawn
-    without replacement, reshuffled every epoch.
+    ``train_x``: ``(M, ...)`` training datasets, in memory or as ``apg.data.StoredRows``
+    (read from disk a batch at a time); batches of ``cfg.batch_size`` are drawn without
+    replacement, reshuffled every epoch.
     """
 
-    def __init__(self, cfg: TrainConfig, train_x: Tensor, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: TrainConfig, train_x: Tensor | StoredRows, device: torch.device | str = "cpu"):
         self.cfg = cfg.validate()
         self.device = torch.device(device)
         self.method = make_method(cfg)
@@ -137,8 +139,8 @@ class Trainer:
             torch.optim.Adam(params, lr=cfg.lr, betas=(0.9, 0.99), fused=True) if params else None
         )
         # Kept in its stored dtype and cast per batch: a float16 video set at paper scale
-        # would double in size if cast whole.
-        self.train_x = train_x.to(self.device)
+        # would double in size if cast whole. Rows on disk (StoredRows) stay there.
+        self.train_x = train_x.to(self.device) if isinstance(train_x, Tensor) else train_x
         self.iteration = 0
         self._order = torch.randperm(len(self.train_x))
         self._cursor = 0
@@ -149,7 +151,9 @@ class Trainer:
             self._order, self._cursor = torch.randperm(len(self.train_x)), 0
         idx = self._order[self._cursor : self._cursor + size]
         self._cursor += size
-        return self.train_x[idx.to(self.device)].to(torch.get_default_dtype())
+        if isinstance(self.train_x, Tensor):
+            return self.train_x[idx.to(self.device)].to(torch.get_default_dtype())
+        return self.train_x[idx].to(self.device, torch.get_default_dtype())
 
     def step(self) -> dict[str, float]:
         """One gradient step; returns scalar metrics of the final sweep."""
@@ -198,6 +202,15 @@ class Trainer:
             "order": self._order.clone(),
             "cursor": self._cursor,
             "rng": torch.get_rng_state(),
+        }
+
+    def weights(self) -> dict[str, Any]:
+        """What a trained model needs (no optimizer moments or data order: a third of the
+        bytes), in the layout of :meth:`state_dict`."""
+        return {
+            "model": self.model.state_dict(),
+            "proposals": self.proposals.state_dict(),
+            "iteration": self.iteration,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

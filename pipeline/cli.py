@@ -44,7 +44,7 @@ import yaml
 
 from apg.data import atomic_write, save_dataset
 from apg.training import TrainConfig, Trainer, TrainingDiverged, evaluate
-from pipeline.common import check_budget, load_task_data, load_trained, seed_everything
+from pipeline.common import check_budget, load_task_data, load_trained, load_training_rows, seed_everything
 
 EXIT_BAD_INPUT = 2
 
@@ -133,7 +133,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         network=_key_values(args.network, "--network"),
         method_options=_key_values(args.option, "--option"),
     ).validate()  # before touching data: bad K, L, method, task fail first
-    train_x = load_task_data(cfg.task, args.data, cfg.model)
+    train_x = load_training_rows(cfg.task, args.data, cfg.model)
     seed_everything(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -18,8 +18,9 @@ Scheduling is FIFO: a fixed-budget comparison needs every cell trained to its en
 Ray is embedded and local by default, listening on loopback only; ``RAY_ADDRESS`` or
 ``sweep.ray_address`` attaches to a cluster. On a cluster, ``sweep.storage`` must be a
 filesystem every node sees (an absolute path, e.g. an NFS mount); the training data is
-shipped to the trials through Ray's object store (files up to ``SHIP_DATA_MAX_BYTES``,
-else read from its absolute path, which must then be shared too); each trial uses only
+shipped to the trials through Ray's object store (files up to
+``pipeline.common.IN_MEMORY_MAX_BYTES``; a larger one is read from its absolute path a
+batch at a time, and must then be on storage every node sees); each trial uses only
 the GPUs Ray assigned it, and records the node it ran on in ``cells/<id>/attempts.jsonl``.
 
 ``python -m pipeline.sweep --task gmm --fetch`` trains nothing: it rebuilds the finished
@@ -52,7 +53,7 @@ from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline import tracking
-from pipeline.common import file_digest, project_root, seed_everything
+from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
 from pipeline.provenance import code_digest, record_stage_time
 
@@ -62,9 +63,6 @@ MODEL = "model.pt"
 HISTORY = "history.csv"
 ATTEMPTS = "attempts.jsonl"
 FAULT_ENV = "APG_FAULT_INJECT"
-# Training data up to this size travels with the trials (Ray's object store), so nodes
-# need no copy of the project; larger files are read from their absolute path.
-SHIP_DATA_MAX_BYTES = 256 * 2**20
 
 
 class SweepError(ValueError):
@@ -197,7 +195,7 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
     if data is not None:
         x = torch.from_numpy(np.array(data["x"]))  # a writable copy of the shipped array
     elif Path(config["data"]).is_file():
-        x = torch.from_numpy(load_dataset(config["data"])["x"])
+        x = training_rows(config["data"])
     else:
         raise SweepError(
             f"training data {config['data']} is not on node {socket.gethostname()}; "
@@ -271,7 +269,7 @@ def _finish_cell(
     the cell finished (a cell whose records never reached the server is not finished)."""
     cell_dir = Path(config["cell_dir"])
     run_id = config["run_id"]
-    model_path = save_checkpoint(cell_dir / MODEL, cfg.to_dict(), trainer.state_dict())
+    model_path = save_checkpoint(cell_dir / MODEL, cfg.to_dict(), trainer.weights())
     write_history(cell_dir / HISTORY, history)
     final = {k: v for k, v in (history[-1] if history else {}).items() if k != "iteration"}
     rates = [row["it_per_s"] for row in history]
@@ -418,8 +416,9 @@ def trial_configs(
 
 
 def shipped_data(path: Path) -> dict[str, Any] | None:
-    """The training arrays, when small enough to travel with the trials."""
-    if path.stat().st_size > SHIP_DATA_MAX_BYTES:
+    """The training arrays, when small enough to travel with the trials (and so nodes
+    need no copy of the project)."""
+    if path.stat().st_size > IN_MEMORY_MAX_BYTES:
         return None
     return {"x": load_dataset(path)["x"]}
 

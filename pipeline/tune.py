@@ -61,7 +61,7 @@ from apg.data import atomic_write, load_dataset
 from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, build, evaluate
 from pipeline import tracking
-from pipeline.common import project_root, seed_everything
+from pipeline.common import project_root, seed_everything, training_rows
 from pipeline.config import ParamsError, apply_setting, load_params, setting_of
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint")
@@ -298,7 +298,7 @@ def run_trial(config: dict[str, Any], plan: dict[str, Any], paths: dict[str, str
     setting = {key: config[key] for key in plan["space"]}
     cfg = TrainConfig.from_dict(apply_setting(plan["base"], setting)).validate()
     seed_everything(plan["seed"])
-    x = torch.from_numpy(load_dataset(paths["train"])["x"]).to(torch.get_default_dtype())
+    x = training_rows(paths["train"])
     x_val = torch.from_numpy(load_dataset(paths["validation"])["x"]).to(torch.get_default_dtype())
     trainer = Trainer(cfg, x)
     checkpoint = tune.get_checkpoint()

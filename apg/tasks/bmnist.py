@@ -1111,6 +1111,14 @@ def reconstruct(model: BouncingMNIST, x: Tensor, z: Mapping[str, Tensor]) -> Ten
     return model.reconstruct(z, _check_video(x, model.cfg))
 
 
+def sample_data(model: BouncingMNIST, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+    """``TaskSpec.sample_data``: each pixel ~ Bernoulli(its canvas mean, clamped to
+    ``[eps, 1 - eps]``: the likelihood of ``frame_log_likelihood``), ``(L, B, T, H, H)`` of
+    zeros and ones."""
+    eps = model.cfg.prob_eps
+    return torch.bernoulli(reconstruct(model, x, z).clamp(eps, 1.0 - eps))
+
+
 _COLORS = np.array(
     [
         [230, 25, 75],
@@ -1245,6 +1253,7 @@ TASK = TaskSpec(
     ("apg", "mlp"),
     ("T", "H", "W"),
     reconstruct=reconstruct,
+    sample_data=sample_data,
     draw=draw,
     animate=animate,
 )

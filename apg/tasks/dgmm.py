@@ -800,6 +800,13 @@ def reconstruct(model: DGMM, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
     return model.mean(z)
 
 
+def sample_data(model: DGMM, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+    """``TaskSpec.sample_data``: ``x_n ~ N(mu_{c_n} + g_theta(alpha_n), sigma_eps^2 I)``,
+    ``(L, B, N, 2)``."""
+    mean = model.mean(z)
+    return mean + model.cfg.noise * torch.randn_like(mean)
+
+
 def draw(ax, x: np.ndarray, z: Mapping[str, np.ndarray], model: DGMM | None = None) -> None:
     """Scatter one dataset ``x (N, 2)`` coloured by ``z["c"] (N,)`` and mark the centres
     ``z["mu"] (I, 2)``; draw the learned ring around each centre.
@@ -839,5 +846,6 @@ TASK = TaskSpec(
     ("apg", "mlp", "lstm"),
     ("N", "2"),
     reconstruct=reconstruct,
+    sample_data=sample_data,
     draw=draw,
 )

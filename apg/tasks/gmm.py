@@ -747,6 +747,14 @@ def simulate(
     return model.simulate(num_datasets, num_points, generator)
 
 
+def sample_data(model: GMM, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
+    """``TaskSpec.sample_data``: ``x_n ~ N(mu_{c_n}, 1 / tau_{c_n})`` per coordinate,
+    ``(L, B, N, D)`` (the likelihood of ``GMM.log_likelihood``)."""
+    index = z["c"].unsqueeze(-1).expand(*z["c"].shape, z["mu"].shape[-1])
+    loc, prec = z["mu"].gather(-2, index), z["tau"].gather(-2, index)
+    return loc + torch.randn_like(loc) * prec.rsqrt()
+
+
 def draw(ax, x, z) -> None:
     """``TaskSpec.draw``: points ``x (N, 2)`` coloured by ``z["c"] (N,)``, each cluster's
     mean ``z["mu"] (I, 2)`` and its 2-sd axis-aligned ellipse from ``z["tau"] (I, 2)``."""
@@ -770,5 +778,6 @@ TASK = TaskSpec(
     ("apg", "mlp", "lstm"),
     ("N", "D"),
     exact_gibbs=ExactGibbs,
+    sample_data=sample_data,
     draw=draw,
 )
