@@ -12,7 +12,7 @@ Two measurements, each in a fresh process so its peak resident memory (VmHWM) is
    on disk, a batch read per step), for a warm-up step and ``--steps`` steps; and, for
    contrast, the process that loads the whole file (what trials did before).
 
-    python bench/data_scale.py [--videos 60000] [--steps 2] [--out DIR] [--keep]
+    python bench/data_scale.py [--videos 60000] [--steps 2] [--readers rows whole] [--out DIR] [--keep]
 
 Neither peak depends on the number of videos beyond the data order (8 bytes a video), so a
 smaller ``--videos`` measures the same bound in minutes (the paper's 60,000 take ~45 min to
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--videos", type=int, default=60000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--methods", nargs="*", default=["apg", "rws-mlp", "avf"])
+    parser.add_argument(
+        "--readers", nargs="*", default=["rows", "whole"], help="rows: as a trial reads; whole: the file loaded"
+    )
     parser.add_argument("--out", default=None, help="folder for the training set (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the training set")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"| generate {args.videos:,} videos (T=10, D=3, float16) | {g['seconds']:.0f} | "
               f"{g['peak_rss_mb']:.0f} | file {g['file_gb']:.2f} GB |", flush=True)
         for method in args.methods:
-            for reader in ("rows", "whole"):
+            for reader in args.readers:
                 r = in_subprocess("train", str(path), method, str(args.steps), reader)
                 print(f"| train {method} K={r['K']} L={r['L']} B={r['B']}, {r['reader']} | "
                       f"{r['seconds_per_step']:.2f} s/step | {r['peak_rss_mb']:.0f} | "

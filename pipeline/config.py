@@ -114,6 +114,21 @@ EVALUATE_KEYS: dict[str, Any] = {
     "baseline": str,
     "figure_sweeps": list,
     "figure_particles": int,
+    "imputation": dict,
+}
+# evaluate.imputation (issue 22, pipeline/impute.py): which cells impute hidden entries of
+# which held-out set, and how.
+IMPUTATION_KEYS: dict[str, Any] = {
+    "methods": list,
+    "test_set": str,
+    "num_datasets": int,
+    "pair": list,
+    "iterations": int,
+    "burn_in": int,
+    "fill": str,
+    "seed": int,
+    "fraction": (int, float),  # gmm: the share of points with one coordinate hidden
+    "occlusions": list,  # bmnist: [{start, frames}] blanked frames or [{rows, cols}] regions
 }
 TOP_KEYS = ("tasks", "sweep", "tracking", "report")
 
@@ -267,6 +282,48 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     for j, k in enumerate(ev.get("figure_sweeps", [])):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ParamsError(f"{task}.evaluate.figure_sweeps[{j}]: K must be an integer >= 1, got {k!r}")
+    if "imputation" in ev:
+        _check_imputation(ev["imputation"], section, f"{task}.evaluate.imputation")
+
+
+def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) -> None:
+    imp = _check_mapping(imp, where, IMPUTATION_KEYS)
+    if not imp.get("methods"):
+        raise ParamsError(f"{where}.methods: list the methods whose cells impute (e.g. [apg])")
+    for j, method in enumerate(imp["methods"]):
+        if method not in METHODS:
+            raise ParamsError(f"{where}.methods[{j}]: unknown method {method!r}; choose from {sorted(METHODS)}")
+    names = [e["name"] for e in evaluation_sets(section) if e["kind"] == "test"]
+    if "test_set" in imp and imp["test_set"] not in names:
+        raise ParamsError(f"{where}.test_set: {imp['test_set']!r} is not a test set of this task ({names})")
+    if "pair" in imp:
+        _check_pair(imp["pair"], f"{where}.pair")
+    for key, low in (("num_datasets", 1), ("iterations", 1), ("burn_in", 0)):
+        if key in imp and imp[key] < low:
+            raise ParamsError(f"{where}.{key}: must be >= {low}, got {imp[key]}")
+    if imp.get("burn_in", 0) >= imp.get("iterations", 10):
+        raise ParamsError(f"{where}.burn_in: must be below iterations ({imp.get('iterations', 10)})")
+    if imp.get("fill", "sample") not in ("sample", "mean"):
+        raise ParamsError(f"{where}.fill: sample (draw from p(x | z)) or mean, got {imp['fill']!r}")
+    if "fraction" in imp and not 0 < imp["fraction"] < 1:
+        raise ParamsError(f"{where}.fraction: must be in (0, 1), got {imp['fraction']}")
+    for j, occ in enumerate(imp.get("occlusions", [])):
+        ok = isinstance(occ, dict) and (
+            set(occ) <= {"start", "frames"} and "frames" in occ or set(occ) == {"rows", "cols"}
+        )
+        if not ok:
+            raise ParamsError(
+                f"{where}.occlusions[{j}]: {{start, frames}} (frames blanked) or {{rows: [a, b], cols: [a, b]}} "
+                f"(a region hidden in every frame), got {occ!r}"
+            )
+        if not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in occ.items() if k != "rows" and k != "cols"
+        ) or any(
+            not (isinstance(v, list) and len(v) == 2 and all(isinstance(b, int) for b in v) and 0 <= v[0] < v[1])
+            for k, v in occ.items()
+            if k in ("rows", "cols")
+        ):
+            raise ParamsError(f"{where}.occlusions[{j}]: bad bounds {occ!r} (frames >= 1; ranges [a, b] with a < b)")
 
 
 def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[str, Any]]:

@@ -200,6 +200,28 @@ def test_two_experiments_under_one_name_are_an_error():
         ({"gmm.model": {"nu_0": 0.3}}, "gmm.model: "),
         ({"gmm.network": {"hiden": 8}}, "gmm.network: "),
         ({"sweep.gpus_per_trial": -1}, "sweep.gpus_per_trial: must be >= 0"),
+        ({"gmm.evaluate.imputation": {"methods": []}}, "gmm.evaluate.imputation.methods: list the methods"),
+        (
+            {"gmm.evaluate.imputation": {"methods": ["apg"], "fill": "zeros"}},
+            "gmm.evaluate.imputation.fill: sample (draw from p(x | z)) or mean",
+        ),
+        (
+            {"gmm.evaluate.imputation": {"methods": ["apg"], "iterations": 3, "burn_in": 3}},
+            "gmm.evaluate.imputation.burn_in: must be below iterations",
+        ),
+        (
+            {"gmm.evaluate.imputation": {"methods": ["apg"], "test_set": "nope"}},
+            "gmm.evaluate.imputation.test_set: 'nope' is not a test set",
+        ),
+        (
+            {"gmm.evaluate.imputation": {"methods": ["apg"], "occlusions": [{"frames": 0}]}},
+            "gmm.evaluate.imputation.occlusions[0]: bad bounds",
+        ),
+        (
+            {"gmm.evaluate.imputation": {"methods": ["apg"], "occlusions": [{"rows": [5, 2], "cols": [0, 3]}]}},
+            "gmm.evaluate.imputation.occlusions[0]: bad bounds",
+        ),
+        ({"gmm.evaluate.imputation": {"methods": ["apg"], "mask": 1}}, "gmm.evaluate.imputation.mask: unknown key"),
     ],
 )
 def test_bad_params_name_the_key(changes, expected):
