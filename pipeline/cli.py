@@ -6,6 +6,8 @@ Subcommands::
     apg-pipeline train    --task gmm --method apg --sweeps 5 --particles 10 --batch-size 20 \\
                           --iterations 300 --lr 3e-3 --seed 0 --data train.npz --out ckpt.pt
     apg-pipeline evaluate --checkpoint ckpt.pt --data test.npz --sweeps 10 --particles 10 --out metrics.json
+    apg-pipeline impute   --checkpoint ckpt.pt --data obs.npz --mask mask.npz --out imputed.npz \\
+                          [--iterations 20 --sweeps 5 --particles 10 --fill sample|mean --network num_digits=2]
     apg-pipeline sweep    --task gmm          # the DVC stages, with params.yaml
     apg-pipeline eval-sweep --task gmm
     apg-pipeline report
@@ -192,6 +194,28 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+# --------------------------------------------------------------------------- impute
+
+
+def cmd_impute(args: argparse.Namespace) -> None:
+    from pipeline.impute import impute_file
+
+    check_budget(args.sweeps, args.particles)
+    seed_everything(args.seed)
+    path = impute_file(
+        args.checkpoint,
+        args.data,
+        args.mask,
+        args.out,
+        args.iterations,
+        args.sweeps,
+        args.particles,
+        args.fill,
+        _key_values(args.network, "--network"),
+    )
+    print(f"wrote {path}")
+
+
 # --------------------------------------------------------------------------- stages
 
 
@@ -263,6 +287,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--out", required=True)
     ev.set_defaults(func=cmd_evaluate)
+
+    imp = sub.add_parser(
+        "impute",
+        help="fill in the entries of x a mask marks missing (1), by the chain of inference and "
+        "generation of Rezende et al. 2014, Appendix F; writes x, mask and each iteration's values",
+    )
+    imp.add_argument("--checkpoint", required=True)
+    imp.add_argument("--data", required=True, help=".npz with x shaped like the task's data")
+    imp.add_argument("--mask", required=True, help=".npz with 'mask' shaped like x: 1 missing, 0 observed")
+    imp.add_argument("--out", required=True)
+    imp.add_argument("--iterations", type=int, default=20)
+    imp.add_argument("--sweeps", "-K", type=int, default=5)
+    imp.add_argument("--particles", "-L", type=int, default=10)
+    imp.add_argument("--fill", default="sample", help="sample: draw from p(x | z); mean: its mean")
+    imp.add_argument("--network", action="append", default=[], metavar="KEY=VALUE")
+    imp.add_argument("--seed", type=int, default=0)
+    imp.set_defaults(func=cmd_impute)
 
     smoke = sub.add_parser(
         "smoke", help="the whole pipeline from scratch on small params in a throwaway repo (minutes)"

@@ -30,6 +30,9 @@
 - ``training.parquet``: the training curves recorded by the sweep (iteration, metric, value).
 - ``samples.npz``: the highest-weight particle after selected sweeps on the figure sets,
   for Figure-1-style pictures; ``samples.json`` indexes it.
+- ``imputation.parquet`` and ``imputation_examples.npz`` (tasks with
+  ``evaluate.imputation``): the errors of the imputations of hidden entries by the cells of
+  the listed methods, and one imputed dataset per method and setting (``pipeline.impute``).
 - ``meta.json``: the scale everything was made at (iterations, dataset counts, seeds),
   which the report prints under every figure, and each cell's ``roles``: ``main`` (a
   ``pairs`` grid entry trains it: Table 1, the method tables, the claims) and/or
@@ -63,6 +66,8 @@ from pipeline.common import (
     with_network,
 )
 from pipeline.config import axis_keys, evaluation_pairs, evaluation_sets, grid_cells, load_params, setting_of
+from pipeline.impute import check_settings as check_imputation
+from pipeline.impute import imputation_frame
 from pipeline.provenance import record_stage_time
 
 COLUMNS = [
@@ -311,6 +316,17 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     figure_sets = [e for e in sets if e["kind"] == "figure"]
     figure_sweeps = ev.get("figure_sweeps", [1])
     frames, histories, samples, index = [], [], {}, []
+    imputing = ev.get("imputation")  # issue 22: the cells' imputations of hidden entries
+    imputations: list[pd.DataFrame] = []
+    impute_examples: dict[str, np.ndarray] = {}
+    if imputing:
+        impute_set = next(
+            (e for e in test_sets if e["name"] == imputing.get("test_set", test_sets[0]["name"])), None
+        )
+        if impute_set is None:
+            raise ValueError(f"{task}.evaluate.imputation.test_set {imputing['test_set']!r} is not a test set")
+        check_imputation(task, imputing, section, impute_set)
+        impute_arrays = load_dataset(data_dir / f"{impute_set['stem']}.npz")
     unique_pairs = sorted({tuple(p) for pairs in plan.values() for p in pairs})
     roles = cell_roles(params, task)
     swept = axis_keys(params, task)
@@ -360,6 +376,17 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
                         tracking_errors(set_cfg, model, set_proposals, entry["x"], entry["truth"], k, l, *run_args)
                     )
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
+        if imputing and "main" in cell_role and not cell.get("axes") and cell["method"] in imputing["methods"]:
+            set_cfg, set_proposals = with_network(cfg, model, proposals, impute_set.get("network"))
+            k, l = imputing.get("pair") or unique_pairs[0]
+            rows, examples = imputation_frame(
+                task, set_cfg, model, set_proposals, imputing, impute_arrays, k, l,
+                {key: ids[key] for key in ("method", "seed", "train_K", "train_L", "cell_id")},
+                ev.get("resample_mode", "block"),
+            )
+            imputations.append(rows)
+            for name, value in examples.items():  # the pictures show each method's first cell
+                impute_examples.setdefault(f"{cell['method']}__{name}", value)
         # A cell with nothing to learn (exact Gibbs, 0 iterations) has an empty history.
         history_file = root / cell["history"]
         hist = pd.read_csv(history_file) if history_file.stat().st_size else pd.DataFrame({"iteration": []})
@@ -407,6 +434,13 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
     training = pd.concat(histories, ignore_index=True)
     atomic_write(out_dir / "training.parquet", lambda tmp: training.to_parquet(tmp, index=False))
     atomic_write(out_dir / "samples.npz", lambda tmp: _savez(tmp, samples))
+    if imputations:
+        imputed = pd.concat(imputations, ignore_index=True)
+        atomic_write(out_dir / "imputation.parquet", lambda tmp: imputed.to_parquet(tmp, index=False))
+        atomic_write(out_dir / "imputation_examples.npz", lambda tmp: _savez(tmp, impute_examples))
+    else:  # imputation no longer asked for: no leftover from an earlier run
+        for name in ("imputation.parquet", "imputation_examples.npz"):
+            (out_dir / name).unlink(missing_ok=True)
     first = test_sets[0]
     meta = {
         "task": task,
@@ -463,6 +497,7 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         if "budget" in plan
         else None,
         "baseline": ev.get("baseline"),
+        "imputation": {**imputing, "test_set": impute_set["name"]} if imputing else None,
         "figure_sets": [
             {
                 "name": e["stem"],

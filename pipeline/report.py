@@ -61,6 +61,8 @@ from apg.tasks import get_task  # noqa: E402
 from pipeline import provenance  # noqa: E402
 from pipeline.common import project_root  # noqa: E402
 from pipeline.config import load_params  # noqa: E402
+from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT  # noqa: E402
+from pipeline.impute import load_imputation, report_imputation  # noqa: E402
 from pipeline.recorded import recorded_runs  # noqa: E402
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
@@ -86,7 +88,13 @@ def load_results(eval_dir: Path) -> dict[str, Any]:
         cell["base_method"], cell["method"] = cell["method"], labels[cell["cell_id"]]
     for frame in (metrics, training):
         frame["method"] = frame["cell_id"].map(labels).fillna(frame["method"])
-    return {"meta": meta, "metrics": metrics, "training": training, "samples": samples}
+    return {
+        "meta": meta,
+        "metrics": metrics,
+        "training": training,
+        "samples": samples,
+        "imputation": load_imputation(eval_dir),
+    }
 
 
 def method_label(cell: dict[str, Any]) -> str:
@@ -1514,6 +1522,11 @@ def report_task(
     ):
         if ok:
             made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
+    imputation = report_imputation(
+        task, results.get("imputation"), out, fmt, lambda fig, path: _save(fig, path, caption)
+    )
+    if imputation is not None:
+        made.update(imputation["figures"])
     headline = {
         f"{row.method}/K{row.K}/L{row.L}": {
             m: float(getattr(row, m))
@@ -1526,9 +1539,13 @@ def report_task(
         for r in (mse if metric == "mse" else set_table(all_sets, meta, metric)).itertuples(index=False):
             if np.isfinite(r.mean):
                 headline.setdefault(f"{r.method}/K{r.K}/L{r.L}", {})[f"{metric}_{r.test_set}"] = float(r.mean)
+    for key, values in (imputation or {}).get("headline", {}).items():
+        headline.setdefault(key, {}).update(values)
     sets = meta.get("test_sets") or []
     return {
         "task": task,
+        "imputation_md": (imputation or {}).get("md", ""),
+        "imputation_set": (meta.get("imputation") or {}).get("test_set"),
         "caption": caption,
         "table_md": md,
         "methods_md": methods_md,
@@ -1599,6 +1616,7 @@ FIGURE_TEXT = {
     "training": "Training log joint of every cell (last sweep of each training batch; rolling mean over 1/50 of the logged points), one panel per method, one thin line per seed, coloured by the (K, L) it was trained at. Shaded: the last fifth of training, where the plateau test of the training table fits its trend; † / ‡ at a curve's end: not plateaued / not assessable.",
     "samples": "Figure 1/3 style: each method's highest-weight sample after k sweeps, on held-out datasets of different sizes (the task's draw hook: for videos, frames with the inferred digit boxes).",
     "animation": "Animated sample (the task's animate hook): for videos, each frame | its reconstruction, with the inferred boxes.",
+    **IMPUTATION_FIGURE_TEXT,
 }
 
 
@@ -1720,6 +1738,26 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
                 "digit's mean offset over its video.",
                 "",
                 part["tracking_md"],
+                "",
+            ]
+        if part.get("imputation_md"):
+            lines += [
+                f"### Imputation of hidden entries ([csv](tables/{task}_imputation.csv))",
+                "",
+                "Missing data filled in by a Markov chain that alternates inference and generation "
+                "(Rezende et al. 2014, Appendix F; `apg.imputation`): each cell infers the latents of "
+                "the data with its hidden entries at their current values (its method at the budget "
+                "K, L; exact Gibbs uses the exact conditionals), picks one particle by its weight, and "
+                "redraws the hidden entries from p(x | z) (or sets them to its mean), from a start at "
+                "the dataset's mean, on held-out set "
+                f"`{part.get('imputation_set')}`. Numbers at the chain's last iteration, mean ± std over "
+                "seeds x datasets. GMM: RMSE of the hidden coordinates, for the mean of the chain's "
+                "draws (after burn-in), for the last draw alone, and for the Bayes predictor at the "
+                "simulator's true parameters (the best possible on average, which no method knows). "
+                "Bouncing MNIST: pixel MSE on the hidden pixels, and the position error and tracked "
+                "fraction of the digits the chain's last inference places on the occluded frames.",
+                "",
+                part["imputation_md"],
                 "",
             ]
         if part.get("axes_md"):

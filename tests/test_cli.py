@@ -250,3 +250,58 @@ def test_module_entry_point_reports_one_line(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "apg-pipeline: error: sweeps (K) must be an integer >= 1, got 0"
+
+
+# --------------------------------------------------------------------------- impute
+
+
+def test_impute_fills_in_what_the_mask_hides(files, tmp_path, capsys):
+    x = np.load(files / "test.npz")["x"]
+    mask = np.zeros(x.shape, dtype=np.uint8)
+    mask[:, :4, 1] = 1
+    np.savez(tmp_path / "mask.npz", mask=mask)
+    out = tmp_path / "imputed.npz"
+    main(["impute", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"),
+          "--mask", str(tmp_path / "mask.npz"), "--out", str(out), "--iterations", "3", "-K", "2", "-L", "3"])
+    assert f"wrote {out}" in capsys.readouterr().out
+    with np.load(out) as got:
+        assert got["history"].shape == (3, mask.sum())
+        assert np.allclose(got["x"][mask == 0], x[mask == 0].astype(np.float32))
+        assert not np.allclose(got["x"][mask == 1], x[mask == 1])
+        assert np.array_equal(got["history"][-1], got["x"][mask == 1])
+
+
+@pytest.mark.parametrize(
+    "make_mask, expected",
+    [
+        (lambda x: np.zeros(x.shape[:2]), "the mask must be shaped like the data (3, 15, 2), got (3, 15)"),
+        (lambda x: np.zeros(x.shape), "the mask marks nothing missing"),
+        (lambda x: np.ones(x.shape), "every entry of dataset(s) [0, 1, 2] is missing"),
+        (lambda x: np.full(x.shape, 3), "the mask must hold only 0 (observed) and 1 (missing)"),
+    ],
+)
+def test_impute_bad_masks(files, tmp_path, capsys, make_mask, expected):
+    x = np.load(files / "test.npz")["x"]
+    np.savez(tmp_path / "mask.npz", mask=make_mask(x))
+    out = tmp_path / "imputed.npz"
+    err = run_error(["impute", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"),
+                     "--mask", str(tmp_path / "mask.npz"), "--out", str(out)], capsys)
+    assert expected in err
+    assert not out.exists() and not list(tmp_path.glob(".imputed*"))  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "write, expected",
+    [
+        (lambda p: p.write_bytes(b"junk"), "not an .npz archive"),
+        (lambda p: p.write_bytes(b"PK\x03\x04truncated"), "not an .npz archive"),
+        (lambda p: np.save(open(p, "wb"), np.zeros(3)), "a bare array"),
+        (lambda p: np.savez(open(p, "wb"), a=np.zeros(3), b=np.zeros(3)), "name the array 'mask'"),
+        (lambda p: np.savez(open(p, "wb"), mask=np.array(["a", "b"])), "must be 0/1 or bool"),
+    ],
+)
+def test_impute_unreadable_mask_file(files, tmp_path, capsys, write, expected):
+    write(tmp_path / "mask.npz")
+    err = run_error(["impute", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"),
+                     "--mask", str(tmp_path / "mask.npz"), "--out", str(tmp_path / "o.npz")], capsys)
+    assert "mask file" in err and expected in err
