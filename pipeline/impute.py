@@ -387,6 +387,7 @@ def imputation_figure(frame: pd.DataFrame, path: Path, save) -> bool:
         oracle = frame[frame["metric"] == "rmse_oracle"]["value"]
         if len(oracle):
             ax.axhline(oracle.mean(), ls="--", color="k", lw=1, label="true-parameter predictor")
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
         ax.set_xlabel("chain iteration")
         ax.set_ylabel("RMSE of the hidden coordinates")
         ax.set_title(str(frame["setting"].iloc[0]), fontsize=9)
