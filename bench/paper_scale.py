@@ -11,7 +11,12 @@ in the params' storage dtype, times the paper's dataset count). The full cost is
 cells x iterations x seconds per step, shown per row with its arithmetic.
 
     python bench/paper_scale.py [--params params-paper.yaml] [--steps 3] [--threads 1]
-        [--tasks gmm dgmm bmnist] [--json OUT] [--markdown OUT]
+        [--tasks gmm dgmm bmnist] [--json OUT] [--markdown OUT] [--device cuda]
+
+On a GPU (``--device cuda``) each step is timed between ``torch.cuda.synchronize()`` calls,
+the peak is the device's allocated memory (``torch.cuda.max_memory_allocated``, reset per
+cell), and the cells run one after another in this process (one CUDA start-up, not one
+per cell); a cell that fails is reported with its error and the others still run.
 
 Bouncing MNIST reads MNIST from ``$APG_MNIST_DIR``. It measures wall time: run it on an
 otherwise quiet machine.
@@ -69,8 +74,8 @@ def plan(params_file: Path, tasks: list[str] | None) -> list[dict]:
     return list(rows.values())
 
 
-def measure(row: dict, steps: int, threads: int) -> dict:
-    """Time one cell's training steps in this process (called in a fresh subprocess)."""
+def measure(row: dict, steps: int, threads: int, device: str = "cpu") -> dict:
+    """Time one cell's training steps in this process (called in a fresh subprocess on a CPU)."""
     import numpy as np
     import torch
 
@@ -85,17 +90,24 @@ def measure(row: dict, steps: int, threads: int) -> dict:
     simulate_seconds = (time.perf_counter() - start) / cfg.batch_size
     arrays["x"] = arrays["x"].astype(np.dtype(row["x_dtype"]))
     bytes_per_dataset = sum(a.nbytes for a in arrays.values()) / cfg.batch_size
-    trainer = Trainer(cfg, torch.from_numpy(arrays["x"]))
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(cfg, torch.from_numpy(arrays["x"]), device)
     trainer.step()  # warm-up: first-call costs (kernel compilation, allocator) are paid once per trial
     times = []
     for _ in range(steps):
+        sync()
         t0 = time.perf_counter()
         trainer.step()
+        sync()
         times.append(time.perf_counter() - t0)
     return {
         "seconds_per_step": statistics.median(times),
         "step_seconds": times,
         "peak_rss_mb": vm_hwm_mb(),
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "train_set_gb": bytes_per_dataset * row["num_datasets"] / 1e9,
         "simulate_seconds_per_dataset": simulate_seconds,
     }
@@ -110,19 +122,30 @@ def full_cost(row: dict) -> dict:
 
 
 def markdown(rows: list[dict], meta: dict) -> str:
+    gpu = meta.get("device", "cpu") != "cpu"
+    where = "one process, cells one after another" if gpu else "each cell in its own process"
     lines = [
         f"Paper per-step sizes (`{meta['params']}`), {meta['threads']} thread(s), median of "
-        f"{meta['steps']} steps after a warm-up, each cell in its own process; {meta['machine']}.",
+        f"{meta['steps']} steps after a warm-up, {where}; {meta['machine']}.",
         "",
-        "| task | method | K | L | B | s/step | peak RSS (MB) | train set (GB) | cells | full run: cells x iterations x s/step | hours |",
+        f"| task | method | K | L | B | s/step | {'peak GPU memory' if gpu else 'peak RSS'} (MB) | train set (GB) "
+        "| cells | full run: cells x iterations x s/step | hours |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for r in rows:
+        if r.get("error"):
+            lines.append(
+                f"| {r['task']} | {r['method']} | {r['K']} | {r['L']} | {r['train']['batch_size']} | "
+                f"failed: {r['error']} | | | {r['cells']} | | |"
+            )
+            continue
+        peak = r["peak_gpu_mb"] if gpu else r["peak_rss_mb"]
         lines.append(
             f"| {r['task']} | {r['method']} | {r['K']} | {r['L']} | {r['train']['batch_size']} | "
-            f"{r['seconds_per_step']:.3g} | {r['peak_rss_mb']:.0f} | {r['train_set_gb']:.2f} | {r['cells']} | "
+            f"{r['seconds_per_step']:.3g} | {peak:.0f} | {r['train_set_gb']:.2f} | {r['cells']} | "
             f"{r['cost']['arithmetic']} | {r['cost']['hours']:.1f} |"
         )
+    rows = [r for r in rows if not r.get("error")]
     by_task: dict[str, float] = {}
     for r in rows:
         by_task[r["task"]] = by_task.get(r["task"], 0.0) + r["cost"]["hours"]
@@ -144,6 +167,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tasks", nargs="*", default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: cells in this process on the GPU")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a row as JSON: measure it here
     args = parser.parse_args(argv)
     if args.one is not None:
@@ -152,12 +176,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = plan(Path(args.params), args.tasks)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     for row in rows:
-        cmd = [sys.executable, __file__, "--one", json.dumps(row), "--steps", str(args.steps),
-               "--threads", str(args.threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-        if proc.returncode != 0:
-            raise SystemExit(f"{row['task']}/{row['method']}: {proc.stderr.strip().splitlines()[-1]}")
-        row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        if args.device != "cpu":
+            try:
+                row.update(measure(row, args.steps, args.threads, args.device))
+            except Exception as err:  # noqa: BLE001 - one failing cell must not hide the others' numbers
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+                print(f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} {row['error']}", flush=True)
+                continue
+        else:
+            cmd = [sys.executable, __file__, "--one", json.dumps(row), "--steps", str(args.steps),
+                   "--threads", str(args.threads)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+            if proc.returncode != 0:
+                raise SystemExit(f"{row['task']}/{row['method']}: {proc.stderr.strip().splitlines()[-1]}")
+            row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
         row["cost"] = full_cost(row)
         print(
             f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} "
@@ -165,11 +197,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"{row['cost']['hours']:.1f} h for {row['cost']['arithmetic']}",
             flush=True,
         )
+    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    if args.device != "cpu":
+        import torch
+
+        machine = f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}; host {machine}"
     meta = {
         "params": os.path.relpath(args.params, REPO),
         "steps": args.steps,
         "threads": args.threads,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
+        "device": args.device,
+        "machine": machine,
     }
     text = markdown(rows, meta)
     print(text)

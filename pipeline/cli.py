@@ -112,7 +112,18 @@ def cmd_smoke(args: argparse.Namespace) -> None:
 def cmd_record(args: argparse.Namespace) -> None:
     from pipeline.recorded import record
 
-    record(args.profile, Path(args.params), Path(args.dir) if args.dir else None, args.fresh)
+    record(
+        args.profile,
+        Path(args.params),
+        Path(args.dir) if args.dir else None,
+        args.fresh,
+        direct=args.direct,
+        device=args.device,
+        minutes=args.minutes,
+        check=args.check,
+        stages=args.stages,
+        deadline_minutes=args.deadline,
+    )
 
 
 # --------------------------------------------------------------------------- train
@@ -319,10 +330,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a profile of params-paper.yaml (paper-gmm: GMM Table 1 at paper scale) and keep "
         "its results in recorded/ for the report; resumes a stopped run",
     )
-    rec.add_argument("profile", help="paper-gmm or paper-check")
+    rec.add_argument("profile", help="paper-gmm, paper-check or gpu-bmnist")
     rec.add_argument("--params", default="params-paper.yaml", help="the params the profile derives from")
     rec.add_argument("--dir", default=None, help="the sandbox repo (default runs/<profile>)")
     rec.add_argument("--fresh", action="store_true", help="start over instead of resuming")
+    rec.add_argument(
+        "--direct", action="store_true", help="run the stages in-process, without DVC, Ray or MLflow (one machine)"
+    )
+    rec.add_argument("--device", default="cpu", help="with --direct: where cells train and evaluate (cuda, cpu)")
+    rec.add_argument("--minutes", type=float, default=None, help="with --direct: train as many steps as fit")
+    rec.add_argument("--check", action="store_true", help="the profile under paper-check's caps: a few steps")
+    rec.add_argument(
+        "--stages", default="all", choices=("all", "train", "evaluate"),
+        help="with --direct: train only (keep the sandbox), or evaluate a trained sandbox and keep the run",
+    )
+    rec.add_argument("--deadline", type=float, default=None, help="with --direct: stop training after this many minutes")
     rec.set_defaults(func=cmd_record)
 
     for name, module, text in (

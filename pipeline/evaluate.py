@@ -135,13 +135,14 @@ def best_particles(
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         if k in sweeps:
             best = log_w.argmax(0)  # (B,)
-            rows = torch.arange(log_w.shape[1])
+            rows = torch.arange(log_w.shape[1], device=log_w.device)
             chosen = {name: t[best, rows] for name, t in z.items()}
             out[k] = {name: t.cpu().numpy() for name, t in chosen.items()}
             if keep_recon:
                 recon = reconstruct(model, x, {name: t[None] for name, t in chosen.items()})[0]
                 out[k]["recon"] = recon.cpu().numpy()
 
+    x = x.to(_device(model, proposals, x), torch.get_default_dtype())
     with torch.no_grad():
         make_method(cfg).run(
             model, proposals, x, max(sweeps), particles, "block", cfg.resampler, collectors=[collect]
@@ -294,7 +295,11 @@ def cell_pairs(roles: list[str], cell: dict[str, Any], pairs: list[tuple[int, in
     return pairs
 
 
-def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) -> dict[str, Any]:
+def evaluate_task(
+    params: dict[str, Any], task: str, root: Path, out_dir: Path, device: torch.device | str = "cpu"
+) -> dict[str, Any]:
+    """Evaluate every cell of ``results/<task>/sweep.json`` on ``device`` (the networks run
+    there; the held-out data stay on the host and go there a batch at a time)."""
     summary_path = root / "results" / task / "sweep.json"
     if not summary_path.is_file():
         raise ValueError(f"sweep summary {summary_path} not found; run the sweep stage first")
@@ -342,7 +347,7 @@ def evaluate_task(params: dict[str, Any], task: str, root: Path, out_dir: Path) 
         ckpt = root / cell["checkpoint"]
         if file_digest(ckpt) != cell["checkpoint_sha256"]:
             raise CheckpointError(f"checkpoint {ckpt} changed since the sweep recorded it; re-run the sweep")
-        cfg, model, proposals = load_trained(ckpt)
+        cfg, model, proposals = load_trained(ckpt, device)
         settings[cell["cell_id"]] = {key: setting_of(cfg.to_dict(), key) for key in swept}
         # Cells of an earlier grid still in the summary have no entry now: treat as main.
         cell_role = roles.get(cell["name"], ["main"])
@@ -556,6 +561,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", required=True)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="output directory (default results/eval/<task>)")
+    parser.add_argument("--device", default="cpu", help="where the networks run (cpu, cuda, cuda:1, ...)")
     args = parser.parse_args(argv)
     from pipeline.cli import run_guarded
 
@@ -565,7 +571,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(params["sweep"].get("torch_threads", 1))
         out = Path(args.out or root / "results" / "eval" / args.task)
         start = time.monotonic()
-        meta = evaluate_task(params, args.task, root, out)
+        meta = evaluate_task(params, args.task, root, out, args.device)
         record_stage_time(root, "evaluate", args.task, time.monotonic() - start)
         print(f"wrote {out} ({len(meta['cells'])} cells)")
 

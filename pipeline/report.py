@@ -1328,11 +1328,16 @@ def animation(
     import torch
     from PIL import Image
 
-    from pipeline.common import load_trained
+    from apg.checkpoint import load_checkpoint
+    from apg.training import TrainConfig
 
     entry = max(meta["samples"], key=lambda e: (len(e["sweeps"]), -e["seed"]))
     cell = next(c for c in meta["cells"] if c["cell_id"] == entry["cell_id"])
-    _, model, _ = load_trained(root / cell["checkpoint"])
+    # The generative model alone draws the frames (a recorded run may keep no proposals).
+    config, state = load_checkpoint(root / cell["checkpoint"])
+    model = spec.build_model(**TrainConfig.from_dict(config).model)
+    model.load_state_dict(state["model"])
+    model.eval()
     sweep = max(entry["sweeps"])
     prefix = f"{entry['cell_id']}__{entry['figure_set']}__sweep{sweep}__"
     z = {k[len(prefix) :]: torch.from_numpy(v[0]) for k, v in samples.items() if k.startswith(prefix)}

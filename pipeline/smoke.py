@@ -20,9 +20,10 @@ from pipeline.provenance import package_root, stage_times
 COPIED = ("apg", "pipeline", "dvc.yaml", ".dvcignore", ".gitignore")
 
 
-def make_sandbox(directory: Path, params_file: Path) -> Path:
+def make_sandbox(directory: Path, params_file: Path, init_repo: bool = True) -> Path:
     """A fresh git + DVC repo at ``directory`` holding the code and ``params_file`` as
-    ``params.yaml`` (an existing sandbox is replaced)."""
+    ``params.yaml`` (an existing sandbox is replaced; ``init_repo=False``: the files alone,
+    for stages run without DVC)."""
     src = package_root()
     if directory.exists():
         shutil.rmtree(directory)
@@ -35,7 +36,7 @@ def make_sandbox(directory: Path, params_file: Path) -> Path:
             shutil.copy(path, directory / name)
     shutil.copy(params_file, directory / "params.yaml")
     no_recorded_runs(directory)
-    for cmd in (
+    for cmd in () if not init_repo else (
         ["git", "init", "-q"],
         ["dvc", "init", "-q"],
         ["git", "add", "-A"],

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One lease of a GPU machine in one call (it has PyTorch, not Ray, MLflow or DVC):
+#   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda), and
+#      the GPU's sampler against the CPU's on trained cells (bench/cuda_agreement.py: cells and
+#      held-out sets carried in AGREE/<task>/{model.pt,test.npz});
+#   2. with CHECK=1, the gpu-bmnist profile under paper-check's caps: fails fast on a code path
+#      the GPU breaks (training and evaluation, a few steps);
+#   3. gpu-bmnist trained for MINUTES on the GPU (apg-pipeline record --direct --stages train),
+#      every cell stopped at the latest DEADLINE - 30 seconds after the start;
+#   4. evaluated on the GPU if EVAL_MIN seconds are left, else later elsewhere:
+#      apg-pipeline record gpu-bmnist --direct --stages evaluate --dir runs/gpu-bmnist
+# What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
+# tarred and split under 15 MB (the device tool's file limit), and the timings.
+#   MNIST_DIR=.device/mnist AGREE=.device/agree MINUTES=6 DEADLINE=570 OUT=/tmp/out bash bench/gpu_session.sh
+set -u
+OUT=${OUT:?set OUT}; MINUTES=${MINUTES:-6}; DEADLINE=${DEADLINE:-570}; DEVICE=${DEVICE:-cuda}
+EVAL_MIN=${EVAL_MIN:-150}; TIMINGS=${TIMINGS:-1}; CHECK=${CHECK:-0}; AGREE=${AGREE:-.device/agree}
+export APG_MNIST_DIR=${MNIST_DIR:-.device/mnist} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export APG_NATIVE_KERNELS=0   # the C kernels are for CPU tensors: nothing to build on a GPU machine
+start=$(date +%s)
+left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
+exec > >(tee -a "$OUT/session.log") 2>&1
+pack() {
+  tar czf "$OUT/gpu.tgz" --exclude='runs/gpu-bmnist/data' --exclude='*.pyc' runs/gpu-bmnist \
+    $( [ -d recorded/gpu-bmnist ] && echo recorded/gpu-bmnist ) 2>/dev/null
+  (cd "$OUT" && split -b 15m -d gpu.tgz gpu.tgz. && rm gpu.tgz)
+  ls -la "$OUT"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+
+if [ "$TIMINGS" = 1 ]; then
+  echo "== 1. per-step times at paper sizes $(date +%T)"
+  timeout 120 python3 bench/paper_scale.py --device "$DEVICE" --steps 5 \
+    --json "$OUT/paper_scale_cuda.json" --markdown "$OUT/paper_scale_cuda.md" || echo "paper_scale: exit $?"
+fi
+for task in gmm dgmm bmnist; do
+  [ -f "$AGREE/$task/model.pt" ] || continue
+  pair="10 10"; [ $task = bmnist ] && pair="4 4"
+  timeout 45 python3 bench/cuda_agreement.py --cell "$AGREE/$task/model.pt" --data "$AGREE/$task/test.npz" \
+    --pair $pair --seeds 4 --batch 20 --device "$DEVICE" --json "$OUT/agree_$task.json" || echo "agreement $task: exit $?"
+done
+mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda.* "$OUT/t/" 2>/dev/null
+tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
+
+if [ "$CHECK" = 1 ]; then
+  echo "== 2. gpu-bmnist check $(date +%T)"
+  if ! timeout 150 python3 -m pipeline.cli record gpu-bmnist --direct --device "$DEVICE" --check; then
+    echo "check failed: not training"; exit 1
+  fi
+fi
+
+# Training gets what is left but the data (~20 s), the timing of the cells (~20 s) and
+# packing: MINUTES at most, so that the schedule is planned to end before the deadline.
+minutes=$(python3 -c "print(round(max(0.5, min($MINUTES, ($(left) - 90) / 60 * 0.95)), 2))")
+echo "== 3. gpu-bmnist, $minutes min of training $(date +%T), $(left) s left"
+deadline=$(python3 -c "print(($(left) - 30) / 60)")
+python3 -m pipeline.cli record gpu-bmnist --direct --device "$DEVICE" --stages train \
+  --minutes "$minutes" --deadline "$deadline" || { echo "training failed"; pack; exit 1; }
+
+if (( $(left) > EVAL_MIN )); then
+  echo "== 4. evaluate on $DEVICE $(date +%T), $(left) s left"
+  python3 -m pipeline.cli record gpu-bmnist --direct --device "$DEVICE" --stages evaluate &
+  pid=$!
+  while kill -0 $pid 2>/dev/null; do
+    if (( $(left) < 15 )); then echo "deadline: evaluation stopped"; kill $pid; rm -rf recorded/gpu-bmnist; break; fi
+    sleep 2
+  done
+  wait $pid; echo "evaluate: exit $?"
+fi
+echo "== packing $(date +%T), $(left) s left"
+pack

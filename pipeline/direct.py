@@ -1,0 +1,230 @@
+"""The stages of a recorded run without Ray, MLflow or DVC: one machine, one GPU.
+
+``apg-pipeline record <profile> --direct`` runs here instead of ``dvc repro`` in the
+profile's sandbox, for a machine where only PyTorch is installed (a lent GPU box, a
+notebook server): ``generate`` as the stage does it, every grid cell trained in its own
+process at once on the one device (each writes the cell files a sweep trial writes:
+``model.pt``, ``history.csv``, ``done.json``), the sweep's ``sweep.json``, then the
+``evaluate`` stage on the device. What comes out is what ``dvc repro`` would have made in
+the sandbox, so ``pipeline.recorded.collect`` keeps it the same way.
+
+With ``minutes``, the iterations are set from the clock: every cell first times a few
+steps while all of them run at once (the device is shared as in training), and all
+cells then train for the same number of iterations, the most the slowest cell fits
+into ``minutes`` (a multiple of ``log_every``). The learning-rate schedule is built
+for that number from the start, so a rerun with ``iterations`` set to it in the params
+trains the same way; the manifest and the run's params record it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from apg.checkpoint import save_checkpoint
+from apg.data import atomic_write
+from apg.training import TrainConfig, Trainer
+from pipeline.common import file_digest, seed_everything, training_rows
+from pipeline.generate import generate
+from pipeline.provenance import record_stage_time
+from pipeline.sweep import DONE, HISTORY, MODEL, plan, summarize, write_history
+
+CALIBRATION_STEPS = 5  # timed, after two warm-up steps
+
+
+def run_direct(
+    sandbox: Path,
+    device: str,
+    minutes: float | None,
+    log_every: int,
+    stages: str = "all",
+    deadline: float | None = None,
+) -> float:
+    """In ``sandbox``: generate and train every cell (``stages`` "all" or "train"), evaluate
+    every cell (``stages`` "all" or "evaluate": a sandbox whose training is done). Its
+    ``params.yaml`` is rewritten with the iterations when ``minutes`` sets them; a cell
+    still training at ``deadline`` (``time.time()``) stops there and keeps what it has
+    (``done.json`` says so). Returns the wall seconds."""
+    from pipeline.evaluate import evaluate_task
+
+    start = time.monotonic()
+    params_path = sandbox / "params.yaml"
+    params = yaml.safe_load(params_path.read_text())
+    for task in params["tasks"] if stages in ("all", "train") else []:
+        t0 = time.monotonic()
+        generate(task, params, sandbox / "data" / task)
+        record_stage_time(sandbox, "generate", task, time.monotonic() - t0)
+        print(f"direct: generate@{task} {time.monotonic() - t0:.0f} s", flush=True)
+        t0 = time.monotonic()
+        if minutes is not None:
+            cells, data, sweep_dir = plan(params, task, sandbox)
+            per_step = max(_run_cells(cells, data, sweep_dir, device, log_every, None, calibrate=True))
+            iterations = max(log_every, int(minutes * 60 / per_step) // log_every * log_every)
+            print(
+                f"direct: {task}: slowest cell {per_step:.3f} s/step at once -> {iterations} iterations",
+                flush=True,
+            )
+            set_iterations(params, task, iterations)
+            params_path.write_text(yaml.safe_dump(params, sort_keys=False))
+        cells, data, sweep_dir = plan(params, task, sandbox)
+        _run_cells(cells, data, sweep_dir, device, log_every, deadline, calibrate=False)
+        summary = summarize(task, cells, sweep_dir, sandbox)
+        out = sandbox / "results" / task / "sweep.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, lambda tmp, s=summary: tmp.write_text(json.dumps(s, indent=2) + "\n"))
+        record_stage_time(sandbox, "sweep", task, time.monotonic() - t0)
+    for task in params["tasks"] if stages in ("all", "evaluate") else []:
+        if not (sandbox / "results" / task / "sweep.json").is_file():
+            raise ValueError(f"{sandbox} has no trained cells of {task}; run the training stages first")
+        t0 = time.monotonic()
+        if not (
+            sandbox / "data" / task
+        ).is_dir():  # trained elsewhere: the held-out sets, made again from their seeds
+            generate(task, params, sandbox / "data" / task)
+        seed_everything(0)
+        evaluate_task(params, task, sandbox, sandbox / "results" / "eval" / task, device)
+        record_stage_time(sandbox, "evaluate", task, time.monotonic() - t0)
+        print(f"direct: evaluate@{task} {time.monotonic() - t0:.0f} s", flush=True)
+    return time.monotonic() - start
+
+
+def set_iterations(params: dict[str, Any], task: str, iterations: int) -> None:
+    """Every cell of ``task`` that learns trains ``iterations`` steps (cells whose grid
+    entry trains nothing, such as exact Gibbs, keep their 0)."""
+    section = params[task]
+    section["train"]["iterations"] = iterations
+    for entry in section["grid"]:
+        if entry.get("train", {}).get("iterations", 1) != 0:
+            entry.get("train", {}).pop("iterations", None)
+
+
+def _run_cells(
+    cells, data: Path, sweep_dir: Path, device: str, log_every: int, deadline: float | None, calibrate: bool
+) -> list[float]:
+    """One process per cell, all at once; each prints one JSON line last (its s/step when
+    calibrating). A failed cell stops the run with its last line of error."""
+    procs = []
+    for cell_id, cell in cells.items():
+        job = {
+            "cell_id": cell_id,
+            "name": cell.name,
+            "config_key": cell.config_key,
+            "code_digest": cell.code_digest,
+            "train": cell.train.to_dict(),
+            "seed": cell.seed,
+            "data": str(data),
+            "cell_dir": str(sweep_dir / "cells" / cell_id),
+            "device": device,
+            "log_every": log_every,
+            "deadline": deadline,
+            "calibrate": calibrate,
+        }
+        cmd = [sys.executable, "-m", "pipeline.direct", json.dumps(job)]
+        procs.append((cell.name, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)))
+    last: dict[str, str] = {}
+
+    def forward(name: str, proc: subprocess.Popen) -> None:  # each cell's lines as they come
+        for line in proc.stdout:
+            last[name] = line
+            if not calibrate:
+                print(f"  {name}: {line}", end="", flush=True)
+
+    threads = [threading.Thread(target=forward, args=item) for item in procs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    results = []
+    for name, proc in procs:
+        if proc.wait() != 0:
+            raise SystemExit(f"direct: cell {name} failed (exit {proc.returncode}); see its error above")
+        results.append(json.loads(last[name])["seconds_per_step"])
+    return results
+
+
+def train_one(job: dict[str, Any]) -> dict[str, Any]:
+    """Train (or time) one cell in this process; the cell files a sweep trial writes."""
+    torch.set_num_threads(1)
+    cfg = TrainConfig.from_dict(job["train"])
+    cell_dir = Path(job["cell_dir"])
+    seed_everything(job["seed"])
+    trainer = Trainer(cfg, training_rows(job["data"]), job["device"])
+    sync = torch.cuda.synchronize if torch.device(job["device"]).type == "cuda" else (lambda: None)
+    if job["calibrate"]:
+        for _ in range(2):
+            trainer.step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(CALIBRATION_STEPS):
+            trainer.step()
+        sync()
+        return {"seconds_per_step": (time.perf_counter() - t0) / CALIBRATION_STEPS}
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    history: list[dict[str, float]] = []
+    start = window = time.perf_counter()
+    window_iters = 0
+    stopped = False
+    while trainer.iteration < cfg.iterations:
+        metrics = trainer.step()
+        window_iters += 1
+        stopped = (
+            job["deadline"] is not None
+            and time.time() > job["deadline"]
+            and trainer.iteration < cfg.iterations
+        )
+        if trainer.iteration % job["log_every"] and trainer.iteration != cfg.iterations and not stopped:
+            continue
+        now = time.perf_counter()
+        history.append({"iteration": trainer.iteration, **metrics, "it_per_s": window_iters / (now - window)})
+        window, window_iters = now, 0
+        print(
+            json.dumps(
+                {"iteration": trainer.iteration, "loss": round(float(metrics.get("loss", float("nan"))), 3)}
+            ),
+            flush=True,
+        )
+        if stopped:
+            break
+    seconds = time.perf_counter() - start
+    model_path = save_checkpoint(cell_dir / MODEL, cfg.to_dict(), trainer.weights())
+    write_history(cell_dir / HISTORY, history)
+    rates = [row["it_per_s"] for row in history]
+    done = {
+        "cell_id": job["cell_id"],
+        "name": job["name"],
+        "config_key": job["config_key"],
+        "code_digest": job["code_digest"],
+        "iterations": trainer.iteration,
+        "seconds_this_run": seconds,
+        "mean_it_per_s": sum(rates) / len(rates) if rates else None,
+        "final": {k: v for k, v in (history[-1] if history else {}).items() if k != "iteration"},
+        "checkpoint_sha256": file_digest(model_path),
+        "attempts": [{"start_iteration": 0, "device": job["device"]}],
+        "device": torch.cuda.get_device_name() if torch.device(job["device"]).type == "cuda" else "cpu",
+        # The deadline came first: fewer steps than planned, the schedule cut short.
+        "stopped_at_deadline": {"planned_iterations": cfg.iterations} if stopped else None,
+    }
+    atomic_write(cell_dir / DONE, lambda tmp: tmp.write_text(json.dumps(done, indent=2)))
+    return {"seconds_per_step": seconds / max(trainer.iteration, 1)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="train one cell (internal: pipeline.direct.run_direct)")
+    parser.add_argument("job", help="the cell's job as JSON")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    print(json.dumps(train_one(json.loads(args.job))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
