@@ -360,7 +360,7 @@ def evaluate_task(
             "cell_id": cell["cell_id"],
         }
         for entry in test_sets:
-            set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
+            set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"), device)
             set_ids = {
                 **ids,
                 "test_set": entry["name"],
@@ -382,7 +382,7 @@ def evaluate_task(
                     )
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
         if imputing and "main" in cell_role and not cell.get("axes") and cell["method"] in imputing["methods"]:
-            set_cfg, set_proposals = with_network(cfg, model, proposals, impute_set.get("network"))
+            set_cfg, set_proposals = with_network(cfg, model, proposals, impute_set.get("network"), device)
             k, l = imputing.get("pair") or unique_pairs[0]
             rows, examples = imputation_frame(
                 task, set_cfg, model, set_proposals, imputing, impute_arrays, k, l,
@@ -413,7 +413,7 @@ def evaluate_task(
             samples[f"x__{stem}"] = x.numpy()
             if entry["truth"] is not None:
                 samples[f"truth__{stem}__z_where"] = entry["truth"]["z_where"]
-            set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"))
+            set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"), device)
             seed_everything(ev.get("seed", 0) + i)
             best = best_particles(
                 set_cfg, model, set_proposals, x, figure_sweeps, ev.get("figure_particles", 10)

@@ -41,6 +41,7 @@ from apg.data import DatasetError
 from apg.imputation import MaskError, check_mask, impute
 from apg.tasks import get_task
 from apg.training import make_method
+from pipeline.present import pm, write_gif
 
 COLUMNS = [
     "task", "method", "K", "L", "seed", "train_K", "train_L", "cell_id",
@@ -355,18 +356,11 @@ def imputation_markdown(table: pd.DataFrame) -> str:
     ]
     rows = [
         f"| {r['setting']} | {r['method']} | K{r['train_K']} L{r['train_L']} | {r['K']} | {r['L']} | {r['seeds']} | "
-        + " | ".join(_pm(r[f"mean_{m}"], r[f"std_{m}"]) for m in metrics)
+        + " | ".join(pm(r[f"mean_{m}"], r[f"std_{m}"]) for m in metrics)
         + " |"
         for _, r in table.iterrows()
     ]
     return "\n".join(head + rows)
-
-
-def _pm(mean: float, std: float) -> str:
-    if not np.isfinite(mean):
-        return ""
-    digits = 4 if abs(mean) < 0.1 else 3
-    return f"{mean:.{digits}g} ± {std:.2g}" if np.isfinite(std) else f"{mean:.{digits}g}"
 
 
 def imputation_figure(frame: pd.DataFrame, path: Path, save) -> bool:
@@ -413,10 +407,6 @@ def imputation_figure(frame: pd.DataFrame, path: Path, save) -> bool:
 def imputation_gif(examples: dict[str, np.ndarray], frame: pd.DataFrame, path: Path) -> bool:
     """Bouncing MNIST: APG's (else the first method's) imputation of the setting that hides
     the most frames, as a GIF of observed | imputed | true frames."""
-    from PIL import Image
-
-    from apg.data import atomic_write
-
     settings = list(dict.fromkeys(frame["setting"]))
     methods = sorted({k.split("__")[0] for k in examples})
     method = "apg" if "apg" in methods else methods[0] if methods else None
@@ -429,12 +419,8 @@ def imputation_gif(examples: dict[str, np.ndarray], frame: pd.DataFrame, path: P
     observed = np.where(mask, 0.5, truth)
     gap = np.ones((truth.shape[0], truth.shape[1], 4))
     panels = np.concatenate([observed, gap, imputed, gap, truth], axis=2)
-    images = [Image.fromarray((np.clip(f, 0, 1) * 255).astype(np.uint8)).resize((f.shape[1] * 2, f.shape[0] * 2))
-              for f in panels]
-    atomic_write(
-        path,
-        lambda tmp: images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:], duration=300, loop=0),
-    )
+    pixels = (np.clip(panels, 0, 1) * 255).astype(np.uint8)
+    write_gif(path, [f.repeat(2, axis=0).repeat(2, axis=1) for f in pixels], 300)  # twice the size
     return True
 
 

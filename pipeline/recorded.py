@@ -257,6 +257,7 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
             target = tmp / "eval" / task / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(sandbox / "results" / "eval" / task / name, target)
+        compress_samples(tmp / "eval" / task / "samples.npz")
         sweep = json.loads((sandbox / "results" / task / "sweep.json").read_text())
         kept = {}
         for cell in sweep["cells"]:
@@ -292,6 +293,17 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def compress_samples(path: Path) -> None:
+    """The same arrays, deflated: pictures of videos are mostly empty canvas (Bouncing MNIST's
+    reconstructions shrink ~10x), and they are kept in git."""
+    import numpy as np
+
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    with open(path, "wb") as f:
+        np.savez_compressed(f, **arrays)
 
 
 # Trained weights kept whole up to this size; a larger checkpoint (Bouncing MNIST's

@@ -63,6 +63,7 @@ from pipeline.common import project_root  # noqa: E402
 from pipeline.config import load_params  # noqa: E402
 from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT  # noqa: E402
 from pipeline.impute import load_imputation, report_imputation  # noqa: E402
+from pipeline.present import number, pm, write_gif  # noqa: E402
 from pipeline.recorded import recorded_runs  # noqa: E402
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
@@ -333,13 +334,13 @@ def training_markdown(table: pd.DataFrame) -> str:
             [
                 f"`{r.cell}`",
                 str(r.iterations),
-                _num(r.it_per_s),
-                _num(r.final_log_joint),
-                _num(r.delta),
-                _num(r.se),
+                number(r.it_per_s),
+                number(r.final_log_joint),
+                number(r.delta),
+                number(r.se),
                 "" if not np.isfinite(r.z) else f"{r.z:.1f}",
-                _num(r.final_ess),
-                _cnum(r.ess_delta) if np.isfinite(r.ess_delta) else "",
+                number(r.final_ess),
+                number(r.ess_delta) if np.isfinite(r.ess_delta) else "",
                 "" if not np.isfinite(r.ess_z) else f"{r.ess_z:.1f}",
                 r.plateaued
                 + {"no": f" {NOT_PLATEAUED}", "not assessable": f" {NOT_ASSESSABLE}"}.get(r.plateaued, ""),
@@ -445,9 +446,9 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
     for row in table.to_dict("records"):
         line = [_flagged(row["method"], row.get("flag")), str(row["K"]), str(row["L"])]
         for m in metrics:
-            line.append(_pm(row[m], row.get(f"{m}_std")))
+            line.append(pm(row[m], row.get(f"{m}_std")))
             if f"paper_{m}" in table:
-                line.append(_num(row[f"paper_{m}"]))
+                line.append(number(row[f"paper_{m}"]))
         cells.append(line)
     rows = ["| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *cells]]
     return "\n".join(rows) + _footnote(table)
@@ -480,17 +481,6 @@ METRIC_LABELS = {
     "ari": "ARI",
     "ari_ceiling": "ARI ceiling",
 }
-
-
-def _num(v: Any) -> str:
-    if v is None or (isinstance(v, float) and np.isnan(v)):
-        return ""
-    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-
-
-def _pm(mean: Any, std: Any) -> str:
-    text = _num(mean)
-    return f"{text} ± {_num(std)}" if text and _num(std) else text
 
 
 # --------------------------------------------------------------------------- method comparison
@@ -553,7 +543,7 @@ def comparison_markdown(table: pd.DataFrame) -> str:
                 _flagged(row["method"], row.get("flag")),
                 str(row["K"]),
                 str(row["L"]),
-                *(_pm(row[m], row.get(f"{m}_std")) for m in metrics),
+                *(pm(row[m], row.get(f"{m}_std")) for m in metrics),
                 str(row["seeds"]),
                 trace,
             ]
@@ -680,13 +670,8 @@ def _est(e: Estimate) -> str:
     if not e.n:
         return "n/a"
     if e.n < MIN_SEEDS:
-        return f"{_cnum(e.mean)} (interval n/a, {e.n} seed{'s' if e.n > 1 else ''})"
-    return f"{_cnum(e.mean)} [{_cnum(e.lo)}, {_cnum(e.hi)}]"
-
-
-def _cnum(v: float) -> str:
-    """Small numbers (KL, ESS gaps) keep 2 significant digits; the rest as in the tables."""
-    return f"{v:.2g}" if v != 0 and abs(v) < 0.01 else _num(v)
+        return f"{number(e.mean)} (interval n/a, {e.n} seed{'s' if e.n > 1 else ''})"
+    return f"{number(e.mean)} [{number(e.lo)}, {number(e.hi)}]"
 
 
 def _seed_note(*estimates: Estimate) -> str:
@@ -1326,7 +1311,6 @@ def animation(
     if spec.animate is None or not meta["samples"]:
         return False
     import torch
-    from PIL import Image
 
     from apg.checkpoint import load_checkpoint
     from apg.training import TrainConfig
@@ -1344,14 +1328,7 @@ def animation(
     x = torch.from_numpy(samples[f"x__{entry['figure_set']}"][0]).to(torch.get_default_dtype())
     if f"truth__{entry['figure_set']}__z_where" in samples:
         z["true_where"] = torch.from_numpy(samples[f"truth__{entry['figure_set']}__z_where"][0])
-    frames = np.asarray(spec.animate(model, x, z))
-    images = [Image.fromarray(f) for f in frames]
-    atomic_write(
-        path,
-        lambda tmp: images[0].save(
-            tmp, format="GIF", save_all=True, append_images=images[1:], duration=200, loop=0
-        ),
-    )
+    write_gif(path, list(np.asarray(spec.animate(model, x, z))), 200)
     return True
 
 
@@ -1442,7 +1419,7 @@ def axes_markdown(frame: pd.DataFrame, meta: dict[str, Any], caption: str, out: 
             "| --- | --- | --- | --- | " + " | ".join("---" for _ in metrics) + " | --- |",
         ]
         for (method, k, l, value), row in wide.iterrows():
-            numbers = " | ".join(_num(row.get(m)) for m in metrics)
+            numbers = " | ".join(number(row.get(m)) for m in metrics)
             lines.append(f"| {method} | {k} | {l} | {value} | {numbers} | {seeds[(method, k, l, value)]} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
@@ -1488,7 +1465,7 @@ def report_task(
         mse_md = "\n".join(
             ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
             + [
-                f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | {_pm(r.mean, r.std)} |"
+                f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | {pm(r.mean, r.std)} |"
                 for r in mse.itertuples(index=False)
             ]
         ) + _footnote(mse)
@@ -1598,7 +1575,7 @@ def tracking_markdown(frame: pd.DataFrame, meta: dict[str, Any], flags: dict[str
     atomic_write(csv, lambda tmp: table.to_csv(tmp, index=False))
     rows = [
         f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | "
-        + " | ".join(_pm(getattr(r, f"mean_{m}"), getattr(r, f"std_{m}")) for m in columns)
+        + " | ".join(pm(getattr(r, f"mean_{m}"), getattr(r, f"std_{m}")) for m in columns)
         + " |"
         for r in table.itertuples(index=False)
     ]
@@ -1860,7 +1837,9 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
             paper = {**paper, "claims": (paper.get("claims") or []) + (paper.get("paper_scale_claims") or [])}
             part = report_task(task, load_results(run_dir / "eval" / task), paper, sub, root, label, fmt)
             parts.append(part)
-            claims += part["claims"]
+            # A run at another scale has other held-out sets and budgets: the claims it cannot
+            # test (the CPU defaults' sets) are left out of its table, not listed as not run.
+            claims += [c for c in part["claims"] if c.note != "not run"]
         flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
         claims_md = claims_markdown(claims, flags, [])
         same = all(
