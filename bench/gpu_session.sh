@@ -11,7 +11,9 @@
 #      apg-pipeline record gpu-bmnist --direct --stages evaluate --dir runs/gpu-bmnist
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
 # tarred and split under 15 MB (the device tool's file limit), and the timings.
-#   MNIST_DIR=.device/mnist AGREE=.device/agree MINUTES=6 DEADLINE=570 OUT=/tmp/out bash bench/gpu_session.sh
+# Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.
+#   APG_COMMIT=$(git rev-parse --short HEAD) MNIST_DIR=.device/mnist AGREE=.device/agree MINUTES=6 \
+#     DEADLINE=570 OUT=/tmp/out bash bench/gpu_session.sh
 set -u
 OUT=${OUT:?set OUT}; MINUTES=${MINUTES:-6}; DEADLINE=${DEADLINE:-570}; DEVICE=${DEVICE:-cuda}
 EVAL_MIN=${EVAL_MIN:-150}; TIMINGS=${TIMINGS:-1}; CHECK=${CHECK:-0}; AGREE=${AGREE:-.device/agree}

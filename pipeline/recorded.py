@@ -175,12 +175,12 @@ def sandbox_for(
     the same code and params made it, since its finished cells are reused as they are)."""
     code = provenance.package_root()
     params = derive(name, base, check)
-    commit = provenance.git_commit(code)
     info = {
         "profile": name,
         "base": base.name,
-        # A copy of the code without its git history (a lent machine) names it in APG_COMMIT.
-        "commit": os.environ.get("APG_COMMIT", commit) if commit == "unknown" else commit,
+        # A copy of the code whose git history is absent or stale (a lent machine's copy of
+        # the working tree) names its commit in APG_COMMIT.
+        "commit": os.environ.get("APG_COMMIT") or provenance.git_commit(code),
         "code_digest": {t: provenance.code_digest("sweep", t, code) for t in params["tasks"]},
         "params_sha": _digest(params),
     }
