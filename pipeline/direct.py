@@ -87,9 +87,8 @@ def run_direct(
         if not (sandbox / "results" / task / "sweep.json").is_file():
             raise ValueError(f"{sandbox} has no trained cells of {task}; run the training stages first")
         t0 = time.monotonic()
-        if not (
-            sandbox / "data" / task
-        ).is_dir():  # trained elsewhere: the held-out sets, made again from their seeds
+        # Trained on another machine: the held-out sets are made again from their seeds.
+        if not (sandbox / "data" / task).is_dir():
             generate(task, params, sandbox / "data" / task)
         seed_everything(0)
         evaluate_task(params, task, sandbox, sandbox / "results" / "eval" / task, device)
