@@ -49,15 +49,15 @@ def run_direct(
     log_every: int,
     stages: str = "all",
     deadline: float | None = None,
-) -> float:
+) -> None:
     """In ``sandbox``: generate and train every cell (``stages`` "all" or "train"), evaluate
     every cell (``stages`` "all" or "evaluate": a sandbox whose training is done). Its
     ``params.yaml`` is rewritten with the iterations when ``minutes`` sets them; a cell
     still training at ``deadline`` (``time.time()``) stops there and keeps what it has
-    (``done.json`` says so). Returns the wall seconds."""
+    (``done.json`` says so). Each stage's time goes to ``results/timings`` as the DVC stages'
+    does."""
     from pipeline.evaluate import evaluate_task
 
-    start = time.monotonic()
     params_path = sandbox / "params.yaml"
     params = yaml.safe_load(params_path.read_text())
     for task in params["tasks"] if stages in ("all", "train") else []:
@@ -94,7 +94,6 @@ def run_direct(
         evaluate_task(params, task, sandbox, sandbox / "results" / "eval" / task, device)
         record_stage_time(sandbox, "evaluate", task, time.monotonic() - t0)
         print(f"direct: evaluate@{task} {time.monotonic() - t0:.0f} s", flush=True)
-    return time.monotonic() - start
 
 
 def set_iterations(params: dict[str, Any], task: str, iterations: int) -> None:

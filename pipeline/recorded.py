@@ -254,10 +254,9 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
     cells = {}
     for task in params["tasks"]:
         for name in EVAL_FILES:
-            target = tmp / "eval" / task / name
+            source, target = sandbox / "results" / "eval" / task / name, tmp / "eval" / task / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy(sandbox / "results" / "eval" / task / name, target)
-        compress_samples(tmp / "eval" / task / "samples.npz")
+            (compress_samples if name == "samples.npz" else shutil.copy)(source, target)
         sweep = json.loads((sandbox / "results" / task / "sweep.json").read_text())
         kept = {}
         for cell in sweep["cells"]:
@@ -295,14 +294,14 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
     return dest
 
 
-def compress_samples(path: Path) -> None:
-    """The same arrays, deflated: pictures of videos are mostly empty canvas (Bouncing MNIST's
-    reconstructions shrink ~10x), and they are kept in git."""
+def compress_samples(source: Path, target: Path) -> None:
+    """``source``'s arrays written to ``target`` deflated: pictures of videos are mostly empty
+    canvas (Bouncing MNIST's reconstructions shrink ~5x), and they are kept in git."""
     import numpy as np
 
-    with np.load(path) as data:
+    with np.load(source) as data:
         arrays = {k: data[k] for k in data.files}
-    with open(path, "wb") as f:
+    with open(target, "wb") as f:
         np.savez_compressed(f, **arrays)
 
 
