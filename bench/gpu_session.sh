@@ -5,17 +5,18 @@
 #      held-out sets carried in AGREE/<task>/{model.pt,test.npz});
 #   2. with CHECK=1, the gpu-bmnist profile under paper-check's caps: fails fast on a code path
 #      the GPU breaks (training and evaluation, a few steps);
-#   3. gpu-bmnist trained for MINUTES on the GPU (apg-pipeline record --direct --stages train),
+#   3. PROFILE (gpu-bmnist, or gpu-bmnist-3d: its second step, which needs gpu-bmnist's cells in
+#      runs/gpu-bmnist/results) trained for MINUTES on the GPU (record --direct --stages train),
 #      every cell stopped at the latest DEADLINE - 30 seconds after the start;
 #   4. evaluated on the GPU if EVAL_MIN seconds are left, else later elsewhere:
-#      apg-pipeline record gpu-bmnist --direct --stages evaluate --dir runs/gpu-bmnist
+#      apg-pipeline record $PROFILE --direct --stages evaluate --dir runs/$PROFILE
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
 # tarred and split under 15 MB (the device tool's file limit), and the timings.
 # Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.
 #   APG_COMMIT=$(git rev-parse --short HEAD) MNIST_DIR=.device/mnist AGREE=.device/agree MINUTES=6 \
 #     DEADLINE=570 OUT=/tmp/out bash bench/gpu_session.sh
 set -u
-OUT=${OUT:?set OUT}; MINUTES=${MINUTES:-6}; DEADLINE=${DEADLINE:-570}; DEVICE=${DEVICE:-cuda}
+OUT=${OUT:?set OUT}; PROFILE=${PROFILE:-gpu-bmnist}; MINUTES=${MINUTES:-6}; DEADLINE=${DEADLINE:-570}; DEVICE=${DEVICE:-cuda}
 EVAL_MIN=${EVAL_MIN:-150}; TIMINGS=${TIMINGS:-1}; CHECK=${CHECK:-0}; AGREE=${AGREE:-.device/agree}
 export APG_MNIST_DIR=${MNIST_DIR:-.device/mnist} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export APG_NATIVE_KERNELS=0   # the C kernels are for CPU tensors: nothing to build on a GPU machine
@@ -23,8 +24,8 @@ start=$(date +%s)
 left() { echo $(( DEADLINE - ($(date +%s) - start) )); }
 exec > >(tee -a "$OUT/session.log") 2>&1
 pack() {
-  tar czf "$OUT/gpu.tgz" --exclude='runs/gpu-bmnist/data' --exclude='*.pyc' runs/gpu-bmnist \
-    $( [ -d recorded/gpu-bmnist ] && echo recorded/gpu-bmnist ) 2>/dev/null
+  tar czf "$OUT/gpu.tgz" --exclude="runs/$PROFILE/data" --exclude='*.pyc' "runs/$PROFILE" \
+    $( [ -d "recorded/$PROFILE" ] && echo "recorded/$PROFILE" ) 2>/dev/null
   (cd "$OUT" && split -b 15m -d gpu.tgz gpu.tgz. && rm gpu.tgz)
   ls -la "$OUT"
 }
@@ -46,8 +47,8 @@ mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda.* "$OUT/t/" 
 tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
 
 if [ "$CHECK" = 1 ]; then
-  echo "== 2. gpu-bmnist check $(date +%T)"
-  if ! timeout 150 python3 -m pipeline.cli record gpu-bmnist --direct --device "$DEVICE" --check; then
+  echo "== 2. $PROFILE check $(date +%T)"
+  if ! timeout 150 python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --check; then
     echo "check failed: not training"; exit 1
   fi
 fi
@@ -55,17 +56,17 @@ fi
 # Training gets what is left but the data (~20 s), the timing of the cells (~20 s) and
 # packing: MINUTES at most, so that the schedule is planned to end before the deadline.
 minutes=$(python3 -c "print(round(max(0.5, min($MINUTES, ($(left) - 90) / 60 * 0.95)), 2))")
-echo "== 3. gpu-bmnist, $minutes min of training $(date +%T), $(left) s left"
+echo "== 3. $PROFILE, $minutes min of training $(date +%T), $(left) s left"
 deadline=$(python3 -c "print(($(left) - 30) / 60)")
-python3 -m pipeline.cli record gpu-bmnist --direct --device "$DEVICE" --stages train \
+python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --stages train \
   --minutes "$minutes" --deadline "$deadline" || { echo "training failed"; pack; exit 1; }
 
 if (( $(left) > EVAL_MIN )); then
   echo "== 4. evaluate on $DEVICE $(date +%T), $(left) s left"
-  python3 -m pipeline.cli record gpu-bmnist --direct --device "$DEVICE" --stages evaluate &
+  python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --stages evaluate &
   pid=$!
   while kill -0 $pid 2>/dev/null; do
-    if (( $(left) < 15 )); then echo "deadline: evaluation stopped"; kill $pid; rm -rf recorded/gpu-bmnist; break; fi
+    if (( $(left) < 15 )); then echo "deadline: evaluation stopped"; kill $pid; rm -rf "recorded/$PROFILE"; break; fi
     sleep 2
   done
   wait $pid; echo "evaluate: exit $?"

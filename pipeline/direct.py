@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import yaml
 
-from apg.checkpoint import save_checkpoint
+from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write
 from apg.training import TrainConfig, Trainer
 from pipeline.common import file_digest, seed_everything, training_rows
@@ -49,13 +49,15 @@ def run_direct(
     log_every: int,
     stages: str = "all",
     deadline: float | None = None,
+    starts: dict[str, dict[str, dict[str, str]]] | None = None,
 ) -> None:
     """In ``sandbox``: generate and train every cell (``stages`` "all" or "train"), evaluate
     every cell (``stages`` "all" or "evaluate": a sandbox whose training is done). Its
     ``params.yaml`` is rewritten with the iterations when ``minutes`` sets them; a cell
     still training at ``deadline`` (``time.time()``) stops there and keeps what it has
-    (``done.json`` says so). Each stage's time goes to ``results/timings`` as the DVC stages'
-    does."""
+    (``done.json`` says so). With ``starts`` (per task, ``recorded.cell_key`` -> ``path``
+    and ``sha256`` of a checkpoint), every cell starts from those weights instead of afresh.
+    Each stage's time goes to ``results/timings`` as the DVC stages' does."""
     from pipeline.evaluate import evaluate_task
 
     params_path = sandbox / "params.yaml"
@@ -68,7 +70,8 @@ def run_direct(
         t0 = time.monotonic()
         if minutes is not None:
             cells, data, sweep_dir = plan(params, task, sandbox)
-            per_step = max(_run_cells(cells, data, sweep_dir, device, log_every, None, calibrate=True))
+            inits = _starting_checkpoints(cells, starts, task)
+            per_step = max(_run_cells(cells, data, sweep_dir, device, log_every, None, inits, calibrate=True))
             iterations = max(log_every, int(minutes * 60 / per_step) // log_every * log_every)
             print(
                 f"direct: {task}: slowest cell {per_step:.3f} s/step at once -> {iterations} iterations",
@@ -77,7 +80,8 @@ def run_direct(
             set_iterations(params, task, iterations)
             params_path.write_text(yaml.safe_dump(params, sort_keys=False))
         cells, data, sweep_dir = plan(params, task, sandbox)
-        _run_cells(cells, data, sweep_dir, device, log_every, deadline, calibrate=False)
+        inits = _starting_checkpoints(cells, starts, task)
+        _run_cells(cells, data, sweep_dir, device, log_every, deadline, inits, calibrate=False)
         summary = summarize(task, cells, sweep_dir, sandbox)
         out = sandbox / "results" / task / "sweep.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,8 +110,30 @@ def set_iterations(params: dict[str, Any], task: str, iterations: int) -> None:
             entry.get("train", {}).pop("iterations", None)
 
 
+def _starting_checkpoints(cells, starts, task: str) -> dict[str, dict[str, str] | None]:
+    """Per cell id: the checkpoint it starts from (``None``: from scratch)."""
+    if starts is None:
+        return {cell_id: None for cell_id in cells}
+    from pipeline.recorded import cell_key
+
+    by_key, out = starts.get(task, {}), {}
+    for cell_id, cell in cells.items():
+        key = cell_key(cell.train.method, cell.train.sweeps, cell.train.particles, cell.seed)
+        if key not in by_key:
+            raise ValueError(f"cell {cell.name} has no trained cell to start from (known: {', '.join(sorted(by_key))})")
+        out[cell_id] = by_key[key]
+    return out
+
+
 def _run_cells(
-    cells, data: Path, sweep_dir: Path, device: str, log_every: int, deadline: float | None, calibrate: bool
+    cells,
+    data: Path,
+    sweep_dir: Path,
+    device: str,
+    log_every: int,
+    deadline: float | None,
+    inits: dict[str, dict[str, str] | None],
+    calibrate: bool,
 ) -> list[float]:
     """One process per cell, all at once; each prints one JSON line last (its s/step when
     calibrating). A failed cell stops the run with its last line of error."""
@@ -126,6 +152,7 @@ def _run_cells(
             "log_every": log_every,
             "deadline": deadline,
             "calibrate": calibrate,
+            "init": inits[cell_id],
         }
         cmd = [sys.executable, "-m", "pipeline.direct", json.dumps(job)]
         procs.append((cell.name, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)))
@@ -157,6 +184,13 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     cell_dir = Path(job["cell_dir"])
     seed_everything(job["seed"])
     trainer = Trainer(cfg, training_rows(job["data"]), job["device"])
+    init = job.get("init")
+    if init is not None:  # a curriculum's later step: the trained networks, a fresh optimizer
+        if file_digest(init["path"]) != init["sha256"]:
+            raise ValueError(f"{init['path']} is not the checkpoint {init['sha256'][:12]} this cell starts from")
+        _, state = load_checkpoint(init["path"], map_location=job["device"])
+        trainer.model.load_state_dict(state["model"])
+        trainer.proposals.load_state_dict(state["proposals"])
     sync = torch.cuda.synchronize if torch.device(job["device"]).type == "cuda" else (lambda: None)
     if job["calibrate"]:
         for _ in range(2):
@@ -211,6 +245,7 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
         "device": torch.cuda.get_device_name() if torch.device(job["device"]).type == "cuda" else "cpu",
         # The deadline came first: fewer steps than planned, the schedule cut short.
         "stopped_at_deadline": {"planned_iterations": cfg.iterations} if stopped else None,
+        "started_from": {"checkpoint_sha256": init["sha256"]} if init is not None else None,
     }
     atomic_write(cell_dir / DONE, lambda tmp: tmp.write_text(json.dumps(done, indent=2)))
     return {"seconds_per_step": seconds / max(trainer.iteration, 1)}

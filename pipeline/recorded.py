@@ -21,6 +21,7 @@ stages in-process (``pipeline.direct``) and ``--minutes`` sizes the training to 
 set) to fail fast on a new machine:
 
     apg-pipeline record gpu-bmnist --direct --device cuda --minutes 5
+    apg-pipeline record gpu-bmnist-3d --direct --device cuda --minutes 7   # then on three digits
 """
 
 from __future__ import annotations
@@ -146,11 +147,72 @@ def gpu_bmnist(paper: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def gpu_bmnist_3d(paper: dict[str, Any]) -> dict[str, Any]:
+    """The curriculum's second step on one GPU: the paper's training videos (T=10, D=3) and
+    networks (three digits tracked), every cell starting from the weights its method learnt
+    in ``gpu-bmnist`` on one digit (``STARTS_FROM``); the rest as ``gpu-bmnist``, with a
+    cosine schedule from half its rate (the networks are trained, not fresh)."""
+    params = gpu_bmnist(paper)
+    section, theirs = params["bmnist"], paper["bmnist"]
+    section["network"] = copy.deepcopy(theirs["network"])
+    section["data"]["train"]["sizes"] = copy.deepcopy(theirs["data"]["train"]["sizes"])
+    section["train"]["lr"] = 5e-4
+    params["tracking"]["experiment"] = "apg-gpu-bmnist-3d"
+    params["report"]["scale"] = (
+        "one GPU for minutes (Bouncing MNIST: paper K, L, B, T, D and test sets; "
+        "trained on three digits after gpu-bmnist's one-digit training)"
+    )
+    return params
+
+
 PROFILES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "paper-gmm": paper_gmm,
     "paper-check": paper_check,
     "gpu-bmnist": gpu_bmnist,
+    "gpu-bmnist-3d": gpu_bmnist_3d,
 }
+# A curriculum's later step: the profile's cells start from the trained weights of the same
+# method, K, L and seed in another profile's run (its sandbox holds the full checkpoints).
+STARTS_FROM = {"gpu-bmnist-3d": "gpu-bmnist"}
+
+
+def starting_weights(name: str, root: Path) -> dict[str, Any] | None:
+    """Where profile ``name``'s cells start: ``None`` (from scratch), or the earlier
+    profile's recorded run (``recorded/<earlier>``, committed) and, per task and cell key
+    ``method/K/L/seed``, the full checkpoint its cell left, found in the recorded run (when
+    small) or in that run's sandbox (``runs/<earlier>``) and checked against the recorded
+    sha256: the weights a recorded run names are the ones training starts from."""
+    earlier = STARTS_FROM.get(name)
+    if earlier is None:
+        return None
+    from pipeline.common import file_digest
+
+    run = root / RECORDED / earlier
+    if not (run / MANIFEST).is_file():
+        raise ValueError(f"profile {name} starts from the recorded run {earlier}: {run} has no {MANIFEST}")
+    manifest = json.loads((run / MANIFEST).read_text())
+    cells: dict[str, dict[str, dict[str, str]]] = {}
+    for task in manifest["cells"]:
+        sweep = json.loads((run / "eval" / task / "sweep.json").read_text())
+        for cell in sweep["cells"]:
+            candidates = [
+                run / "cells" / task / cell["cell_id"] / "model.pt",
+                root / "runs" / earlier / "results" / "sweeps" / task / "cells" / cell["cell_id"] / "model.pt",
+            ]
+            path = next((p for p in candidates if p.is_file() and file_digest(p) == cell["checkpoint_sha256"]), None)
+            if path is None:
+                raise ValueError(
+                    f"profile {name} starts from {earlier}'s cell {cell['cell_id']}, whose checkpoint "
+                    f"(sha256 {cell['checkpoint_sha256'][:12]}) is in none of {', '.join(map(str, candidates))}; "
+                    f"run `apg-pipeline record {earlier}` first"
+                )
+            key = cell_key(cell["method"], cell["K"], cell["L"], cell["seed"])
+            cells.setdefault(task, {})[key] = {"path": str(path), "sha256": cell["checkpoint_sha256"]}
+    return {"profile": earlier, "commit": manifest["commit"], "cells": cells}
+
+
+def cell_key(method: str, sweeps: int, particles: int, seed: int) -> str:
+    return f"{method}/K{sweeps}/L{particles}/s{seed}"
 
 
 def derive(name: str, base: Path, check: bool = False) -> dict[str, Any]:
@@ -359,13 +421,23 @@ def record(
         sandbox, info = directory, json.loads(marker.read_text())
     else:
         sandbox, info = sandbox_for(name, base, directory, fresh or direct, check, direct)
+    if name in STARTS_FROM and not direct:
+        raise ValueError(f"profile {name} starts from {STARTS_FROM[name]}'s weights: run it with --direct")
     if direct:
         from pipeline.direct import run_direct
 
         print(f"record {label}: {stages} stages in-process on {device} in {sandbox} (commit {info['commit']})", flush=True)
         params = yaml.safe_load((sandbox / "params.yaml").read_text())
         deadline = time.time() + 60 * deadline_minutes if deadline_minutes is not None else None
-        run_direct(sandbox, device, None if check else minutes, params["sweep"]["log_every"], stages, deadline)
+        starts = starting_weights(name, root) if stages != "evaluate" else None
+        if starts is not None:
+            cells = {t: {k: c["sha256"] for k, c in by_key.items()} for t, by_key in starts["cells"].items()}
+            info["starts_from"] = {"profile": starts["profile"], "commit": starts["commit"], "cells": cells}
+            print(f"record {label}: every cell starts from {starts['profile']}'s (commit {starts['commit']})", flush=True)
+        run_direct(
+            sandbox, device, None if check else minutes, params["sweep"]["log_every"], stages, deadline,
+            starts["cells"] if starts is not None else None,
+        )
         key = "eval_device" if stages == "evaluate" else "device"
         info = {**info, key: _device_name(device)}
         if stages == "all":
