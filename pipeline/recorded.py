@@ -410,6 +410,8 @@ def record(
     root = project_root()
     if not direct and (minutes is not None or stages != "all" or deadline_minutes is not None):
         raise ValueError("--minutes, --stages and --deadline need --direct (dvc repro runs every stage)")
+    if name in STARTS_FROM and not direct:
+        raise ValueError(f"profile {name} starts from {STARTS_FROM[name]}'s weights: run it with --direct")
     if stages not in ("all", "train", "evaluate"):
         raise ValueError(f"stages must be all, train or evaluate, got {stages!r}")
     label = f"{name}-check" if check and name != "paper-check" else name
@@ -421,8 +423,6 @@ def record(
         sandbox, info = directory, json.loads(marker.read_text())
     else:
         sandbox, info = sandbox_for(name, base, directory, fresh or direct, check, direct)
-    if name in STARTS_FROM and not direct:
-        raise ValueError(f"profile {name} starts from {STARTS_FROM[name]}'s weights: run it with --direct")
     if direct:
         from pipeline.direct import run_direct
 

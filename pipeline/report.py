@@ -1848,11 +1848,19 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
         )
         about = (
             f"Trained by commit `{manifest['commit']}` ({manifest.get('started', '?')} to "
-            f"{manifest['finished']}, last `dvc repro` {manifest['wall_minutes_last_run']} min wall; "
+            f"{manifest['finished']}, last run {manifest['wall_minutes_last_run']} min wall; "
             f"{manifest['machine']}). Training code today: {'the same' if same else '**changed since**'}. "
             f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
             f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
         )
+        start = manifest.get("starts_from")
+        if start:  # a curriculum's later step: its training continues another run's
+            about += (
+                f" A curriculum's later step: every cell started from the weights of the same method, K, L "
+                f"and seed in the recorded run [`{start['profile']}`]({{up}}reports/recorded/{start['profile']}/README.md) "
+                f"(commit `{start['commit']}`; checkpoints' sha256 in the manifest), so its training is "
+                f"on top of that run's."
+            )
         body = [
             f"# Recorded run `{run_dir.name}`: {label}",
             "",

@@ -78,6 +78,84 @@ def test_a_cell_past_its_deadline_stops_and_says_so(tmp_path):
     assert len((tmp_path / "cell" / "history.csv").read_text().splitlines()) == 2  # header + the step it took
 
 
+def saved_weights(path: Path, seed: int) -> tuple[Path, dict]:
+    """A checkpoint of gmm_job's networks drawn afresh under ``seed``."""
+    cfg = TrainConfig(task="gmm", method="apg", network={"hidden": 8})
+    seed_everything(seed)
+    model, proposals = build(cfg)
+    state = {"model": model.state_dict(), "proposals": proposals.state_dict(), "iteration": 9}
+    return save_checkpoint(path, cfg.to_dict(), state), state
+
+
+def test_a_cell_started_from_a_checkpoint_starts_from_its_weights(tmp_path):
+    from pipeline.common import file_digest
+
+    init, state = saved_weights(tmp_path / "init.pt", seed=5)
+    job = {**gmm_job(tmp_path, 0, None), "init": {"path": str(init), "sha256": file_digest(init)}}
+    direct.train_one(job)  # no steps: what it saves is what it started from
+    _, saved = load_checkpoint(tmp_path / "cell" / "model.pt")
+    for part in ("model", "proposals"):
+        assert saved[part].keys() == state[part].keys()
+        for key, value in state[part].items():
+            assert torch.equal(saved[part][key], value), (part, key)
+    done = json.loads((tmp_path / "cell" / "done.json").read_text())
+    assert done["started_from"] == {"checkpoint_sha256": file_digest(init)}
+    (tmp_path / "fresh").mkdir()
+    fresh = gmm_job(tmp_path / "fresh", 0, None)  # the same job from scratch: other weights
+    direct.train_one(fresh)
+    _, scratch = load_checkpoint(tmp_path / "fresh" / "cell" / "model.pt")
+    assert not all(torch.equal(scratch["proposals"][k], v) for k, v in state["proposals"].items())
+    assert json.loads((tmp_path / "fresh" / "cell" / "done.json").read_text())["started_from"] is None
+
+
+def test_a_cell_refuses_a_starting_checkpoint_that_is_not_the_named_one(tmp_path):
+    init, _ = saved_weights(tmp_path / "init.pt", seed=5)
+    job = {**gmm_job(tmp_path, 0, None), "init": {"path": str(init), "sha256": "0" * 64}}
+    with pytest.raises(ValueError, match="is not the checkpoint 000000000000"):
+        direct.train_one(job)
+    assert not (tmp_path / "cell").exists()
+
+
+def fake_recorded_run(root: Path, checkpoint: Path, sha256: str) -> None:
+    """``recorded/base``: one gmm apg cell whose full checkpoint sits in ``runs/base``."""
+    run = root / "recorded" / "base"
+    (run / "eval" / "gmm").mkdir(parents=True)
+    (run / "manifest.json").write_text(json.dumps({"commit": "abc1234", "cells": {"gmm": 1}}))
+    cell = {"cell_id": "apg-c1", "method": "apg", "K": 2, "L": 3, "seed": 0, "checkpoint_sha256": sha256}
+    (run / "eval" / "gmm" / "sweep.json").write_text(json.dumps({"task": "gmm", "cells": [cell]}))
+    kept = root / "runs" / "base" / "results" / "sweeps" / "gmm" / "cells" / "apg-c1"
+    kept.mkdir(parents=True)
+    (kept / "model.pt").write_bytes(checkpoint.read_bytes())
+
+
+def test_a_curriculum_step_finds_the_earlier_runs_checkpoints_by_their_recorded_sha256(tmp_path, monkeypatch):
+    from pipeline.common import file_digest
+
+    init, _ = saved_weights(tmp_path / "init.pt", seed=5)
+    monkeypatch.setitem(recorded.STARTS_FROM, "later", "base")
+    assert recorded.starting_weights("paper-gmm", tmp_path) is None  # not a later step: from scratch
+    with pytest.raises(ValueError, match="starts from the recorded run base"):
+        recorded.starting_weights("later", tmp_path)
+    fake_recorded_run(tmp_path, init, file_digest(init))
+    starts = recorded.starting_weights("later", tmp_path)
+    assert starts["profile"] == "base" and starts["commit"] == "abc1234"
+    found = starts["cells"]["gmm"][recorded.cell_key("apg", 2, 3, 0)]
+    assert Path(found["path"]).read_bytes() == init.read_bytes() and found["sha256"] == file_digest(init)
+
+    class Cell:  # what pipeline.sweep.plan gives per cell
+        name, seed = "gmm/apg", 0
+        train = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3)
+
+    assert direct._starting_checkpoints({"c": Cell()}, starts["cells"], "gmm") == {"c": found}
+    Cell.train = TrainConfig(task="gmm", method="rws-mlp", sweeps=2, particles=3)
+    with pytest.raises(ValueError, match="gmm/apg has no trained cell to start from"):
+        direct._starting_checkpoints({"c": Cell()}, starts["cells"], "gmm")
+    kept = tmp_path / "runs" / "base" / "results" / "sweeps" / "gmm" / "cells" / "apg-c1" / "model.pt"
+    kept.write_bytes(init.read_bytes() + b"x")  # another file in its place: not the recorded one
+    with pytest.raises(ValueError, match="run `apg-pipeline record base` first"):
+        recorded.starting_weights("later", tmp_path)
+
+
 def test_calibration_times_steps_without_writing_a_cell(tmp_path):
     job = {**gmm_job(tmp_path, 1000, None), "calibrate": True}
     assert direct.train_one(job)["seconds_per_step"] > 0
@@ -123,6 +201,8 @@ def test_a_large_checkpoint_is_kept_as_its_generative_model_alone(tmp_path, monk
 def test_direct_options_need_direct():
     with pytest.raises(ValueError, match="need --direct"):
         recorded.record("paper-gmm", SMOKE, minutes=1.0)
+    with pytest.raises(ValueError, match="starts from gpu-bmnist's weights: run it with --direct"):
+        recorded.record("gpu-bmnist-3d", REPO / "params-paper.yaml", directory=Path("/nonexistent/box"))
     with pytest.raises(ValueError, match="stages must be"):
         recorded.record("paper-gmm", SMOKE, direct=True, stages="sweep")
 

@@ -23,7 +23,7 @@ def cell_keys(params: dict, task: str) -> set[tuple]:
     return {(c.method, c.sweeps, c.particles) for c in grid_cells(params, task)}
 
 
-@pytest.mark.parametrize("profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist"}))
+@pytest.mark.parametrize("profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d"}))
 def test_profiles_keep_the_papers_per_step_sizes(profile):
     paper = load_params(PAPER)
     derived = recorded.derive(profile, PAPER)
@@ -81,6 +81,21 @@ def test_gpu_bmnist_keeps_the_papers_budgets_and_test_sets_and_trains_on_one_dig
     check = recorded.derive("gpu-bmnist", PAPER, check=True)
     assert all(c.train.iterations <= recorded.CHECK_ITERATIONS for c in grid_cells(check, "bmnist"))
     assert len(check["bmnist"]["data"]["tests"]) == 1
+
+
+def test_gpu_bmnist_3d_trains_the_papers_three_digit_videos_from_gpu_bmnists_cells():
+    paper, first, run = load_params(PAPER), recorded.derive("gpu-bmnist", PAPER), recorded.derive("gpu-bmnist-3d", PAPER)
+    ours, theirs = run["bmnist"], paper["bmnist"]
+    assert recorded.STARTS_FROM["gpu-bmnist-3d"] == "gpu-bmnist"
+    # The paper's training videos and networks (three digits), its K, L, B and test sets.
+    assert ours["network"] == theirs["network"] and ours["network"]["num_digits"] == 3
+    assert ours["data"]["train"]["sizes"] == theirs["data"]["train"]["sizes"]
+    assert ours["model"] == theirs["model"] and ours["train"]["batch_size"] == theirs["train"]["batch_size"]
+    assert [t["sizes"] for t in ours["data"]["tests"]] == [t["sizes"] for t in theirs["data"]["tests"]]
+    # Every cell has one in the first step to start from.
+    assert cell_keys(run, "bmnist") == cell_keys(first, "bmnist")
+    assert {c.seed for c in grid_cells(run, "bmnist")} == {c.seed for c in grid_cells(first, "bmnist")}
+    assert ours["train"]["lr"] < first["bmnist"]["train"]["lr"]
 
 
 def test_an_unknown_profile_is_a_one_line_error():
