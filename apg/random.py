@@ -15,7 +15,8 @@ each (torch.rand's grid), float64 53 bits of two words each.
 
 ``standard_gamma`` draws Gamma variates from the same blocks (Marsaglia and Tsang's method),
 in place of ``torch._standard_gamma``, a serial loop on CPU. On other devices ``uniform`` is
-``torch.rand`` and ``standard_gamma`` is ``torch._standard_gamma``: the kernels are CPU code.
+``torch.rand`` and ``standard_gamma`` is ``torch._standard_gamma`` (the kernels are CPU code),
+and so they are inside ``torch.compile`` (a key is a host integer: ``apg.host``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import math
 import torch
 from torch import Tensor
 
+from apg.host import values_on_host
 from apg.kernels import call, native_function
 
 _MASK = 0xFFFFFFFF
@@ -74,7 +76,7 @@ def uniform(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.floa
     """Uniforms on ``[0, 1)`` shaped ``shape``: on CPU, element ``2 j + s`` is uniform ``s``
     of block ``(new_key(); j, 0)``, compiled where the kernels are built."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+    if device.type != "cpu" or dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
         return torch.rand(shape, dtype=dtype, device=device)
     key = new_key()
     out = torch.empty(shape, dtype=dtype)
@@ -99,7 +101,7 @@ def standard_gamma(alpha: Tensor) -> Tensor:
     spells the method out); the compiled pass and this twin compute in float64 and agree
     to rounding. A shape that is not positive and finite gives NaN.
     """
-    if alpha.device.type != "cpu" or alpha.dtype not in (torch.float32, torch.float64):
+    if not values_on_host(alpha) or alpha.dtype not in (torch.float32, torch.float64):
         return torch._standard_gamma(alpha)
     key = new_key()
     native = native_function("philox_standard_gamma", alpha)

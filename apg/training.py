@@ -64,6 +64,10 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # task hyperparameters
     network: dict[str, Any] = field(default_factory=dict)  # proposal hyperparameters
     method_options: dict[str, Any] = field(default_factory=dict)  # the method's own knobs (Method.defaults)
+    # The step's sampler and loss as one torch.compile graph (fullgraph; CUDA graphs on a
+    # GPU), compiled at the first step: the path of a GPU trial. Random draws then come from
+    # torch's generators instead of apg.random's CPU Philox streams, so it is part of the cell.
+    compile: bool = False
 
     def validate(self) -> TrainConfig:
         """Raise ``ValueError`` naming the first bad field; return self."""
@@ -84,6 +88,11 @@ class TrainConfig:
         if self.resample_mode not in RESAMPLE_MODES:
             raise ValueError(f"resample_mode must be one of {RESAMPLE_MODES}, got {self.resample_mode!r}")
         get_resampler(self.resampler)
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile must be true or false, got {self.compile!r}")
+        why = make_method(self).not_compiled_because
+        if self.compile and why:
+            raise ValueError(f"method {self.method!r} cannot be compiled: {why}")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,6 +105,12 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown training option(s) {unknown}; known: {sorted(names)}")
         return cls(**d)
+
+
+def _read(loss: Tensor, values: dict[str, Tensor]) -> dict[str, float]:
+    """``loss`` and ``values`` as floats, in one host read (float64 holds every float32)."""
+    read = torch.stack([loss.detach().double(), *(v.double() for v in values.values())]).tolist()
+    return dict(zip(["loss", *values], read, strict=True))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -144,6 +159,10 @@ class Trainer:
         self.iteration = 0
         self._order = torch.randperm(len(self.train_x))
         self._cursor = 0
+        self._forward = self._loss_and_metrics
+        if cfg.compile:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
+            self._forward = torch.compile(self._loss_and_metrics, fullgraph=True, dynamic=False, mode=mode)
 
     def _next_batch(self) -> Tensor:
         size = min(self.cfg.batch_size, len(self.train_x))
@@ -155,18 +174,26 @@ class Trainer:
             return self.train_x[idx.to(self.device)].to(torch.get_default_dtype())
         return self.train_x[idx].to(self.device, torch.get_default_dtype())
 
-    def step(self) -> dict[str, float]:
-        """One gradient step; returns scalar metrics of the final sweep."""
+    def step(self, log: bool = True) -> dict[str, float] | None:
+        """One gradient step. With ``log``: the scalar metrics of its final sweep, read back
+        in one host read before the update (a non-finite loss raises ``TrainingDiverged``
+        and leaves the weights as they were). Without: nothing is read back from the
+        device (``apg.host``), so on a GPU the step only queues its work; a loss that
+        became non-finite is caught at the next logged step."""
         start = time.perf_counter()
         x = self._next_batch()
         cfg = self.cfg
-        result = self.method.run(
-            self.model, self.proposals, x, cfg.sweeps, cfg.particles, cfg.resample_mode, cfg.resampler
-        )
-        loss = self.method.loss(result)
-        if not torch.isfinite(loss):
+        if cfg.compile:
+            # nn.LSTM (RWS-LSTM's encoder) is traced only with allow_rnn
+            with torch._dynamo.config.patch(allow_rnn=True):
+                loss, values = self._forward(x)
+        else:
+            loss, values = self._forward(x)
+        metrics = _read(loss, values) if log else None
+        if metrics is not None and not math.isfinite(metrics["loss"]):
             raise TrainingDiverged(
-                f"loss became {loss.item()} at iteration {self.iteration + 1}; try a lower learning rate"
+                f"loss became {metrics['loss']} at iteration {self.iteration + 1} (logged steps are "
+                "checked, the others are not read back); try a lower learning rate"
             )
         if self.optimizer is not None:
             lr = learning_rate(cfg, self.iteration)
@@ -176,22 +203,36 @@ class Trainer:
             loss.backward()
             self.optimizer.step()
         self.iteration += 1
-        last = result.sweeps[-1]
-        return {
-            "loss": loss.item(),
-            "log_joint": last.log_joint.mean().item(),
-            "ess": last.ess.mean().item(),
-            "log_evidence": last.log_evidence.mean().item(),
-            # the method's own diagnostics, e.g. HMC-RWS's acceptance rate ``accept``
-            **{k: v.float().mean().item() for k, v in self.method.diagnostics(result).items()},
-            "step_seconds": time.perf_counter() - start,
-        }
+        if metrics is not None:
+            metrics["step_seconds"] = time.perf_counter() - start
+        return metrics
 
-    def run(self, iterations: int | None = None) -> Iterator[dict[str, float]]:
-        """Train until ``iterations`` (default ``cfg.iterations``) steps are done in total."""
+    def _loss_and_metrics(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The method's surrogate loss on batch ``x`` and its final sweep's scalar metrics
+        (detached, still on the device): what ``torch.compile`` compiles when ``cfg.compile``."""
+        cfg = self.cfg
+        result = self.method.run(
+            self.model, self.proposals, x, cfg.sweeps, cfg.particles, cfg.resample_mode, cfg.resampler
+        )
+        last = result.sweeps[-1]
+        values = {
+            "log_joint": last.log_joint.mean(),
+            "ess": last.ess.mean(),
+            "log_evidence": last.log_evidence.mean(),
+            # the method's own diagnostics, e.g. HMC-RWS's acceptance rate ``accept``
+            **{k: v.float().mean() for k, v in self.method.diagnostics(result).items()},
+        }
+        return self.method.loss(result), {k: v.detach() for k, v in values.items()}
+
+    def run(self, iterations: int | None = None, log_every: int = 1) -> Iterator[dict[str, float]]:
+        """Train until ``iterations`` (default ``cfg.iterations``) steps are done in total;
+        yields the metrics of every ``log_every``-th step and of the last."""
         total = self.cfg.iterations if iterations is None else iterations
         while self.iteration < total:
-            yield self.step()
+            done = self.iteration + 1
+            metrics = self.step(log=done % log_every == 0 or done == total)
+            if metrics is not None:
+                yield metrics
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -87,6 +87,7 @@ TRAIN_KEYS: dict[str, Any] = {
     "lr": (int, float),
     "lr_schedule": str,  # constant | cosine (apg.training.learning_rate)
     "lr_final_factor": (int, float),
+    "compile": bool,  # the step as one torch.compile graph: for GPU trials (apg.training.TrainConfig)
     "resample_mode": str,
     "resampler": str,
     "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}

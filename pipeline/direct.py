@@ -207,14 +207,14 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     window_iters = 0
     stopped = False
     while trainer.iteration < cfg.iterations:
-        metrics = trainer.step()
+        # The deadline is looked at before the step, so that the step it stops after is logged.
+        stopping = job["deadline"] is not None and time.time() > job["deadline"]
+        done = trainer.iteration + 1
+        logged = stopping or done % job["log_every"] == 0 or done == cfg.iterations
+        metrics = trainer.step(log=logged)
         window_iters += 1
-        stopped = (
-            job["deadline"] is not None
-            and time.time() > job["deadline"]
-            and trainer.iteration < cfg.iterations
-        )
-        if trainer.iteration % job["log_every"] and trainer.iteration != cfg.iterations and not stopped:
+        stopped = stopping and trainer.iteration < cfg.iterations
+        if not logged:
             continue
         now = time.perf_counter()
         history.append({"iteration": trainer.iteration, **metrics, "it_per_s": window_iters / (now - window)})

@@ -220,7 +220,9 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
     log_every, ckpt_every = config["log_every"], config["checkpoint_every"]
     start, window_start, window_iters = time.perf_counter(), time.perf_counter(), 0
     while trainer.iteration < cfg.iterations:
-        metrics = trainer.step()
+        # Only logged steps read their metrics back (on a GPU the others just queue work).
+        logged = (trainer.iteration + 1) % log_every == 0 or trainer.iteration + 1 == cfg.iterations
+        metrics = trainer.step(log=logged)
         window_iters += 1
         last = trainer.iteration == cfg.iterations
         if trainer.iteration == fault_at and not (cell_dir / f"fault-{fault_at}").exists():

@@ -311,7 +311,9 @@ def run_trial(config: dict[str, Any], plan: dict[str, Any], paths: dict[str, str
     with open(Path(paths["attempts"]) / f"{trial_id}.jsonl", "a") as f:
         f.write(json.dumps({"start_iteration": trainer.iteration, "time": time.time()}) + "\n")
     while trainer.iteration < cfg.iterations:
-        trainer.step()
+        # Steps before a validation read nothing back; the one before it checks the loss.
+        done = trainer.iteration + 1
+        trainer.step(log=done % plan["eval_every"] == 0 or done == cfg.iterations)
         if trainer.iteration % plan["eval_every"] and trainer.iteration != cfg.iterations:
             continue
         score = validation_score(cfg, trainer, x_val, plan["metric"])

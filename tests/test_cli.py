@@ -217,7 +217,7 @@ def test_evaluate_bad_input(files, bad_files, capsys, checkpoint, data, sweeps, 
 
 
 def test_nan_loss_stops_with_message(files, tmp_path, capsys, monkeypatch):
-    def diverge(self):
+    def diverge(self, log=True):
         raise TrainingDiverged("loss became nan at iteration 1; try a lower learning rate")
 
     monkeypatch.setattr(Trainer, "step", diverge)

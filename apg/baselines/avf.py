@@ -287,6 +287,7 @@ class AVF(Method):
     name = "avf"
     architecture = "avf"
     kernels = False
+    not_compiled_because = "its filter refines each update by gradient steps inside the step"
     defaults = {"iterations": 2}
 
     def check_options(self) -> None:

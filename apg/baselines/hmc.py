@@ -117,6 +117,7 @@ class HMCRWS(Method):
     name = "hmc-rws"
     architecture = "mlp"
     kernels = False
+    not_compiled_because = "its leapfrog steps take likelihood gradients inside the step"
     defaults = {"step_size": 0.05, "leapfrog_steps": 5}
 
     def check_options(self) -> None:

@@ -26,6 +26,9 @@ class Method:
     name = "apg"
     architecture = "apg"
     kernels = True
+    # Whether its training step traces into one graph (``TrainConfig.compile``); a method
+    # whose step differentiates inside itself (``torch.autograd.grad``) names why not.
+    not_compiled_because: str | None = None
     # Option name -> default; ``configure`` accepts exactly these keys.
     defaults: Mapping[str, Any] = {}
 

@@ -108,11 +108,14 @@ _FUNCTIONS: dict[tuple[str, torch.dtype], object] = {}
 
 def native_function(name: str, *tensors: Tensor):
     """The compiled function ``name`` for these floating tensors' dtype, or ``None`` where
-    the PyTorch path must run (GPU tensors, other or mixed dtypes, no compiler).
+    the PyTorch path must run (GPU tensors, other or mixed dtypes, no compiler, and inside
+    ``torch.compile``, which compiles the PyTorch path).
 
     Called a few hundred times per training step, so the checks are plain attribute reads
     and the functions are looked up once per (name, dtype).
     """
+    if torch.compiler.is_compiling():
+        return None
     dtype = tensors[0].dtype
     if dtype not in _DTYPE_SUFFIX:
         return None

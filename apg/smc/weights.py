@@ -11,6 +11,8 @@ import math
 import torch
 from torch import Tensor
 
+from apg.host import values_on_host
+
 
 class DegenerateWeightsError(RuntimeError):
     """Every particle of some dataset has weight zero (all log-weights are -inf or NaN)."""
@@ -19,8 +21,12 @@ class DegenerateWeightsError(RuntimeError):
 def sanitize(log_w: Tensor) -> Tensor:
     """Turn NaN log-weights into -inf and raise if a dataset has no finite weight.
 
-    This is the one place where NaN becomes -inf.
+    This is the one place where NaN becomes -inf. On a device (``apg.host``) nothing is
+    checked: a dataset without a finite weight gives NaN normalized weights, hence a
+    non-finite loss, which the training loop reports when it logs.
     """
+    if not values_on_host(log_w):
+        return torch.nan_to_num(log_w, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
     # Fast path, taken at every block update: the per-dataset maximum is NaN if any
     # weight is NaN, +inf if any is +inf and -inf only if all are, so the sum of the
     # maxima is finite exactly when there is nothing to repair (an overflow of that sum

@@ -66,6 +66,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributions import Normal
 
 from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
+from apg.host import values_on_host
 
 CANVAS = 96
 DIGIT = 28
@@ -241,7 +242,10 @@ def _distinct_particles(values: list[Tensor]) -> tuple[Tensor, Tensor] | None:
     each ``(L, B, ...)``): ``compact (L', B)``, for each video its distinct particles
     first (in order) then copies, ``L'`` the largest number of distinct particles of a
     video, and ``position (L, B)``: particle l of video b is ``compact[position[l, b], b]``'s
-    copy. ``None`` when no video has copies."""
+    copy. ``None`` when no video has copies, and on a device (``apg.host``: the count of
+    distinct particles would be a host read)."""
+    if not values_on_host(values[0]):
+        return None
     num_particles = values[0].shape[0]
     flat = torch.cat([v.flatten(2) for v in values], -1)  # (L, B, V)
     first = _first_copies(flat)
@@ -276,6 +280,19 @@ def _correlate_distinct(frames: Tensor, templates: Tensor, first: Tensor) -> tup
     first_row = (start + rank.gather(0, first)) * digits  # (L, B)
     rows = first_row[..., None] + torch.arange(digits, device=first.device)
     return torch.cat(maps), rows
+
+
+def _correlate_all(frames: Tensor, templates: Tensor) -> tuple[Tensor, Tensor]:
+    """``_correlate_distinct``'s maps and rows for every particle, copies included:
+    one grouped convolution, video b's frame against its ``L x D`` templates."""
+    num_particles, batch, digits, size = templates.shape[:4]
+    weight = templates.transpose(0, 1).reshape(batch * num_particles * digits, 1, size, size)
+    corr = F.conv2d(frames[None], weight, groups=batch)[0]  # (B L D, H-S+1, H-S+1)
+    ar = torch.arange
+    rows = (ar(batch, device=frames.device) * num_particles)[None, :, None] + ar(num_particles, device=frames.device)[
+        :, None, None
+    ]
+    return corr, rows * digits + ar(digits, device=frames.device)
 
 
 def frame_log_likelihood(x: Tensor, templates: Tensor, where: Tensor, cfg: BMNISTConfig) -> Tensor:
@@ -371,14 +388,9 @@ def _patch_likelihood_frame(
     base = base.long()
     fx, fy = frac[..., 0, None, None], frac[..., 1, None, None]  # (L, B, D, 1, 1)
     # bilinear blend, rows then columns: patch (L, B, D, S + 1, S + 1)
-    rows = t.new_empty(num_particles, batch, digits, side, size)
-    torch.mul(t, 1.0 - fy, out=rows[..., :size, :])
-    rows[..., size, :] = 0.0
-    rows[..., 1:, :].addcmul_(t, fy)
-    patch = t.new_empty(num_particles, batch, digits, side, side)
-    torch.mul(rows, 1.0 - fx, out=patch[..., :size])
-    patch[..., size] = 0.0
-    patch[..., 1:].addcmul_(rows, fx)
+    # (padded sums, not writes into views: torch.compile takes no out= into a strided view)
+    rows = F.pad(t * (1.0 - fy), (0, 0, 0, 1)) + F.pad(t * fy, (0, 0, 1, 0))
+    patch = F.pad(rows * (1.0 - fx), (0, 1)) + F.pad(rows * fx, (1, 0))
     # flat canvas indices, separable: row part + column part; off-canvas -> row/column H
     ar = torch.arange(side, device=t.device)
     cols = base[..., 0, None] + ar  # (L, B, D, S + 1)
@@ -519,6 +531,8 @@ class BouncingMNIST(Model):
         also holds the grad mode, train/eval mode and the decoder's parameter versions
         (an optimizer step bumps them).
         """
+        if torch.compiler.is_compiling():  # the graph holds no tensor versions or weak references
+            return self.decoder(z_what)
         key = (torch.is_grad_enabled(), self.training, tuple(p._version for p in self.decoder.parameters()))
         memo = self._memo
         if memo is not None and memo[0] == key:
@@ -628,6 +642,8 @@ def _gather_copies(z: Tensor, source: Tensor, source_out: Tensor) -> Tensor | No
     is an exact copy of a particle of ``source (L', B, ...)`` for the same video
     (``source_out[a(l, b), b]``); else ``None``."""
     if z.shape[1:] != source.shape[1:] or z.dtype != source.dtype or z.device != source.device:
+        return None
+    if not values_on_host(z):  # a device: decoding again costs less than a host read
         return None
     same = (z.unsqueeze(1) == source.unsqueeze(0)).flatten(3).all(-1)  # (L, L', B)
     if not bool(same.any(1).all()):
@@ -1080,8 +1096,10 @@ class BMNISTProposals(Proposals):
         templates = _flush_denormals(self.model[0].templates(z["z_what"]).detach())
         # Resampling leaves copies of particles; a copy's z_what, hence its correlation
         # maps and proposal, are its original's: compute them once per distinct particle.
-        first = _first_copies(z["z_what"])
-        corr, rows = _correlate_distinct(x[:, t - 1], templates, first)
+        if values_on_host(templates):
+            corr, rows = _correlate_distinct(x[:, t - 1], templates, _first_copies(z["z_what"]))
+        else:  # a device: every particle (the distinct ones' count would be a host read)
+            corr, rows = _correlate_all(x[:, t - 1], templates)
         if templates.shape[2] == 1:  # nothing to explain away: one network pass per distinct particle
             q = self.where_net(corr)  # over (N distinct, 2)
             q = Normal(q.loc[rows], q.scale[rows], validate_args=False)

@@ -68,6 +68,7 @@ from torch import Tensor, nn
 
 from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.distributions import categorical_log_prob, categorical_sample, softmax_short
+from apg.host import values_on_host
 from apg.kernels import call, native_function
 from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
 from apg.random import new_key, uniform, uniform_pair
@@ -356,13 +357,13 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     # One sum per tensor: finite unless some element is NaN or infinite (or the sum
     # overflows, which only sends it to the elementwise check). isfinite(t).all() is
     # ~5 passes over the 40,000 elements of a rings step's draw.
-    if not math.isfinite(float(k.sum() + loc.sum())) and not (
+    if values_on_host(k) and not math.isfinite(float(k.sum() + loc.sum())) and not (
         torch.isfinite(k).all() and torch.isfinite(loc).all()
     ):
         raise ValueError("von Mises parameters must be finite (the rejection loop would not end)")
     loc = loc.detach().reshape(-1)
     # Philox uniforms on CPU in float32/64 (apg.random); torch.rand elsewhere.
-    key = new_key() if loc.device.type == "cpu" and k.dtype in (torch.float32, torch.float64) else None
+    key = new_key() if values_on_host(loc) and k.dtype in (torch.float32, torch.float64) else None
     native = native_function("von_mises", loc, k)
     if native is None:
         return _von_mises_torch(loc, k, candidates, key).reshape(shape)
@@ -375,11 +376,18 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     return alpha.reshape(shape)
 
 
+# On a device, one round of this many candidates per element and no host read (apg.host):
+# each is accepted with probability >= 0.65, so an element accepts none with probability
+# <= 0.35^32 ~ 3e-15 (it is then NaN, a zero-weight particle).
+DEVICE_CANDIDATES = 32
+
+
 def _von_mises_torch(loc: Tensor, k: Tensor, candidates: int, key: int | None) -> Tensor:
     """``sample_von_mises`` for flat ``loc`` and clamped ``k`` (the PyTorch twin of the
     compiled ``von_mises`` in ``apg/kernels/rings.c``). Candidate ``j`` of element ``e``'s
     round ``r`` takes the Philox block ``(key; e, r * candidates + j)`` (``apg.random``), or
-    ``torch.rand`` where ``key`` is None (other devices)."""
+    where ``key`` is None (other devices) ``torch.rand`` for one round of
+    ``DEVICE_CANDIDATES``."""
     s = torch.hypot(torch.ones_like(k), 2.0 * k)  # sqrt(1 + 4 k^2) without overflow
     tau = 1.0 + s
     root = torch.sqrt(2.0 * tau)
@@ -387,44 +395,53 @@ def _von_mises_torch(loc: Tensor, k: Tensor, candidates: int, key: int | None) -
     one_minus_rho = (1.0 + 1.0 / (s + 2.0 * k) + root) / (tau + root)
     r_minus_1 = one_minus_rho**2 / (2.0 * rho)
     scale = k * r_minus_1 * (r_minus_1 + 2.0)  # k (r^2 - 1)
-    theta = torch.empty_like(k)
-    todo = None  # every element, without indexing copies in the first round
-    elements = torch.arange(k.numel()) if key is not None else None
-    for round_ in itertools.count():
-        if todo is not None and not todo.numel():
-            break
-        rm1, sc = (r_minus_1, scale) if todo is None else (r_minus_1[todo], scale[todo])
-        if key is None:
-            u = torch.rand((2, candidates, rm1.numel()), dtype=k.dtype, device=k.device)
-        else:
+    if key is None:
+        u = torch.rand((2, DEVICE_CANDIDATES, k.numel()), dtype=k.dtype, device=k.device)
+        kept, accepted = _von_mises_round(r_minus_1, scale, u)
+        theta = torch.where(accepted, kept, math.nan)
+    else:
+        theta = torch.empty_like(k)
+        todo = None  # every element, without indexing copies in the first round
+        elements = torch.arange(k.numel())
+        for round_ in itertools.count():
+            if todo is not None and not todo.numel():
+                break
+            rm1, sc = (r_minus_1, scale) if todo is None else (r_minus_1[todo], scale[todo])
             element = elements if todo is None else elements[todo]
             draws = [uniform_pair(key, element, round_ * candidates + j, k.dtype) for j in range(candidates)]
             u = torch.stack([torch.stack(side) for side in zip(*draws, strict=True)])
-        # One uniform gives both the side (u < 1/2) and, rescaled, the angle's magnitude.
-        left = u[0] < 0.5
-        half = (0.5 * math.pi) * torch.where(left, 2.0 * u[0], 2.0 * u[0] - 1.0)
-        one_plus_z, one_minus_z = 2.0 * torch.cos(half) ** 2, 2.0 * torch.sin(half) ** 2
-        r_plus_z = rm1 + one_plus_z
-        cc = sc / r_plus_z
-        ok = (cc * (2.0 - cc) > u[1]) | (torch.log(cc / u[1]) + 1.0 >= cc)
-        # acos(f) = 2 asin(sqrt((1 - f) / 2)), accurate where f is close to 1.
-        half_gap = (0.5 * rm1 * one_minus_z / r_plus_z).clamp(0.0, 1.0)
-        magnitude = 2.0 * torch.asin(torch.sqrt(half_gap))
-        draw = torch.where(left, -magnitude, magnitude)
-        rejected_before = (~ok).cumprod(0).sum(0, keepdim=True)  # index of the first accepted
-        accepted = rejected_before[0] < candidates
-        first = rejected_before.clamp_max(candidates - 1)
-        kept = draw.gather(0, first).squeeze(0)
-        if todo is None:
-            theta = kept
-            todo = (~accepted).nonzero().squeeze(-1)
-        else:
-            theta[todo[accepted]] = kept[accepted]
-            todo = todo[~accepted]
+            kept, accepted = _von_mises_round(rm1, sc, u)
+            if todo is None:
+                theta = kept
+                todo = (~accepted).nonzero().squeeze(-1)
+            else:
+                theta[todo[accepted]] = kept[accepted]
+                todo = todo[~accepted]
     alpha = torch.remainder(theta.to(loc.dtype) + loc, TWO_PI)
     # In float32, remainder(-1e-8, 2 pi) rounds to 2 pi itself, outside [0, 2 pi), where
     # the prior density is zero; that point of the circle is angle 0.
     return torch.where(alpha >= TWO_PI, torch.zeros_like(alpha), alpha)
+
+
+def _von_mises_round(rm1: Tensor, sc: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+    """One round of Best & Fisher's proposals, ``u (2, candidates, n)`` uniforms for ``n``
+    elements: each element's first accepted angle (centred at 0) and whether it has one."""
+    candidates = u.shape[1]
+    # One uniform gives both the side (u < 1/2) and, rescaled, the angle's magnitude.
+    left = u[0] < 0.5
+    half = (0.5 * math.pi) * torch.where(left, 2.0 * u[0], 2.0 * u[0] - 1.0)
+    one_plus_z, one_minus_z = 2.0 * torch.cos(half) ** 2, 2.0 * torch.sin(half) ** 2
+    r_plus_z = rm1 + one_plus_z
+    cc = sc / r_plus_z
+    ok = (cc * (2.0 - cc) > u[1]) | (torch.log(cc / u[1]) + 1.0 >= cc)
+    # acos(f) = 2 asin(sqrt((1 - f) / 2)), accurate where f is close to 1.
+    half_gap = (0.5 * rm1 * one_minus_z / r_plus_z).clamp(0.0, 1.0)
+    magnitude = 2.0 * torch.asin(torch.sqrt(half_gap))
+    draw = torch.where(left, -magnitude, magnitude)
+    rejected_before = (~ok).cumprod(0).sum(0, keepdim=True)  # index of the first accepted
+    accepted = rejected_before[0] < candidates
+    first = rejected_before.clamp_max(candidates - 1)
+    return draw.gather(0, first).squeeze(0), accepted
 
 
 def von_mises_log_prob(value: Tensor, loc: Tensor, concentration: Tensor) -> Tensor:
@@ -566,7 +583,8 @@ def pool_assigned(per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int, pr
     native = native_function("centre_pool", per_point, x)
     if native is None or per_point.dim() != 4 or x.dim() != 3 or x.requires_grad:
         offset, raw = per_point.chunk(2, -1)
-        weights = F.one_hot(c, num_clusters).to(per_point.dtype)
+        # == against the cluster numbers: F.one_hot checks c's range, a host read on a device
+        weights = (c.unsqueeze(-1) == torch.arange(num_clusters, device=c.device)).to(per_point.dtype)
         return pool_per_cluster(weights, x - offset, torch.exp(raw), prior_precision)
     backward = native_function("centre_pool_backward", per_point)
     sums = _CentrePool.apply(per_point, x, c, num_clusters, native, backward)

@@ -51,13 +51,15 @@ class NormalGamma:
     def __init__(self, mu: Tensor, nu: Tensor, alpha: Tensor, beta: Tensor):
         self.mu, self.nu, self.alpha, self.beta = mu, nu, alpha, beta
 
-    @torch.no_grad()  # draws, not reparameterized samples (BlockDistribution)
     def sample(self) -> Latents:
-        shape = torch.broadcast_shapes(*(p.shape for p in (self.mu, self.nu, self.alpha, self.beta)))
-        # clamped as torch's Gamma does: a tiny shape can round a draw to 0
-        tiny = torch.finfo(self.beta.dtype).tiny
-        tau = (standard_gamma(self.alpha.expand(shape)) / self.beta).clamp_min(tiny)
-        mu = self.mu + torch.randn(shape, dtype=tau.dtype, device=tau.device) * torch.rsqrt(self.nu * tau)
+        # Draws, not reparameterized samples (BlockDistribution). A with-block, not the
+        # decorator: torch.compile cannot call a decorated method of an object made in the graph.
+        with torch.no_grad():
+            shape = torch.broadcast_shapes(*(p.shape for p in (self.mu, self.nu, self.alpha, self.beta)))
+            # clamped as torch's Gamma does: a tiny shape can round a draw to 0
+            tiny = torch.finfo(self.beta.dtype).tiny
+            tau = (standard_gamma(self.alpha.expand(shape)) / self.beta).clamp_min(tiny)
+            mu = self.mu + torch.randn(shape, dtype=tau.dtype, device=tau.device) * torch.rsqrt(self.nu * tau)
         return {"mu": mu, "tau": tau}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
