@@ -161,6 +161,11 @@ class Trainer:
         self._cursor = 0
         self._forward = self._loss_and_metrics
         if cfg.compile:
+            # One compiled trainer per process at a time: a sweep's actors train trials one
+            # after another (Ray's reuse_actors), and every trainer's trace shares this
+            # method's code, whose cache would pile up entries to dynamo's recompile limit
+            # and then run eager. So a new trainer starts the cache afresh.
+            torch._dynamo.reset()
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
             self._forward = torch.compile(self._loss_and_metrics, fullgraph=True, dynamic=False, mode=mode)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One lease of a GPU machine in one call (it has PyTorch, not Ray, MLflow or DVC):
-#   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda), and
+#   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda; with
+#      COMPILE=1 also compiled, --compile, within COMPILE_S seconds), and
 #      the GPU's sampler against the CPU's on trained cells (bench/cuda_agreement.py: cells and
 #      held-out sets carried in AGREE/<task>/{model.pt,test.npz});
 #   2. with CHECK=1, the gpu-bmnist profile under paper-check's caps: fails fast on a code path
@@ -17,7 +18,7 @@
 #     DEADLINE=570 OUT=/tmp/out bash bench/gpu_session.sh
 set -u
 OUT=${OUT:?set OUT}; PROFILE=${PROFILE:-gpu-bmnist}; MINUTES=${MINUTES:-6}; DEADLINE=${DEADLINE:-570}; DEVICE=${DEVICE:-cuda}
-EVAL_MIN=${EVAL_MIN:-150}; TIMINGS=${TIMINGS:-1}; CHECK=${CHECK:-0}; AGREE=${AGREE:-.device/agree}
+EVAL_MIN=${EVAL_MIN:-150}; TIMINGS=${TIMINGS:-1}; COMPILE=${COMPILE:-0}; CHECK=${CHECK:-0}; AGREE=${AGREE:-.device/agree}
 export APG_MNIST_DIR=${MNIST_DIR:-.device/mnist} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export APG_NATIVE_KERNELS=0   # the C kernels are for CPU tensors: nothing to build on a GPU machine
 start=$(date +%s)
@@ -37,13 +38,19 @@ if [ "$TIMINGS" = 1 ]; then
   timeout 120 python3 bench/paper_scale.py --device "$DEVICE" --steps 5 \
     --json "$OUT/paper_scale_cuda.json" --markdown "$OUT/paper_scale_cuda.md" || echo "paper_scale: exit $?"
 fi
+if [ "$COMPILE" = 1 ]; then  # the same, compiled (train.compile: fullgraph, CUDA graphs)
+  echo "== 1b. compiled per-step times at paper sizes $(date +%T)"
+  timeout "${COMPILE_S:-300}" python3 bench/paper_scale.py --device "$DEVICE" --steps 5 --compile \
+    --json "$OUT/paper_scale_cuda_compiled.json" --markdown "$OUT/paper_scale_cuda_compiled.md" \
+    || echo "paper_scale --compile: exit $?"
+fi
 for task in gmm dgmm bmnist; do
   [ -f "$AGREE/$task/model.pt" ] || continue
   pair="10 10"; [ $task = bmnist ] && pair="4 4"
   timeout 45 python3 bench/cuda_agreement.py --cell "$AGREE/$task/model.pt" --data "$AGREE/$task/test.npz" \
     --pair $pair --seeds 4 --batch 20 --device "$DEVICE" --json "$OUT/agree_$task.json" || echo "agreement $task: exit $?"
 done
-mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda.* "$OUT/t/" 2>/dev/null
+mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda* "$OUT/t/" 2>/dev/null
 tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
 
 if [ "$CHECK" = 1 ]; then

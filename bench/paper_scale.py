@@ -11,7 +11,10 @@ in the params' storage dtype, times the paper's dataset count). The full cost is
 cells x iterations x seconds per step, shown per row with its arithmetic.
 
     python bench/paper_scale.py [--params params-paper.yaml] [--steps 3] [--threads 1]
-        [--tasks gmm dgmm bmnist] [--json OUT] [--markdown OUT] [--device cuda]
+        [--tasks gmm dgmm bmnist] [--json OUT] [--markdown OUT] [--device cuda] [--compile]
+
+``--compile`` trains every cell whose method allows it with ``TrainConfig.compile`` (one
+``torch.compile`` graph; CUDA graphs on a GPU) and reports its warm-up apart.
 
 On a GPU (``--device cuda``) each step is timed between ``torch.cuda.synchronize()`` calls,
 the peak is the device's allocated memory (``torch.cuda.max_memory_allocated``, reset per
@@ -74,17 +77,21 @@ def plan(params_file: Path, tasks: list[str] | None) -> list[dict]:
     return list(rows.values())
 
 
-def measure(row: dict, steps: int, threads: int, device: str = "cpu") -> dict:
-    """Time one cell's training steps in this process (called in a fresh subprocess on a CPU)."""
+def measure(row: dict, steps: int, threads: int, device: str = "cpu", compile_: bool = False) -> dict:
+    """Time one cell's training steps in this process (called in a fresh subprocess on a CPU).
+    With ``compile_``, cells whose method compiles train with ``TrainConfig.compile``; their
+    first steps (tracing, code generation, CUDA graph capture) are timed apart."""
     import numpy as np
     import torch
 
+    from apg.baselines import METHODS
     from apg.training import TrainConfig, Trainer
     from pipeline.generate import simulate_set
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    cfg = TrainConfig.from_dict(row["train"])
+    compiled = compile_ and METHODS[row["method"]].not_compiled_because is None
+    cfg = TrainConfig.from_dict({**row["train"], "compile": compiled})
     start = time.perf_counter()
     arrays = simulate_set(cfg.task, cfg.model, cfg.batch_size, 0, row["sizes"])
     simulate_seconds = (time.perf_counter() - start) / cfg.batch_size
@@ -95,7 +102,13 @@ def measure(row: dict, steps: int, threads: int, device: str = "cpu") -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(cfg, torch.from_numpy(arrays["x"]), device)
-    trainer.step()  # warm-up: first-call costs (kernel compilation, allocator) are paid once per trial
+    start = time.perf_counter()
+    # warm-up: first-call costs (kernel compilation, allocator; compiled: tracing, code
+    # generation and, on a GPU, CUDA graph recording over the first calls) once per trial
+    for _ in range(3 if compiled else 1):
+        trainer.step()
+    sync()
+    warmup_seconds = time.perf_counter() - start
     times = []
     for _ in range(steps):
         sync()
@@ -104,6 +117,8 @@ def measure(row: dict, steps: int, threads: int, device: str = "cpu") -> dict:
         sync()
         times.append(time.perf_counter() - t0)
     return {
+        "compiled": compiled,
+        "warmup_seconds": warmup_seconds,
         "seconds_per_step": statistics.median(times),
         "step_seconds": times,
         "peak_rss_mb": vm_hwm_mb(),
@@ -140,9 +155,10 @@ def markdown(rows: list[dict], meta: dict) -> str:
             )
             continue
         peak = r["peak_gpu_mb"] if gpu else r["peak_rss_mb"]
+        compiled = f" (compiled; warm-up {r['warmup_seconds']:.0f} s)" if r.get("compiled") else ""
         lines.append(
             f"| {r['task']} | {r['method']} | {r['K']} | {r['L']} | {r['train']['batch_size']} | "
-            f"{r['seconds_per_step']:.3g} | {peak:.0f} | {r['train_set_gb']:.2f} | {r['cells']} | "
+            f"{r['seconds_per_step']:.3g}{compiled} | {peak:.0f} | {r['train_set_gb']:.2f} | {r['cells']} | "
             f"{r['cost']['arithmetic']} | {r['cost']['hours']:.1f} |"
         )
     rows = [r for r in rows if not r.get("error")]
@@ -168,24 +184,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: cells in this process on the GPU")
+    parser.add_argument(
+        "--compile", action="store_true", help="train with TrainConfig.compile where the method allows it"
+    )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a row as JSON: measure it here
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(measure(json.loads(args.one), args.steps, args.threads)), flush=True)
+        print(json.dumps(measure(json.loads(args.one), args.steps, args.threads, compile_=args.compile)), flush=True)
         return []
     rows = plan(Path(args.params), args.tasks)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     for row in rows:
         if args.device != "cpu":
             try:
-                row.update(measure(row, args.steps, args.threads, args.device))
+                row.update(measure(row, args.steps, args.threads, args.device, args.compile))
             except Exception as err:  # noqa: BLE001 - one failing cell must not hide the others' numbers
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
                 print(f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} {row['error']}", flush=True)
                 continue
         else:
             cmd = [sys.executable, __file__, "--one", json.dumps(row), "--steps", str(args.steps),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads), *(["--compile"] if args.compile else [])]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
             if proc.returncode != 0:
                 raise SystemExit(f"{row['task']}/{row['method']}: {proc.stderr.strip().splitlines()[-1]}")
@@ -207,6 +226,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "steps": args.steps,
         "threads": args.threads,
         "device": args.device,
+        "compile": args.compile,
         "machine": machine,
     }
     text = markdown(rows, meta)
