@@ -123,6 +123,20 @@ def test_correlate_matches_direct_sum(f64):
         assert torch.allclose(got[l, b, d, sy, sx], want)
 
 
+def test_the_device_path_correlates_every_particle_as_the_cpu_path_does_its_originals(f64):
+    from apg.tasks.bmnist import _correlate_all, _correlate_distinct, _first_copies
+
+    frames = torch.rand(2, 9, 9)
+    templates = torch.rand(4, 2, 3, 4, 4)  # (L, B, D, S, S)
+    templates[2, 0] = templates[0, 0]  # a resampled copy: the CPU path computes it once
+    z = templates.flatten(3)  # stands in for z_what: equal exactly where the templates are
+    cpu_maps, cpu_rows = _correlate_distinct(frames, templates, _first_copies(z))
+    all_maps, all_rows = _correlate_all(frames, templates)
+    assert all_maps.shape[0] == 4 * 2 * 3 > cpu_maps.shape[0]
+    assert torch.allclose(all_maps[all_rows], cpu_maps[cpu_rows])
+    assert torch.allclose(all_maps[all_rows], correlate(frames, templates))
+
+
 def test_frame_likelihood_equals_dense_bernoulli(f64):
     cfg = BMNISTConfig(canvas_size=20, digit_size=6, prob_eps=1e-3)
     L, B, Fr, D = 2, 3, 2, 3
