@@ -22,6 +22,7 @@ from torch import Tensor
 
 from apg.baselines import Method, get_method
 from apg.data import StoredRows
+from apg.host import values_on_host
 from apg.metrics import importance_log_evidence, inclusive_kl, reconstruction_mse, sweep_curves
 from apg.smc.resampling import get_resampler
 from apg.smc.sampler import RESAMPLE_MODES
@@ -157,6 +158,7 @@ class Trainer:
         # would double in size if cast whole. Rows on disk (StoredRows) stay there.
         self.train_x = train_x.to(self.device) if isinstance(train_x, Tensor) else train_x
         self.iteration = 0
+        self._last: tuple[Tensor, dict[str, Tensor]] | None = None
         self._order = torch.randperm(len(self.train_x))
         self._cursor = 0
         self._forward = self._loss_and_metrics
@@ -181,10 +183,12 @@ class Trainer:
 
     def step(self, log: bool = True) -> dict[str, float] | None:
         """One gradient step. With ``log``: the scalar metrics of its final sweep, read back
-        in one host read before the update (a non-finite loss raises ``TrainingDiverged``
-        and leaves the weights as they were). Without: nothing is read back from the
-        device (``apg.host``), so on a GPU the step only queues its work; a loss that
-        became non-finite is caught at the next logged step."""
+        in one host read before the update. Without: nothing is read back from a device
+        (``apg.host``), so on a GPU the step only queues its work. A non-finite loss raises
+        ``TrainingDiverged`` before the update, at every step on a CPU and at logged steps
+        on a device (a divergence between two logged steps shows at the second). On a GPU
+        a logged step's ``step_seconds`` includes waiting for the unlogged steps queued
+        before it."""
         start = time.perf_counter()
         x = self._next_batch()
         cfg = self.cfg
@@ -194,12 +198,13 @@ class Trainer:
                 loss, values = self._forward(x)
         else:
             loss, values = self._forward(x)
+        self._last = (loss.detach(), values)
         metrics = _read(loss, values) if log else None
-        if metrics is not None and not math.isfinite(metrics["loss"]):
-            raise TrainingDiverged(
-                f"loss became {metrics['loss']} at iteration {self.iteration + 1} (logged steps are "
-                "checked, the others are not read back); try a lower learning rate"
-            )
+        # Every step's loss is checked where reading it is free (apg.host); on a device only
+        # the logged steps', so a divergence shows there and the weights may be NaN by then.
+        value = metrics["loss"] if metrics is not None else float(loss) if values_on_host(loss) else 0.0
+        if not math.isfinite(value):
+            raise TrainingDiverged(f"loss became {value} at iteration {self.iteration + 1}; try a lower learning rate")
         if self.optimizer is not None:
             lr = learning_rate(cfg, self.iteration)
             for group in self.optimizer.param_groups:
@@ -211,6 +216,11 @@ class Trainer:
         if metrics is not None:
             metrics["step_seconds"] = time.perf_counter() - start
         return metrics
+
+    def last_metrics(self) -> dict[str, float]:
+        """The metrics of the last step, read back now (for a step run with ``log=False``
+        that turns out to need logging, such as the last before a deadline)."""
+        return _read(*self._last)
 
     def _loss_and_metrics(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """The method's surrogate loss on batch ``x`` and its final sweep's scalar metrics

@@ -173,6 +173,8 @@ class Cell:
         if not cfg["method_options"]:
             # Cells of methods without options keep the ids they had before options existed.
             del cfg["method_options"]
+        if not cfg["compile"]:  # likewise the cells trained eagerly, before compile existed
+            del cfg["compile"]
         payload = json.dumps({"cfg": cfg, "seed": self.seed, "data": data_digest}, sort_keys=True)
         digest = hashlib.sha256(payload.encode()).hexdigest()[:10]
         return f"{self.method}-K{self.sweeps}-L{self.particles}-s{self.seed}-{digest}"

@@ -194,11 +194,11 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     sync = torch.cuda.synchronize if torch.device(job["device"]).type == "cuda" else (lambda: None)
     if job["calibrate"]:
         for _ in range(2):
-            trainer.step()
+            trainer.step(log=False)
         sync()
         t0 = time.perf_counter()
-        for _ in range(CALIBRATION_STEPS):
-            trainer.step()
+        for _ in range(CALIBRATION_STEPS):  # as training runs them: not read back
+            trainer.step(log=False)
         sync()
         return {"seconds_per_step": (time.perf_counter() - t0) / CALIBRATION_STEPS}
     cell_dir.mkdir(parents=True, exist_ok=True)
@@ -207,15 +207,18 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     window_iters = 0
     stopped = False
     while trainer.iteration < cfg.iterations:
-        # The deadline is looked at before the step, so that the step it stops after is logged.
-        stopping = job["deadline"] is not None and time.time() > job["deadline"]
         done = trainer.iteration + 1
-        logged = stopping or done % job["log_every"] == 0 or done == cfg.iterations
-        metrics = trainer.step(log=logged)
+        metrics = trainer.step(log=done % job["log_every"] == 0 or done == cfg.iterations)
         window_iters += 1
-        stopped = stopping and trainer.iteration < cfg.iterations
-        if not logged:
+        stopped = (
+            job["deadline"] is not None
+            and time.time() > job["deadline"]
+            and trainer.iteration < cfg.iterations
+        )
+        if metrics is None and not stopped:
             continue
+        if metrics is None:  # the step it stops after is logged too
+            metrics = trainer.last_metrics()
         now = time.perf_counter()
         history.append({"iteration": trainer.iteration, **metrics, "it_per_s": window_iters / (now - window)})
         window, window_iters = now, 0

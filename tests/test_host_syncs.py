@@ -9,12 +9,14 @@ every method it runs, two steps each (the second after the first's resampling le
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from apg.baselines import METHODS
 from apg.tasks import get_task, task_names
-from apg.training import TrainConfig, Trainer, make_method
+from apg.training import TrainConfig, Trainer, TrainingDiverged, make_method
 from pipeline.generate import simulate_set
 
 SIZES = {"gmm": {"num_points": 12}, "dgmm": {"num_points": 24}}
@@ -24,6 +26,12 @@ NETWORK = {"bmnist": {"num_digits": 2}}
 def videos() -> torch.Tensor:
     """Frames for Bouncing MNIST's step (no MNIST needed: any values in [0, 1] will do)."""
     return torch.rand(4, 3, 96, 96)
+
+
+def config_for(task: str, method: str) -> TrainConfig:
+    return TrainConfig(
+        task=task, method=method, sweeps=2, particles=3, batch_size=2, iterations=2, network=NETWORK.get(task, {})
+    )
 
 
 def runnable(task: str, method: str) -> bool:
@@ -40,9 +48,7 @@ CASES = [(t, m) for t in task_names() for m in METHODS if runnable(t, m)]
 @pytest.mark.parametrize("task,method", CASES)
 def test_an_unlogged_training_step_reads_nothing_back(task, method):
     x = videos() if task == "bmnist" else torch.as_tensor(simulate_set(task, {}, 4, 1, SIZES[task])["x"]).float()
-    cfg = TrainConfig(
-        task=task, method=method, sweeps=2, particles=3, batch_size=2, iterations=2, network=NETWORK.get(task, {})
-    )
+    cfg = config_for(task, method)
     try:
         trainer = Trainer(cfg, x, device="meta")
     except ValueError as err:  # the method cannot run this task's model
@@ -54,5 +60,30 @@ def test_an_unlogged_training_step_reads_nothing_back(task, method):
     for _ in range(2):
         assert trainer.step(log=False) is None
     assert trainer.iteration == 2
-    with pytest.raises((RuntimeError, NotImplementedError)):  # a logged step reads its metrics back
-        trainer.step(log=True)
+    with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
+        trainer.step(log=True)  # a logged step reads its metrics back, in one read
+
+
+def test_an_unlogged_step_on_a_cpu_still_stops_at_a_non_finite_loss(monkeypatch):
+    # Reading the loss is free on a CPU: every step checks it, before the update.
+    x = torch.as_tensor(simulate_set("gmm", {}, 4, 1, SIZES["gmm"])["x"]).float()
+    trainer = Trainer(config_for("gmm", "apg"), x)
+    trainer.step(log=False)
+    before = [p.detach().clone() for p in trainer.proposals.parameters()]
+    loss = trainer.method.loss
+    monkeypatch.setattr(trainer.method, "loss", lambda result: loss(result) * float("nan"))
+    with pytest.raises(TrainingDiverged, match="loss became nan at iteration 2"):
+        trainer.step(log=False)
+    assert trainer.iteration == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.proposals.parameters(), strict=True))
+
+
+def test_multinomial_resampling_on_a_device_survives_a_dataset_without_weight(monkeypatch):
+    # On a device nothing checks the weights (apg.host); CUDA's multinomial would assert on
+    # NaN probabilities, so such a dataset is drawn uniformly (its loss is non-finite).
+    from apg.smc import resampling
+
+    monkeypatch.setattr(resampling, "values_on_host", lambda t: False)
+    log_w = torch.tensor([[0.0, -math.inf], [-1.0, -math.inf], [-2.0, -math.inf]])  # (L, B)
+    ancestors = resampling.multinomial(log_w)
+    assert ancestors.shape == (3, 2) and bool(((ancestors >= 0) & (ancestors < 3)).all())

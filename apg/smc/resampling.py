@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from apg.host import values_on_host
 from apg.kernels import call, native_function
 from apg.smc.weights import log_mean_exp, normalized_weights, sanitize
 
@@ -23,6 +24,11 @@ def multinomial(log_w: Tensor) -> Tensor:
     """L independent draws from Cat(w) per dataset."""
     num_particles = log_w.shape[0]
     w = normalized_weights(log_w).T  # (B, L)
+    if not values_on_host(w):
+        # A dataset without a finite weight (unchecked on a device, apg.host) has NaN
+        # weights, on which CUDA's multinomial stops the process with a device-side assert:
+        # draw it uniformly instead; its loss is non-finite and the next logged step says so.
+        w = torch.where(torch.isfinite(w).all(-1, keepdim=True), w, torch.ones_like(w))
     return torch.multinomial(w, num_particles, replacement=True).T
 
 

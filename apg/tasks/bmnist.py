@@ -388,9 +388,18 @@ def _patch_likelihood_frame(
     base = base.long()
     fx, fy = frac[..., 0, None, None], frac[..., 1, None, None]  # (L, B, D, 1, 1)
     # bilinear blend, rows then columns: patch (L, B, D, S + 1, S + 1)
-    # (padded sums, not writes into views: torch.compile takes no out= into a strided view)
-    rows = F.pad(t * (1.0 - fy), (0, 0, 0, 1)) + F.pad(t * fy, (0, 0, 1, 0))
-    patch = F.pad(rows * (1.0 - fx), (0, 1)) + F.pad(rows * fx, (1, 0))
+    if torch.compiler.is_compiling():  # the same sums padded: no out= into strided views there
+        rows = F.pad(t * (1.0 - fy), (0, 0, 0, 1)) + F.pad(t * fy, (0, 0, 1, 0))
+        patch = F.pad(rows * (1.0 - fx), (0, 1)) + F.pad(rows * fx, (1, 0))
+    else:  # in place, without the padded copies
+        rows = t.new_empty(num_particles, batch, digits, side, size)
+        torch.mul(t, 1.0 - fy, out=rows[..., :size, :])
+        rows[..., size, :] = 0.0
+        rows[..., 1:, :].addcmul_(t, fy)
+        patch = t.new_empty(num_particles, batch, digits, side, side)
+        torch.mul(rows, 1.0 - fx, out=patch[..., :size])
+        patch[..., size] = 0.0
+        patch[..., 1:].addcmul_(rows, fx)
     # flat canvas indices, separable: row part + column part; off-canvas -> row/column H
     ar = torch.arange(side, device=t.device)
     cols = base[..., 0, None] + ar  # (L, B, D, S + 1)
