@@ -202,7 +202,7 @@ class Trainer:
         metrics = _read(loss, values) if log else None
         # Every step's loss is checked where reading it is free (apg.host); on a device only
         # the logged steps', so a divergence shows there and the weights may be NaN by then.
-        value = metrics["loss"] if metrics is not None else float(loss) if values_on_host(loss) else 0.0
+        value = metrics["loss"] if metrics is not None else float(loss.detach()) if values_on_host(loss) else 0.0
         if not math.isfinite(value):
             raise TrainingDiverged(f"loss became {value} at iteration {self.iteration + 1}; try a lower learning rate")
         if self.optimizer is not None:

@@ -115,6 +115,7 @@ EVALUATE_KEYS: dict[str, Any] = {
     "baseline": str,
     "figure_sweeps": list,
     "figure_particles": int,
+    "threads": int,  # torch threads of the evaluate stage (default: sweep.torch_threads)
     "imputation": dict,
 }
 # evaluate.imputation (issue 22, pipeline/impute.py): which cells impute hidden entries of
@@ -279,7 +280,7 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         raise ParamsError(
             f"{task}.evaluate.baseline: unknown method {ev['baseline']!r}; choose one of {sorted(METHODS)}"
         )
-    for key in ("batch_size", "figure_particles"):
+    for key in ("batch_size", "figure_particles", "threads"):
         if key in ev and ev[key] < (2 if key == "figure_particles" else 1):
             raise ParamsError(f"{task}.evaluate.{key}: too small ({ev[key]})")
     for j, k in enumerate(ev.get("figure_sweeps", [])):

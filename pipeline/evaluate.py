@@ -568,7 +568,9 @@ def main(argv: list[str] | None = None) -> None:
     def work() -> None:
         params = load_params(args.params)
         root = project_root()
-        torch.set_num_threads(params["sweep"].get("torch_threads", 1))
+        # The evaluation runs alone after the sweep: its own thread count (default: a trial's)
+        evaluate = params[args.task].get("evaluate", {})
+        torch.set_num_threads(evaluate.get("threads", params["sweep"].get("torch_threads", 1)))
         out = Path(args.out or root / "results" / "eval" / args.task)
         start = time.monotonic()
         meta = evaluate_task(params, args.task, root, out, args.device)
