@@ -162,6 +162,29 @@ def test_trials_start_longest_first():
     assert estimated_cost(grid_cells(iterations, "gmm")[0]) == 2 * estimated_cost(cells[0])
 
 
+def test_the_evaluation_runs_on_its_own_thread_count(tmp_path, monkeypatch):
+    # The evaluate stage runs alone after the sweep, so it may use every core; without the key
+    # it keeps a trial's count. A count below one is refused by name.
+    import torch
+
+    from pipeline import evaluate
+
+    with pytest.raises(ParamsError, match=r"^gmm.evaluate.threads: too small \(0\)$"):
+        validate_params(tiny(**{"gmm.evaluate.threads": 0}))
+    seen = []
+    monkeypatch.setattr(evaluate, "evaluate_task", lambda *a: seen.append(torch.get_num_threads()) or {"cells": {}})
+    monkeypatch.setattr(evaluate, "record_stage_time", lambda *a: None)
+    before = torch.get_num_threads()
+    try:
+        for params, expected in ((tiny(**{"gmm.evaluate.threads": 2}), 2), (tiny(), 1)):
+            path = tmp_path / "params.yaml"
+            path.write_text(yaml.safe_dump(params))
+            evaluate.main(["--task", "gmm", "--params", str(path), "--out", str(tmp_path / "out")])
+        assert seen == [2, 1]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_printed_mlflow_address_opens_the_runs_table():
     assert tracking.ui_url("http://host:5000/", "7") == "http://host:5000/#/experiments/7?workflowType=machine_learning"
     assert tracking.browse_hint("http://u:secret@host:5000", "7").endswith(
