@@ -573,8 +573,10 @@ VERDICT_RULES = (
     f"seed means (needs ≥ {MIN_SEEDS} "
     "seeds; with fewer it is n/a and the verdict, marked with the seed count, rests on the means). "
     "Threshold claims (≥, ≤, within a gap) use the mean. 'A above B' ('below') needs non-overlapping "
-    "95% intervals (with fewer seeds: A's mean above (below) B's). 'Falls over sweeps': the last "
-    "sweep's value below the first sweep's, by the same rule. 'A ≥ B' compares the means. 'Within noise' "
+    "95% intervals (with fewer seeds: A's mean above (below) B's). 'Falls over sweeps' compares a "
+    "cell with itself: per seed the mean over the held-out datasets of the last sweep's value minus "
+    "the first sweep's (same cell, same dataset), and needs that change's 95% interval below zero "
+    "(with fewer seeds: its mean). 'A ≥ B' compares the means. 'Within noise' "
     "needs overlapping intervals (no verdict with fewer seeds). 'Increasing with K' needs the mean "
     "to increase at every step. 'not run': the method, budget or metric is absent from these results."
 )
@@ -633,6 +635,26 @@ def seed_estimate(
         values = ref.reindex(values.index) - values
     per_seed = values.groupby(rows["seed"]).mean()
     return seed_interval(per_seed.to_numpy(), tuple(sorted(set(rows.index.get_level_values("cell_id")))))
+
+
+def paired_change(
+    before: pd.DataFrame, after: pd.DataFrame, method: str, metric: str, pair: tuple[int, int]
+) -> Estimate:
+    """``after - before`` of ``metric`` for the same cell and held-out dataset (two sweeps of
+    one run, say): per seed the mean over datasets, then ``seed_interval``. Paired, so the
+    spread between seeds and datasets that both share cancels."""
+    k, l = pair
+
+    def rows(frame: pd.DataFrame) -> pd.DataFrame:
+        at = frame[(frame["method"] == method) & (frame["K"] == k) & (frame["L"] == l) & (frame["metric"] == metric)]
+        return at.set_index(["cell_id", "dataset"])
+
+    a, b = rows(before), rows(after)
+    change = (b["value"] - a["value"].reindex(b.index)).dropna()
+    if change.empty:
+        return seed_interval([])
+    per_seed = change.groupby(b["seed"].reindex(change.index)).mean()
+    return seed_interval(per_seed.to_numpy(), tuple(sorted(set(change.index.get_level_values("cell_id")))))
 
 
 def retrained_estimates(retrained: pd.DataFrame, method: str, metric: str) -> dict[tuple[int, int], Estimate]:
@@ -697,7 +719,7 @@ def claim_target(spec: dict[str, Any]) -> str:
         at = f" at K={spec['other_pair'][0]} L={spec['other_pair'][1]}" if "other_pair" in spec else ""
         return f"{kind} {spec['other']}{at} (non-overlapping 95% intervals)"
     if kind == "falls_over_sweeps":
-        return "last sweep below sweep 1 (non-overlapping 95% intervals)"
+        return "last sweep below sweep 1 (paired change's 95% interval below 0)"
     if kind == "at_least":
         return f"≥ {spec['other']} (means)"
     if kind == "within_noise":
@@ -762,11 +784,15 @@ def check_claim(
         rows = curves if curves is not None else fin
         first = seed_estimate(rows[rows["sweep"] == 1], method, metric, pair)
         last = seed_estimate(fin, method, metric, pair)
-        if not first.n or not last.n:
+        change = paired_change(rows[rows["sweep"] == 1], fin, method, metric, pair)
+        if not first.n or not last.n or not change.n:
             return not_run
-        note = _seed_note(first, last)
-        ok = last.mean < first.mean if note else last.hi < first.lo
-        ours = f"{method} K={pair[0]} L={pair[1]}: sweep 1 {_est(first)} → sweep {pair[0]} {_est(last)}"
+        note = _seed_note(change)
+        ok = change.mean < 0 if note else change.hi < 0
+        ours = (
+            f"{method} K={pair[0]} L={pair[1]}: sweep 1 {_est(first)} → sweep {pair[0]} {_est(last)}; "
+            f"change {_est(change)}"
+        )
         return result(ours, ok, note, last.mean, last.lo, last.hi, first.mean, last.cells)
 
     if kind in ("above", "below", "at_least", "within_noise"):

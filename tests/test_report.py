@@ -668,3 +668,24 @@ def test_falls_over_sweeps_compares_the_first_and_last_sweep():
     assert falls.passed is True and falls.target_value == pytest.approx(0.05) and "sweep 1" in falls.ours
     rising = curves.assign(value=np.where(curves["sweep"] == 1, 0.01, curves["value"]))
     assert report.check_claim(spec, "bmnist", report.finals(rising), rising.iloc[:0], rising).passed is False
+
+
+def test_falls_over_sweeps_pairs_each_cell_with_itself():
+    # Seeds that differ a lot (wide, overlapping intervals at both sweeps) but each improve by
+    # the same 0.004: the paired change is the claim, and it holds. When the seeds disagree on
+    # the change's sign, it does not.
+    cells, last = seeds_frame("apg", {(4, 4): 0.020}, metric="mse", spread=0.010)
+    first = last.assign(sweep=1, value=last["value"] + 0.004)
+    curves = pd.concat([first, last], ignore_index=True)
+    spec = {"id": "x", "claim": "c", "kind": "falls_over_sweeps", "metric": "mse", "method": "apg", "pair": [4, 4]}
+    before = report.seed_estimate(first, "apg", "mse", (4, 4))
+    after = report.seed_estimate(last, "apg", "mse", (4, 4))
+    assert before.lo < after.hi  # unpaired, the two intervals overlap
+    falls = report.check_claim(spec, "bmnist", report.finals(curves), curves.iloc[:0], curves)
+    assert falls.passed is True and "change -0.004 [" in falls.ours
+    mixed = first.assign(value=first["value"] + np.where(first["seed"] == 0, -0.008, 0.0))
+    curves = pd.concat([mixed, last], ignore_index=True)
+    assert report.check_claim(spec, "bmnist", report.finals(curves), curves.iloc[:0], curves).passed is False
+    one_seed = curves[curves["seed"] == 1]
+    single = report.check_claim(spec, "bmnist", report.finals(one_seed), one_seed.iloc[:0], one_seed)
+    assert single.passed is True and single.note == "1 seed"
