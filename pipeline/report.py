@@ -572,13 +572,15 @@ VERDICT_RULES = (
     "first test set (or of the set a claim names); [lo, hi] is a Student-t 95% interval over those "
     f"seed means (needs ≥ {MIN_SEEDS} "
     "seeds; with fewer it is n/a and the verdict, marked with the seed count, rests on the means). "
-    "Threshold claims (≥, ≤, within a gap) use the mean. 'A above B' ('below') needs non-overlapping "
-    "95% intervals (with fewer seeds: A's mean above (below) B's). 'Falls over sweeps' compares a "
-    "cell with itself: per seed the mean over the held-out datasets of the last sweep's value minus "
-    "the first sweep's (same cell, same dataset), and needs that change's 95% interval below zero "
-    "(with fewer seeds: its mean). 'A ≥ B' compares the means. 'Within noise' "
-    "needs overlapping intervals (no verdict with fewer seeds). 'Increasing with K' needs the mean "
-    "to increase at every step. 'not run': the method, budget or metric is absent from these results."
+    "Threshold claims (≥, ≤, within a gap) use the mean. Comparisons of two methods (or of two "
+    "budgets' retrained cells) are about the difference of their means: 'A above B' ('below') needs "
+    "Welch's 95% interval of mean(A) − mean(B) above (below) zero, 'within noise' needs it to "
+    "contain zero (no verdict with fewer seeds), 'A ≥ B' compares the means. Claims about one cell "
+    "are paired (same cell, same held-out dataset): 'falls over sweeps' takes per seed the mean of "
+    "the last sweep's value minus the first sweep's and needs that change's 95% interval below "
+    "zero; 'increasing with K' takes the change from each K to the next the same way and needs "
+    "every change's interval above zero (with fewer seeds: the means of the changes). 'not run': "
+    "the method, budget or metric is absent from these results."
 )
 
 
@@ -595,13 +597,16 @@ def t975(df: int) -> float:
 
 class Estimate(NamedTuple):
     """A mean over seeds with its Student-t 95% interval ``[lo, hi]`` (NaN with fewer than
-    ``MIN_SEEDS`` seeds); ``n``: seeds; ``cells``: the cell ids it averages."""
+    ``MIN_SEEDS`` seeds); ``n``: seeds; ``cells``: the cell ids it averages; ``se``: the
+    mean's standard error, ``df``: its degrees of freedom (NaN without an interval)."""
 
     mean: float
     lo: float
     hi: float
     n: int
     cells: tuple[str, ...] = ()
+    se: float = math.nan
+    df: float = math.nan
 
 
 def seed_interval(values: Any, cells: tuple[str, ...] = ()) -> Estimate:
@@ -614,8 +619,40 @@ def seed_interval(values: Any, cells: tuple[str, ...] = ()) -> Estimate:
     mean = float(v.mean())
     if n < MIN_SEEDS:
         return Estimate(mean, math.nan, math.nan, n, cells)
-    half = t975(n - 1) * float(v.std(ddof=1)) / math.sqrt(n)
-    return Estimate(mean, mean - half, mean + half, n, cells)
+    se = float(v.std(ddof=1)) / math.sqrt(n)
+    half = t975(n - 1) * se
+    return Estimate(mean, mean - half, mean + half, n, cells, se, n - 1)
+
+
+def difference(a: Estimate, b: Estimate) -> Estimate:
+    """``a - b`` for two independent sets of seeds (two methods' cells, or two budgets'):
+    Welch's 95% interval, with the Welch-Satterthwaite degrees of freedom rounded down (the
+    wider interval). ``n`` is the smaller seed count; no interval when either has none."""
+    mean, n, cells = a.mean - b.mean, min(a.n, b.n), a.cells + b.cells
+    if not (math.isfinite(a.se) and math.isfinite(b.se)):
+        return Estimate(mean, math.nan, math.nan, n, cells)
+    var = a.se**2 + b.se**2
+    if var == 0:
+        return Estimate(mean, mean, mean, n, cells, 0.0, a.df + b.df)
+    df = var**2 / (a.se**4 / a.df + b.se**4 / b.df)
+    half = t975(max(1, math.floor(df))) * math.sqrt(var)
+    return Estimate(mean, mean - half, mean + half, n, cells, math.sqrt(var), df)
+
+
+def _rows(frame: pd.DataFrame, method: str, metric: str, pair: tuple[int, int]) -> pd.DataFrame:
+    """``method``'s rows of ``metric`` at test-time ``pair``, indexed by (cell_id, dataset)."""
+    k, l = pair
+    at = frame[(frame["method"] == method) & (frame["K"] == k) & (frame["L"] == l) & (frame["metric"] == metric)]
+    return at.set_index(["cell_id", "dataset"])
+
+
+def _over_seeds(values: pd.Series, rows: pd.DataFrame) -> Estimate:
+    """Per-dataset ``values`` (indexed like ``rows``): per seed their mean, then ``seed_interval``."""
+    values = values.dropna()
+    if values.empty:
+        return seed_interval([])
+    per_seed = values.groupby(rows["seed"].reindex(values.index)).mean()
+    return seed_interval(per_seed.to_numpy(), tuple(sorted(set(values.index.get_level_values("cell_id")))))
 
 
 def seed_estimate(
@@ -624,37 +661,27 @@ def seed_estimate(
     """``metric`` of ``method``'s final particles at test-time ``pair``: per seed the mean
     over held-out datasets, then ``seed_interval``. With ``reference``, the per-dataset
     difference ``reference - metric`` (same cell, same dataset) instead."""
-    k, l = pair
-    at = fin[(fin["method"] == method) & (fin["K"] == k) & (fin["L"] == l)]
-    rows = at[at["metric"] == metric].set_index(["cell_id", "dataset"])
-    if rows.empty:
-        return seed_interval([])
+    rows = _rows(fin, method, metric, pair)
     values = rows["value"]
     if reference is not None:
-        ref = at[at["metric"] == reference].set_index(["cell_id", "dataset"])["value"]
-        values = ref.reindex(values.index) - values
-    per_seed = values.groupby(rows["seed"]).mean()
-    return seed_interval(per_seed.to_numpy(), tuple(sorted(set(rows.index.get_level_values("cell_id")))))
+        values = _rows(fin, method, reference, pair)["value"].reindex(values.index) - values
+    return _over_seeds(values, rows)
 
 
 def paired_change(
-    before: pd.DataFrame, after: pd.DataFrame, method: str, metric: str, pair: tuple[int, int]
+    before: pd.DataFrame,
+    after: pd.DataFrame,
+    method: str,
+    metric: str,
+    pair: tuple[int, int],
+    after_pair: tuple[int, int] | None = None,
 ) -> Estimate:
     """``after - before`` of ``metric`` for the same cell and held-out dataset (two sweeps of
-    one run, say): per seed the mean over datasets, then ``seed_interval``. Paired, so the
-    spread between seeds and datasets that both share cancels."""
-    k, l = pair
-
-    def rows(frame: pd.DataFrame) -> pd.DataFrame:
-        at = frame[(frame["method"] == method) & (frame["K"] == k) & (frame["L"] == l) & (frame["metric"] == metric)]
-        return at.set_index(["cell_id", "dataset"])
-
-    a, b = rows(before), rows(after)
-    change = (b["value"] - a["value"].reindex(b.index)).dropna()
-    if change.empty:
-        return seed_interval([])
-    per_seed = change.groupby(b["seed"].reindex(change.index)).mean()
-    return seed_interval(per_seed.to_numpy(), tuple(sorted(set(change.index.get_level_values("cell_id")))))
+    one run at ``pair``, or two test-time budgets ``pair`` → ``after_pair``): per seed the
+    mean over datasets, then ``seed_interval``. Paired, so the spread between seeds and
+    datasets that both share cancels."""
+    a, b = _rows(before, method, metric, pair), _rows(after, method, metric, after_pair or pair)
+    return _over_seeds(b["value"] - a["value"].reindex(b.index), b)
 
 
 def retrained_estimates(retrained: pd.DataFrame, method: str, metric: str) -> dict[tuple[int, int], Estimate]:
@@ -701,10 +728,6 @@ def _seed_note(*estimates: Estimate) -> str:
     return f"{n} seed{'s' if n > 1 else ''}" if n < MIN_SEEDS else ""
 
 
-def _overlap(a: Estimate, b: Estimate) -> bool:
-    return a.lo <= b.hi and b.lo <= a.hi
-
-
 OPS = {">=": (lambda a, b: a >= b, "≥"), "<=": (lambda a, b: a <= b, "≤")}
 
 
@@ -717,16 +740,17 @@ def claim_target(spec: dict[str, Any]) -> str:
         return f"{METRIC_LABELS.get(spec['reference'], spec['reference'])} − {label} ≤ {spec['target']}"
     if kind in ("above", "below"):
         at = f" at K={spec['other_pair'][0]} L={spec['other_pair'][1]}" if "other_pair" in spec else ""
-        return f"{kind} {spec['other']}{at} (non-overlapping 95% intervals)"
+        return f"{kind} {spec['other']}{at} (difference's 95% interval {kind} 0)"
     if kind == "falls_over_sweeps":
         return "last sweep below sweep 1 (paired change's 95% interval below 0)"
     if kind == "at_least":
         return f"≥ {spec['other']} (means)"
     if kind == "within_noise":
-        return f"within noise of {spec['other']} (overlapping 95% intervals)"
+        return f"within noise of {spec['other']} (difference's 95% interval contains 0)"
     if kind == "increasing":
-        return "increasing at every step of K " + "→".join(str(k) for k, _ in spec["pairs"])
-    return "largest K above smallest K (non-overlapping 95% intervals)"  # budget_above
+        steps = "→".join(str(k) for k, _ in spec["pairs"])
+        return f"increasing at every step of K {steps} (each paired change's 95% interval above 0)"
+    return "largest K above smallest K (difference's 95% interval above 0)"  # budget_above
 
 
 def check_claim(
@@ -802,19 +826,22 @@ def check_claim(
         if not a.n or not b.n:
             return not_run
         note = _seed_note(a, b)
+        d = difference(a, b)
         if kind == "above":
-            ok = a.mean > b.mean if note else a.lo > b.hi
+            ok = d.mean > 0 if note else d.lo > 0
         elif kind == "below":
-            ok = a.mean < b.mean if note else a.hi < b.lo
+            ok = d.mean < 0 if note else d.hi < 0
         elif kind == "at_least":
             ok = a.mean >= b.mean
         else:
-            ok = None if note else _overlap(a, b)
+            ok = None if note else d.lo <= 0 <= d.hi
         if other_pair != pair:
             ours = f"{method} K={pair[0]} L={pair[1]} {_est(a)} vs {other} K={other_pair[0]} L={other_pair[1]} {_est(b)}"
         else:
             ours = f"K={pair[0]} L={pair[1]}: {method} {_est(a)} vs {other} {_est(b)}"
-        ref = {"method": other, "value": b.mean, "lo": b.lo, "hi": b.hi}
+        if kind != "at_least":
+            ours += f"; difference {_est(d)}"
+        ref = {"method": other, "value": b.mean, "lo": b.lo, "hi": b.hi, "difference": [d.mean, d.lo, d.hi]}
         return result(ours, ok, note, a.mean, a.lo, a.hi, ref, a.cells + b.cells)
 
     if kind == "increasing":
@@ -822,13 +849,20 @@ def check_claim(
         ests = [seed_estimate(fin, method, metric, p) for p in pairs]
         if any(not e.n for e in ests):
             return not_run
-        ok = all(b.mean > a.mean for a, b in zip(ests, ests[1:], strict=False))
+        steps = [paired_change(fin, fin, method, metric, p, q) for p, q in zip(pairs, pairs[1:], strict=False)]
+        if any(not c.n for c in steps):
+            return not_run
+        note = _seed_note(*ests, *steps)
+        ok = all(c.mean > 0 if note else c.lo > 0 for c in steps)
         ours = f"{method}: " + "; ".join(f"K={k}: {_est(e)}" for (k, _), e in zip(pairs, ests, strict=True))
+        ours += "; changes " + "; ".join(
+            f"{p[0]}→{q[0]}: {_est(c)}" for p, q, c in zip(pairs, pairs[1:], steps, strict=False)
+        )
         cells = tuple(c for e in ests for c in e.cells)
         return result(
             ours,
             ok,
-            _seed_note(*ests),
+            note,
             [e.mean for e in ests],
             [e.lo for e in ests],
             [e.hi for e in ests],
@@ -843,10 +877,12 @@ def check_claim(
     pairs = sorted(ests)
     low, high = ests[pairs[0]], ests[pairs[-1]]
     note = _seed_note(low, high)
-    ok = high.mean > low.mean if note else high.lo > low.hi
+    d = difference(high, low)
+    ok = d.mean > 0 if note else d.lo > 0
     ours = f"{method} retrained, {label}: " + "; ".join(
         f"K={k} L={l}: {_est(ests[(k, l)])}" for k, l in pairs
     )
+    ours += f"; difference K={pairs[-1][0]} − K={pairs[0][0]}: {_est(d)}"
     cells = tuple(c for e in ests.values() for c in e.cells)
     return result(
         ours,

@@ -277,10 +277,28 @@ def test_threshold_and_increasing_claims():
     assert missing.passed is None and report.verdict(missing) == "not run"
 
     inc = {**spec, "kind": "increasing", "pairs": [[5, 10], [10, 10], [15, 10]]}
-    assert report.check_claim(inc, "gmm", fin, fin.iloc[:0]).passed is True
+    result = report.check_claim(inc, "gmm", fin, fin.iloc[:0])
+    assert result.passed is True and "changes 5→10: 0.06 [" in result.ours
     dec = {**inc, "pairs": [[10, 10], [5, 10], [15, 10]]}
     result = report.check_claim(dec, "gmm", fin, fin.iloc[:0])
     assert result.passed is False and len(result.value) == 3
+
+
+def test_increasing_pairs_each_cell_with_itself():
+    # Seeds far apart (wide, overlapping intervals at every K) that each gain 0.01 from K=5
+    # to K=10 hold the claim; when one seed loses instead, the change's interval takes in 0
+    # although the means still increase.
+    cells, fin = seeds_frame("apg", {(5, 10): 0.90, (10, 10): 0.91}, metric="ess_c", spread=0.05)
+    spec = {"id": "x", "claim": "c", "kind": "increasing", "metric": "ess_c", "method": "apg"}
+    inc = {**spec, "pairs": [[5, 10], [10, 10]]}
+    lo = report.seed_estimate(fin, "apg", "ess_c", (5, 10))
+    hi = report.seed_estimate(fin, "apg", "ess_c", (10, 10))
+    assert hi.lo < lo.hi
+    assert report.check_claim(inc, "gmm", fin, fin.iloc[:0]).passed is True
+    at_10 = (fin["K"] == 10) & (fin["seed"] == 0)
+    mixed = fin.assign(value=fin["value"] - np.where(at_10, 0.02, 0.0))
+    assert report.seed_estimate(mixed, "apg", "ess_c", (10, 10)).mean > lo.mean
+    assert report.check_claim(inc, "gmm", mixed, mixed.iloc[:0]).passed is False
 
 
 def test_comparison_claims_use_the_intervals():
@@ -303,6 +321,39 @@ def test_comparison_claims_use_the_intervals():
     )
     assert far_off.passed is False
     assert report.check_claim({**spec, "kind": "at_least", "other": "gibbs"}, "gmm", fin, fin.iloc[:0]).passed
+
+
+def test_difference_is_welchs_interval():
+    stats = pytest.importorskip("scipy.stats")
+    a, b = [1.0, 2.0, 3.5], [0.1, 0.4, 0.2, 0.9]
+    d = report.difference(report.seed_interval(a), report.seed_interval(b))
+    va, vb = np.var(a, ddof=1) / 3, np.var(b, ddof=1) / 4
+    df = (va + vb) ** 2 / (va**2 / 2 + vb**2 / 3)
+    half = stats.t.ppf(0.975, math.floor(df)) * math.sqrt(va + vb)  # df rounded down: wider
+    assert (d.mean, d.lo, d.hi) == pytest.approx((np.mean(a) - np.mean(b), d.mean - half, d.mean + half), abs=1e-3)
+    # Equal sizes and spreads: Welch's degrees of freedom are the pooled test's, 2 (n - 1).
+    same = report.difference(report.seed_interval([1.0, 2.0, 3.0]), report.seed_interval([0.0, 1.0, 2.0]))
+    assert same.df == pytest.approx(4.0)
+    assert same.hi - same.mean == pytest.approx(stats.t.ppf(0.975, 4) * math.sqrt(2 / 3), abs=1e-3)
+    assert math.isnan(report.difference(report.seed_interval([1.0]), report.seed_interval(b)).lo)
+
+
+def test_comparisons_test_the_difference_not_overlap():
+    # Two methods 0.7 apart whose seeds spread by 0.2: their own 95% intervals overlap, yet
+    # the difference's interval excludes 0 (overlap of two intervals is a much stricter test
+    # than the 95% one the claim asks for). Within noise, then, it is not.
+    _, apg = seeds_frame("apg", {(10, 10): -275.0}, spread=0.2)
+    _, other = seeds_frame("rws-lstm", {(10, 10): -275.7}, spread=0.2)
+    fin = pd.concat([apg, other], ignore_index=True)
+    spec = {"id": "x", "claim": "c", "metric": "log_joint", "method": "apg", "pair": [10, 10], "other": "rws-lstm"}
+    a = report.seed_estimate(fin, "apg", "log_joint", (10, 10))
+    b = report.seed_estimate(fin, "rws-lstm", "log_joint", (10, 10))
+    assert a.lo < b.hi  # the intervals overlap
+    above = report.check_claim({**spec, "kind": "above"}, "gmm", fin, fin.iloc[:0])
+    assert above.passed is True and "difference 0.700 [" in above.ours
+    assert above.target_value["difference"][1] > 0
+    assert report.check_claim({**spec, "kind": "below"}, "gmm", fin, fin.iloc[:0]).passed is False
+    assert report.check_claim({**spec, "kind": "within_noise"}, "gmm", fin, fin.iloc[:0]).passed is False
 
 
 def test_one_seed_claims_say_so():
