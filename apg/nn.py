@@ -113,6 +113,49 @@ def pairwise_tanh_linear(point: Tensor, cluster: Tensor, weight: Tensor) -> Tens
     return _PairwiseTanhLinear.apply(point, cluster, weight)
 
 
+class _ScaledPairwise(torch.autograd.Function):
+    """``scaled_pairwise_tanh_linear`` on CPU: the compiled kernel (``tanh_layers.c``) never
+    forms the (L, B, N, I, H) hidden tensor and recomputes its tanh in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: Tensor, cluster: Tensor, weight: Tensor, fns) -> Tensor:
+        x, scale, cluster, weight = (t.contiguous() for t in (x, scale, cluster, weight))
+        (num_particles, batch, num_clusters, dim, width), num_points = scale.shape, x.shape[1]
+        ctx.sizes = (num_particles, batch, num_points, num_clusters, dim, width)
+        out = x.new_empty(num_particles, batch, num_points, num_clusters)
+        call(fns[0], x, scale, cluster, weight, out, *ctx.sizes)
+        ctx.fns = fns
+        ctx.save_for_backward(x, scale, cluster, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, scale, cluster, weight = ctx.saved_tensors
+        grads = torch.zeros_like(scale), torch.zeros_like(cluster), torch.zeros_like(weight)
+        call(ctx.fns[1], x, scale, cluster, weight, grad.contiguous(), *grads, *ctx.sizes)
+        return None, *grads, None
+
+
+def scaled_pairwise_tanh_linear(x: Tensor, scale: Tensor, cluster: Tensor, weight: Tensor) -> Tensor:
+    """A one-hidden-layer tanh network on every (point, cluster) pair whose first layer is
+    scaled per cluster: ``out[l,b,n,i] = sum_h weight[h] tanh(sum_d x[b,n,d] scale[l,b,i,d,h]
+    + cluster[l,b,i,h])``, ``(L, B, N, I)``.
+
+    ``x (B, N, D)``: the points (no gradient); ``scale (L, B, I, D, H)``; ``cluster (L, B, I, H)``;
+    ``weight (H,)`` the single output unit (add its bias outside). Unlike
+    ``pairwise_tanh_linear``'s, the pre-activation is no sum of a point part and a cluster
+    part, so the pair tensor must be formed; on CPU the compiled kernel forms it a block of
+    points at a time and never keeps it.
+    """
+    if x.dim() == 3 and scale.dim() == 5 and cluster.dim() == 4 and weight.dim() == 1 and not x.requires_grad:
+        forward = native_function("scaled_pairwise_forward", x, scale, cluster, weight)
+        if forward is not None:
+            backward = native_function("scaled_pairwise_backward", x)
+            return _ScaledPairwise.apply(x, scale, cluster, weight, (forward, backward))
+    pre = torch.einsum("...nd,...idh->...nih", x, scale) + cluster.unsqueeze(-3)
+    return torch.tanh(pre) @ weight
+
+
 class _TanhMLP(torch.autograd.Function):
     """``tanh_mlp`` fused on CPU (``tanh_layers.c``: no saved hidden tensor, tanh recomputed
     in backward, angle features formed in the kernel)."""

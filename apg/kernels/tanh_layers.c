@@ -26,6 +26,14 @@
  *   a row with some |b|, beyond EXP_TANH_MAX takes TANH instead; so do calls whose blocks
  *   serve fewer than EXP_MIN_ROWS rows (per-particle P with few clusters), where the
  *   block's exps would cost more than they save.
+ * scaled_pairwise: out[l,b,n,i] = sum_h w[h] tanh(sum_d A[l,b,i,d,h] X[b,n,d] + C[l,b,i,h]) with
+ *   X (B, N, D), A (L, B, I, D, H), C (L, B, I, H), w (H); G and out (L, B, N, I). The GMM's
+ *   assignment network on standardized offsets (x_n - mu_i) sqrt(tau_i): the first layer's
+ *   weight is scaled per cluster (A = W sqrt(tau_i)), so the pre-activation is no sum of a
+ *   point part and a cluster part and pairwise's exp products do not apply; the layout is
+ *   pairwise's (a block of points transposed to (D, BLOCK), rows broadcast). Threads split
+ *   (dataset, block) in the forward and the (particle, dataset) rows in the backward, whose
+ *   gA and gC rows are then never shared; gw goes through per-thread rows (thread_order.h).
  * pointwise: out[m,:] = W2t tanh(W1 u[m,:] + b1) + b2 with u (M, D), W1t (D, H) the first
  *   weight transposed, b1 (H), W2t (O, H), b2 (O); G and out (M, O). With `angles`, u is
  *   (M,) angles and the rows' features are (cos u, sin u), D = 2, formed in the kernel. Likewise row axis innermost:
@@ -261,6 +269,101 @@ INLINE void S(load_rows)(const T *u, long nb, long D, T (*ut)[BLOCK]) {
         for (long j = 0; j < nb; ++j) ut[d][j] = u[j * D + d];
         for (long j = nb; j < BLOCK; ++j) ut[d][j] = 0;
     }
+}
+
+/* t[n] = tanh(c[h] + sum_d a[d * H + h] xt[d][n]): hidden unit h of one (particle, cluster)
+ * row over a block of points. */
+INLINE void S(scaled_unit)(const T (*xt)[BLOCK], const T *a, const T *c, long h, long D, long H, T *t) {
+    for (long n = 0; n < BLOCK; ++n) t[n] = c[h];
+    for (long d = 0; d < D; ++d) {
+        const T w = a[d * H + h];
+        for (long n = 0; n < BLOCK; ++n) t[n] += w * xt[d][n];
+    }
+    for (long n = 0; n < BLOCK; ++n) t[n] = TANH(t[n]);
+}
+
+void S(scaled_pairwise_forward)(const T *X, const T *A, const T *C, const T *w, T *out, long L, long B,
+                                long N, long I, long D, long H) {
+    const long blocks = (N + BLOCK - 1) / BLOCK;
+#pragma omp parallel for schedule(static)
+    for (long task = 0; task < B * blocks; ++task) {
+        const long b = task / blocks, n0 = task % blocks * BLOCK;
+        const long nb = N - n0 < BLOCK ? N - n0 : BLOCK;
+        T xt[D][BLOCK], acc[BLOCK], t[BLOCK];
+        S(load_rows)(X + (b * N + n0) * D, nb, D, xt);
+        for (long l = 0; l < L; ++l)
+            for (long i = 0; i < I; ++i) {
+                const long row = (l * B + b) * I + i;
+                for (long n = 0; n < BLOCK; ++n) acc[n] = 0;
+                for (long h = 0; h < H; ++h) {
+                    S(scaled_unit)((const T(*)[BLOCK])xt, A + row * D * H, C + row * H, h, D, H, t);
+                    for (long n = 0; n < BLOCK; ++n) acc[n] += w[h] * t[n];
+                }
+                T *o = out + ((l * B + b) * N + n0) * I + i;
+                for (long n = 0; n < nb; ++n) o[n * I] = acc[n];
+            }
+    }
+}
+
+/* Its backward from G (L, B, N, I), accumulated into zeroed gA, gC and gw. */
+void S(scaled_pairwise_backward)(const T *X, const T *A, const T *C, const T *w, const T *G, T *gA, T *gC,
+                                 T *gw, long L, long B, long N, long I, long D, long H) {
+    T *parts = THREAD_PARTS(T, H); /* each thread's gw */
+    T fallback[parts ? 1 : H];
+    if (!parts) memset(fallback, 0, sizeof(fallback));
+    int team = 1;
+#pragma omp parallel if (parts != NULL)
+    {
+        T gwl[H][LANES];
+        memset(gwl, 0, sizeof(gwl));
+#pragma omp for schedule(static)
+        for (long lb = 0; lb < L * B; ++lb) {
+            const long b = lb % B;
+            for (long n0 = 0; n0 < N; n0 += BLOCK) {
+                const long nb = N - n0 < BLOCK ? N - n0 : BLOCK;
+                T xt[D][BLOCK], g[BLOCK], t[BLOCK];
+                S(load_rows)(X + (b * N + n0) * D, nb, D, xt);
+                for (long i = 0; i < I; ++i) {
+                    const long row = lb * I + i;
+                    int any = 0;
+                    for (long n = 0; n < nb; ++n) {
+                        g[n] = G[(lb * N + n0 + n) * I + i];
+                        any |= g[n] != 0;
+                    }
+                    if (!any) continue; /* particles whose weight was flushed to 0 */
+                    for (long n = nb; n < BLOCK; ++n) g[n] = 0;
+                    for (long h = 0; h < H; ++h) {
+                        S(scaled_unit)((const T(*)[BLOCK])xt, A + row * D * H, C + row * H, h, D, H, t);
+                        T da[BLOCK], s = 0;
+                        for (long k = 0; k < BLOCK; k += LANES)
+                            for (long j = 0; j < LANES; ++j) gwl[h][j] += g[k + j] * t[k + j];
+                        for (long n = 0; n < BLOCK; ++n) {
+                            da[n] = g[n] * w[h] * (1 - t[n] * t[n]);
+                            s += da[n];
+                        }
+                        gC[row * H + h] += s;
+                        for (long d = 0; d < D; ++d) {
+                            T sd = 0;
+                            for (long n = 0; n < BLOCK; ++n) sd += da[n] * xt[d][n];
+                            gA[(row * D + d) * H + h] += sd;
+                        }
+                    }
+                }
+            }
+        }
+        T *mine = MY_ROW(parts, fallback, H);
+        for (long h = 0; h < H; ++h) {
+            T s = 0;
+            for (long j = 0; j < LANES; ++j) s += gwl[h][j];
+            mine[h] += s;
+        }
+        TEAM_SIZE(team);
+    }
+    for (int t = 0; t < team; ++t) {
+        const T *row = ROW(parts, fallback, H, t);
+        for (long h = 0; h < H; ++h) gw[h] += row[h];
+    }
+    free(parts);
 }
 
 /* The angles m0 .. m0 + nb as the rows' features: ut[0][j] = cos u[j], ut[1][j] = sin u[j],

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from apg.blocks import Latents, Model, Proposals, TaskSpec, propose_separately
 from apg.distributions import CategoricalBlock
 from apg.kernels import call, native_function
-from apg.nn import PointFeatures, pairwise_tanh_linear
+from apg.nn import PointFeatures, pairwise_tanh_linear, scaled_pairwise_tanh_linear
 from apg.random import new_key, standard_gamma
 
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -553,8 +553,19 @@ class GlobalsProposal(nn.Module):
         )
 
 
+C_INPUTS = ("offset", "standardized")
+
+
 class AssignmentProposal(nn.Module):
     """q(c_n | x_n, mu, tau): an MLP on (x_n - mu_i, log tau_i) gives one logit per cluster.
+
+    ``inputs="standardized"`` gives it (x_n - mu_i) sqrt(tau_i) in place of the offset, the
+    point's distance from the centre in the cluster's own units, in which the exact logit,
+    sum_d (log tau_id - tau_id (x_nd - mu_id)^2) / 2, is a quadratic of bounded inputs. On
+    raw offsets the network must form tau (x - mu)^2 itself, and datasets with a wide cluster
+    (small tau, large offsets) fall outside what it learnt, which is where most of its
+    inclusive KL of {c} came from (bench/RESULTS.md, "The assignment network's inputs").
+    Same layers and width either way (Appendix E's).
 
     Local neural sufficient statistics (section 3): the logits are the prior's (uniform,
     so a constant) plus ``T(x_n, z_global)``. The inputs are the point's offset from each
@@ -565,13 +576,18 @@ class AssignmentProposal(nn.Module):
     (``apg.nn.pairwise_tanh_linear``, fused with the output layer and a faster backward).
     """
 
-    def __init__(self, cfg: GMMConfig, hidden: int = 32):
+    def __init__(self, cfg: GMMConfig, hidden: int = 32, inputs: str = "offset"):
         super().__init__()
+        if inputs not in C_INPUTS:
+            raise ValueError(f"unknown assignment-network inputs {inputs!r}; choose {' or '.join(C_INPUTS)}")
+        self.inputs = inputs
         self.offset = nn.Linear(cfg.data_dim, hidden)
         self.log_precision = nn.Linear(cfg.data_dim, hidden, bias=False)
         self.out = nn.Linear(hidden, 1)
 
     def forward(self, x: Tensor, mu: Tensor, tau: Tensor) -> Tensor:
+        if self.inputs == "standardized":
+            return self._standardized(x, mu, tau)
         weights = (
             self.offset.weight,
             self.offset.bias,
@@ -587,6 +603,14 @@ class AssignmentProposal(nn.Module):
         per_cluster = self.log_precision(torch.log(tau)) - mu @ self.offset.weight.T  # (L, B, I, H)
         logits = pairwise_tanh_linear(per_point, per_cluster, self.out.weight.T) + self.out.bias
         return logits.squeeze(-1)  # (L, B, N, I)
+
+    def _standardized(self, x: Tensor, mu: Tensor, tau: Tensor) -> Tensor:
+        # W ((x_n - mu_i) s_i) + V log tau_i + b = (W s_i) x_n + (V log tau_i - W (mu_i s_i) + b),
+        # s_i = sqrt(tau_i): a first layer scaled per cluster, plus a per-cluster part.
+        s = tau.sqrt()
+        scale = s.unsqueeze(-1) * self.offset.weight.T  # (L, B, I, D, H)
+        per_cluster = self.log_precision(torch.log(tau)) - (mu * s) @ self.offset.weight.T + self.offset.bias
+        return scaled_pairwise_tanh_linear(x, scale, per_cluster, self.out.weight[0]) + self.out.bias
 
 
 def _native_assignment(x: Tensor, mu: Tensor, tau: Tensor, *weights: Tensor):
@@ -655,7 +679,7 @@ class GMMProposals(Proposals):
     point features come from an MLP or an LSTM; they have no kernels.
     """
 
-    def __init__(self, cfg: GMMConfig, architecture: str = "apg", hidden: int = 32):
+    def __init__(self, cfg: GMMConfig, architecture: str = "apg", hidden: int = 32, c_inputs: str = "offset"):
         super().__init__()
         self.cfg = cfg
         self.architecture = architecture
@@ -663,7 +687,7 @@ class GMMProposals(Proposals):
         if encoder_features is None:
             raise ValueError(f"unknown GMM architecture {architecture!r}; choose apg, mlp or lstm")
         self.encoder = GlobalsProposal(cfg, cfg.data_dim, encoder_features, hidden)
-        self.assign = AssignmentProposal(cfg, hidden)
+        self.assign = AssignmentProposal(cfg, hidden, c_inputs)
         if architecture == "apg":
             self.globals_kernel = GlobalsProposal(cfg, cfg.data_dim + cfg.num_clusters, "linear", hidden)
 
@@ -739,8 +763,10 @@ def build_model(**hparams) -> GMM:
     return GMM(GMMConfig(**hparams))
 
 
-def build_proposals(model: GMM, architecture: str, hidden: int = 32) -> GMMProposals:
-    return GMMProposals(model.cfg, architecture, hidden)
+def build_proposals(
+    model: GMM, architecture: str, hidden: int = 32, c_inputs: str = "offset"
+) -> GMMProposals:
+    return GMMProposals(model.cfg, architecture, hidden, c_inputs)
 
 
 def simulate(
