@@ -427,3 +427,29 @@ def test_assignment_network_compiled_matches_its_layers(f64, num_points):
     assert torch.allclose(out, want, rtol=0, atol=1e-12)
     for got, expected in zip(grads, want_grads, strict=True):
         assert torch.allclose(got, expected, rtol=0, atol=1e-11)
+
+
+def test_standardized_assignment_inputs_are_the_scaled_offsets(f64, kernel_path):
+    # network.c_inputs: standardized: the same layers on (x_n - mu_i) sqrt(tau_i) and log tau_i,
+    # written out here as the plain network on those inputs.
+    import apg.tasks.gmm as gmm
+
+    torch.manual_seed(0)
+    net = gmm.AssignmentProposal(GMMConfig(), 8, "standardized")
+    x = torch.randn(3, 70, 2)
+    mu, tau = torch.randn(4, 3, 3, 2), torch.rand(4, 3, 3, 2) * 3 + 0.05
+    u = (x.unsqueeze(-2) - mu.unsqueeze(-3)) * tau.sqrt().unsqueeze(-3)
+    hidden = torch.tanh(net.offset(u) + net.log_precision(torch.log(tau)).unsqueeze(-3))
+    want = net.out(hidden).squeeze(-1)
+    got = net(x, mu, tau)
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad((got * g).sum(), list(net.parameters()))
+    want_grads = torch.autograd.grad((want * g).sum(), list(net.parameters()))
+    for a, b in zip(grads, want_grads, strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-11)
+
+
+def test_unknown_assignment_inputs_are_a_one_line_error():
+    with pytest.raises(ValueError, match="unknown assignment-network inputs 'raw'; choose offset or standardized"):
+        GMMProposals(GMMConfig(), "apg", c_inputs="raw")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from apg.kernels import native_library
-from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
+from apg.nn import PointFeatures, pairwise_tanh_linear, scaled_pairwise_tanh_linear, tanh_mlp
 
 
 def test_the_native_kernel_builds_on_this_machine():
@@ -41,6 +41,36 @@ def test_pairwise_tanh_linear_float32_agrees_with_float64(kernel_path):
         out.backward(torch.ones_like(out))
         grads.append([out.detach().double(), *(a.grad.double() for a in args)])
     # float32 sums of ~10^5 terms: compare against each tensor's own scale.
+    for low, high in zip(*grads, strict=True):
+        assert float((low - high).abs().max()) < 1e-4 * float(high.abs().max())
+
+
+@pytest.mark.parametrize("num_points", [5, 64, 70])
+def test_scaled_pairwise_tanh_linear_matches_the_plain_formula_and_its_gradients(kernel_path, num_points):
+    # Blocks of 64 points: a partial one, a full one, and one of each.
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(2, num_points, 2)
+    scale = torch.randn(3, 2, 4, 2, 5, requires_grad=True)
+    cluster = torch.randn(3, 2, 4, 5, requires_grad=True)
+    weight = torch.randn(5, requires_grad=True)
+    reference = torch.tanh(torch.einsum("bnd,lbidh->lbnih", x, scale) + cluster.unsqueeze(-3)) @ weight
+    out = scaled_pairwise_tanh_linear(x, scale, cluster, weight)
+    assert out.shape == (3, 2, num_points, 4) and torch.allclose(out, reference)
+    assert torch.autograd.gradcheck(
+        lambda *a: scaled_pairwise_tanh_linear(x, *a).transpose(-1, -2), (scale, cluster, weight)
+    )
+
+
+def test_scaled_pairwise_float32_agrees_with_float64(kernel_path):
+    shapes = ((10, 20, 3, 2, 32), (10, 20, 3, 32), (32,))
+    x = torch.randn(20, 60, 2, dtype=torch.float64)
+    inputs = [torch.randn(shape, dtype=torch.float64) / 2 for shape in shapes]
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        args = [t.to(dtype).clone().requires_grad_() for t in inputs]
+        out = scaled_pairwise_tanh_linear(x.to(dtype), *args)
+        out.backward(torch.ones_like(out))
+        grads.append([out.detach().double(), *(a.grad.double() for a in args)])
     for low, high in zip(*grads, strict=True):
         assert float((low - high).abs().max()) < 1e-4 * float(high.abs().max())
 

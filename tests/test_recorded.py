@@ -23,7 +23,9 @@ def cell_keys(params: dict, task: str) -> set[tuple]:
     return {(c.method, c.sweeps, c.particles) for c in grid_cells(params, task)}
 
 
-@pytest.mark.parametrize("profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d"}))
+@pytest.mark.parametrize(
+    "profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d", "paper-gmm-std"})
+)
 def test_profiles_keep_the_papers_per_step_sizes(profile):
     paper = load_params(PAPER)
     derived = recorded.derive(profile, PAPER)
@@ -64,6 +66,21 @@ def test_paper_gmm_is_table_1_at_the_papers_training_length():
     assert run["sweep"]["torch_threads"] == 1 and run["sweep"]["gpus_per_trial"] == 0
 
 
+def test_paper_gmm_std_is_paper_gmms_apg_on_standardized_offsets():
+    narrow, std = recorded.derive("paper-gmm", PAPER), recorded.derive("paper-gmm-std", PAPER)
+    assert std["gmm"]["network"] == {**narrow["gmm"]["network"], "c_inputs": "standardized"}
+    cells = {c.method: c for c in grid_cells(std, "gmm")}
+    apg = {c.method: c for c in grid_cells(narrow, "gmm")}["apg"]
+    assert set(cells) == {"apg", "gibbs"}
+    assert (cells["apg"].sweeps, cells["apg"].particles, cells["apg"].seed) == (apg.sweeps, apg.particles, apg.seed)
+    same = ("iterations", "batch_size", "lr", "lr_schedule", "resample_mode")
+    assert [getattr(cells["apg"].train, k) for k in same] == [getattr(apg.train, k) for k in same]
+    assert cells["apg"].train.network == {"hidden": 32, "c_inputs": "standardized"}
+    for key in ("model", "data", "evaluate"):
+        assert std["gmm"][key] == narrow["gmm"][key]
+    assert "standardized" in std["report"]["scale"]
+
+
 def test_gpu_bmnist_keeps_the_papers_budgets_and_test_sets_and_trains_on_one_digit():
     paper, run = load_params(PAPER), recorded.derive("gpu-bmnist", PAPER)
     ours, theirs = run["bmnist"], paper["bmnist"]
@@ -99,7 +116,7 @@ def test_gpu_bmnist_3d_trains_the_papers_three_digit_videos_from_gpu_bmnists_cel
 
 
 def test_an_unknown_profile_is_a_one_line_error():
-    with pytest.raises(ValueError, match="unknown profile 'nope'; known: paper-gmm, paper-check"):
+    with pytest.raises(ValueError, match="unknown profile 'nope'; known: paper-gmm, paper-gmm-std, paper-check"):
         recorded.derive("nope", PAPER)
 
 
