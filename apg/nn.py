@@ -113,6 +113,21 @@ def pairwise_tanh_linear(point: Tensor, cluster: Tensor, weight: Tensor) -> Tens
     return _PairwiseTanhLinear.apply(point, cluster, weight)
 
 
+def _native_scaled_pairwise(x: Tensor, scale: Tensor, cluster: Tensor, weight: Tensor):
+    """The compiled scaled-pairwise functions ``(forward, backward)`` when they apply: sizes
+    that agree without broadcasting (the kernel reads them from ``scale`` and ``x``), no
+    gradient for ``x``, and D <= 256, H <= 1024 (its per-thread arrays are on the stack)."""
+    if x.dim() != 3 or scale.dim() != 5 or cluster.dim() != 4 or weight.dim() != 1 or x.requires_grad:
+        return None
+    num_particles, batch, num_clusters, dim, width = scale.shape
+    if (batch, dim) != (x.shape[0], x.shape[2]) or dim > 256 or width > 1024:
+        return None
+    if cluster.shape != (num_particles, batch, num_clusters, width) or weight.shape != (width,):
+        return None
+    forward = native_function("scaled_pairwise_forward", x, scale, cluster, weight)
+    return None if forward is None else (forward, native_function("scaled_pairwise_backward", x))
+
+
 class _ScaledPairwise(torch.autograd.Function):
     """``scaled_pairwise_tanh_linear`` on CPU: the compiled kernel (``tanh_layers.c``) never
     forms the (L, B, N, I, H) hidden tensor and recomputes its tanh in the backward."""
@@ -147,11 +162,9 @@ def scaled_pairwise_tanh_linear(x: Tensor, scale: Tensor, cluster: Tensor, weigh
     part, so the pair tensor must be formed; on CPU the compiled kernel forms it a block of
     points at a time and never keeps it.
     """
-    if x.dim() == 3 and scale.dim() == 5 and cluster.dim() == 4 and weight.dim() == 1 and not x.requires_grad:
-        forward = native_function("scaled_pairwise_forward", x, scale, cluster, weight)
-        if forward is not None:
-            backward = native_function("scaled_pairwise_backward", x)
-            return _ScaledPairwise.apply(x, scale, cluster, weight, (forward, backward))
+    native = _native_scaled_pairwise(x, scale, cluster, weight)
+    if native is not None:
+        return _ScaledPairwise.apply(x, scale, cluster, weight, native)
     pre = torch.einsum("...nd,...idh->...nih", x, scale) + cluster.unsqueeze(-3)
     return torch.tanh(pre) @ weight
 

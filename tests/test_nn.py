@@ -61,6 +61,21 @@ def test_scaled_pairwise_tanh_linear_matches_the_plain_formula_and_its_gradients
     )
 
 
+def test_scaled_pairwise_broadcasts_like_its_formula(kernel_path):
+    # Sizes that only broadcast (one particle's scale for three particles' rows, one dataset's
+    # points for four datasets) are the formula's, never read past an input's end.
+    torch.set_default_dtype(torch.float64)
+    cases = [
+        (torch.randn(4, 10, 2), torch.randn(1, 4, 3, 2, 5), torch.randn(3, 4, 3, 5)),
+        (torch.randn(1, 10, 2), torch.randn(3, 4, 3, 2, 5), torch.randn(3, 4, 3, 5)),
+    ]
+    weight = torch.randn(5)
+    for x, scale, cluster in cases:
+        want = torch.tanh(torch.einsum("...nd,...idh->...nih", x, scale) + cluster.unsqueeze(-3)) @ weight
+        got = scaled_pairwise_tanh_linear(x, scale, cluster, weight)
+        assert got.shape == want.shape == (3, 4, 10, 3) and torch.allclose(got, want)
+
+
 def test_scaled_pairwise_float32_agrees_with_float64(kernel_path):
     shapes = ((10, 20, 3, 2, 32), (10, 20, 3, 32), (32,))
     x = torch.randn(20, 60, 2, dtype=torch.float64)
