@@ -564,7 +564,7 @@ _T975 = (
 )
 # fmt: on
 CLAIM_KINDS = (
-    "threshold", "gap", "above", "below", "at_least", "within_noise", "increasing", "falls_over_sweeps",
+    "threshold", "above", "below", "at_least", "within_noise", "increasing", "falls_over_sweeps",
     "budget_above",
 )
 VERDICT_RULES = (
@@ -572,7 +572,7 @@ VERDICT_RULES = (
     "first test set (or of the set a claim names); [lo, hi] is a Student-t 95% interval over those "
     f"seed means (needs ≥ {MIN_SEEDS} "
     "seeds; with fewer it is n/a and the verdict, marked with the seed count, rests on the means). "
-    "Threshold claims (≥, ≤, within a gap) use the mean. Comparisons of two methods (or of two "
+    "Threshold claims (≥, ≤) use the mean. Comparisons of two methods (or of two "
     "budgets' retrained cells) are about the difference of their means: 'A above B' ('below') needs "
     "Welch's 95% interval of mean(A) − mean(B) above (below) zero, 'within noise' needs it to "
     "contain zero (no verdict with fewer seeds), 'A ≥ B' compares the means. Claims about one cell "
@@ -655,17 +655,11 @@ def _over_seeds(values: pd.Series, rows: pd.DataFrame) -> Estimate:
     return seed_interval(per_seed.to_numpy(), tuple(sorted(set(values.index.get_level_values("cell_id")))))
 
 
-def seed_estimate(
-    fin: pd.DataFrame, method: str, metric: str, pair: tuple[int, int], reference: str | None = None
-) -> Estimate:
+def seed_estimate(fin: pd.DataFrame, method: str, metric: str, pair: tuple[int, int]) -> Estimate:
     """``metric`` of ``method``'s final particles at test-time ``pair``: per seed the mean
-    over held-out datasets, then ``seed_interval``. With ``reference``, the per-dataset
-    difference ``reference - metric`` (same cell, same dataset) instead."""
+    over held-out datasets, then ``seed_interval``."""
     rows = _rows(fin, method, metric, pair)
-    values = rows["value"]
-    if reference is not None:
-        values = _rows(fin, method, reference, pair)["value"].reindex(values.index) - values
-    return _over_seeds(values, rows)
+    return _over_seeds(rows["value"], rows)
 
 
 def paired_change(
@@ -733,11 +727,9 @@ OPS = {">=": (lambda a, b: a >= b, "≥"), "<=": (lambda a, b: a <= b, "≤")}
 
 def claim_target(spec: dict[str, Any]) -> str:
     """What a claim asks for, as printed in the claims table's ``target`` column."""
-    kind, label = spec["kind"], METRIC_LABELS.get(spec["metric"], spec["metric"])
+    kind = spec["kind"]
     if kind == "threshold":
         return f"{OPS[spec['op']][1]} {spec['target']}"
-    if kind == "gap":
-        return f"{METRIC_LABELS.get(spec['reference'], spec['reference'])} − {label} ≤ {spec['target']}"
     if kind in ("above", "below"):
         at = f" at K={spec['other_pair'][0]} L={spec['other_pair'][1]}" if "other_pair" in spec else ""
         return f"{kind} {spec['other']}{at} (difference's 95% interval {kind} 0)"
@@ -788,20 +780,12 @@ def check_claim(
 
     not_run = result("not run", None, "not run", None, None, None, None, ())
 
-    if kind in ("threshold", "gap"):
-        reference = spec.get("reference") if kind == "gap" else None
-        e = seed_estimate(fin, method, metric, pair, reference)
+    if kind == "threshold":
+        e = seed_estimate(fin, method, metric, pair)
         if not e.n:
             return not_run
-        ok = e.mean <= spec["target"] if kind == "gap" else OPS[spec["op"]][0](e.mean, spec["target"])
+        ok = OPS[spec["op"]][0](e.mean, spec["target"])
         ours = f"{method} K={pair[0]} L={pair[1]}: {_est(e)}"
-        if kind == "gap":  # print both numbers, not only their difference
-            mine = seed_estimate(fin, method, metric, pair)
-            ceiling = seed_estimate(fin, method, reference, pair)
-            ours = (
-                f"{method} K={pair[0]} L={pair[1]}: {label} {_est(mine)}; "
-                f"{METRIC_LABELS.get(reference, reference)} {_est(ceiling)}; gap {_est(e)}"
-            )
         return result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["target"], e.cells)
 
     if kind == "falls_over_sweeps":
