@@ -35,7 +35,10 @@ def learning_rate(cfg: TrainConfig, iteration: int) -> float:
     """The rate of step ``iteration`` (0-based) under ``cfg.lr_schedule``."""
     if cfg.lr_schedule == "constant" or cfg.iterations <= 1:
         return cfg.lr
-    frac = min(iteration / (cfg.iterations - 1), 1.0)
+    # The cosine spans the first (1 - lr_hold_fraction) of the steps and reaches the floor at
+    # its last one; the rest hold the floor.
+    decay_steps = max(round(cfg.iterations * (1.0 - cfg.lr_hold_fraction)), 2)
+    frac = min(iteration / (decay_steps - 1), 1.0)
     floor = cfg.lr * cfg.lr_final_factor
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
@@ -60,6 +63,11 @@ class TrainConfig:
     # within a CPU-sized budget (a constant rate keeps the weights jittering at its noise level).
     lr_schedule: str = "constant"
     lr_final_factor: float = 0.01
+    # cosine only: the last fraction of the steps trains at the floor rate. While the rate
+    # still falls, the training curves rise with it (less gradient noise), whether or not
+    # more steps would help; a trend while the rate holds still is one more steps would
+    # extend, which is what the report's plateau test looks for in the last fifth.
+    lr_hold_fraction: float = 0.0
     resample_mode: str = "block"
     resampler: str = "systematic"
     model: dict[str, Any] = field(default_factory=dict)  # task hyperparameters
@@ -86,6 +94,8 @@ class TrainConfig:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not (isinstance(self.lr_final_factor, (int, float)) and 0 <= self.lr_final_factor <= 1):
             raise ValueError(f"lr_final_factor must be in [0, 1], got {self.lr_final_factor!r}")
+        if not (isinstance(self.lr_hold_fraction, (int, float)) and 0 <= self.lr_hold_fraction < 1):
+            raise ValueError(f"lr_hold_fraction must be in [0, 1), got {self.lr_hold_fraction!r}")
         if self.resample_mode not in RESAMPLE_MODES:
             raise ValueError(f"resample_mode must be one of {RESAMPLE_MODES}, got {self.resample_mode!r}")
         get_resampler(self.resampler)

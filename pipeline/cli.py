@@ -140,6 +140,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         lr=args.lr,
         lr_schedule=args.lr_schedule,
         lr_final_factor=args.lr_final_factor,
+        lr_hold_fraction=args.lr_hold_fraction,
         resample_mode=args.resample_mode,
         resampler=args.resampler,
         model=_key_values(args.model, "--model"),
@@ -269,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr-schedule", default="constant", help="constant or cosine (decay to lr * --lr-final-factor)"
     )
     train.add_argument("--lr-final-factor", type=float, default=0.01)
+    train.add_argument(
+        "--lr-hold-fraction", type=float, default=0.0, help="cosine: the last fraction of steps at the floor rate"
+    )
     train.add_argument("--resample-mode", default="block")
     train.add_argument("--resampler", default="systematic")
     train.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")

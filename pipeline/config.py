@@ -87,6 +87,7 @@ TRAIN_KEYS: dict[str, Any] = {
     "lr": (int, float),
     "lr_schedule": str,  # constant | cosine (apg.training.learning_rate)
     "lr_final_factor": (int, float),
+    "lr_hold_fraction": (int, float),  # cosine: the last fraction of steps at the floor rate
     "compile": bool,  # the step as one torch.compile graph: for GPU trials (apg.training.TrainConfig)
     "resample_mode": str,
     "resampler": str,
