@@ -1735,7 +1735,11 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
                 "flat). A cell has plateaued when "
                 f"|z| < {PLATEAU_Z:g} for both; with fewer than {PLATEAU_MIN_POINTS} logged points in the window "
                 "it is not assessable. Rows elsewhere whose numbers come from a cell that has not "
-                f"plateaued carry {NOT_PLATEAUED} (not assessable: {NOT_ASSESSABLE}).",
+                f"plateaued carry {NOT_PLATEAUED} (not assessable: {NOT_ASSESSABLE}). Where the rate "
+                "still falls in that window, the curves rise with it (less gradient noise) whether or "
+                "not more steps would help; where the schedule holds its floor rate there "
+                "(`lr_hold_fraction: 0.2`, as params.yaml's do), a trend is one that more steps would "
+                "extend.",
                 "",
                 part["training_md"],
                 "",
