@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One lease of a GPU machine in one call (it has PyTorch, not Ray, MLflow or DVC):
 #   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda; with
-#      COMPILE=1 also compiled, --compile, within COMPILE_S seconds), and
+#      COMPILE=1 also compiled, --compile, within COMPILE_S seconds: COMPILE_TASKS x
+#      COMPILE_METHODS x COMPILE_PAIRS, compiling beside the eager work, timed after it),
 #      the GPU's sampler against the CPU's on trained cells (bench/cuda_agreement.py: cells and
-#      held-out sets carried in AGREE/<task>/{model.pt,test.npz});
+#      held-out sets carried in AGREE/<task>/{model.pt,test.npz,pair}), and with SHARE=1 four
+#      trials sharing the GPU against one (bench/gpu_share.py: SHARE_TASK, SHARE_METHOD, SHARE_PAIR);
+#      with TRAIN=0 that is all;
 #   2. with CHECK=1, the gpu-bmnist profile under paper-check's caps: fails fast on a code path
 #      the GPU breaks (training and evaluation, a few steps);
 #   3. PROFILE (gpu-bmnist, or gpu-bmnist-3d: its second step, which needs gpu-bmnist's cells in
@@ -19,6 +22,7 @@
 set -u
 OUT=${OUT:?set OUT}; PROFILE=${PROFILE:-gpu-bmnist}; MINUTES=${MINUTES:-6}; DEADLINE=${DEADLINE:-570}; DEVICE=${DEVICE:-cuda}
 EVAL_MIN=${EVAL_MIN:-150}; TIMINGS=${TIMINGS:-1}; COMPILE=${COMPILE:-0}; CHECK=${CHECK:-0}; AGREE=${AGREE:-.device/agree}
+SHARE=${SHARE:-0}; TRAIN=${TRAIN:-1}; PARAMS=${PARAMS:-params-paper.yaml}  # the per-step sizes timed
 export APG_MNIST_DIR=${MNIST_DIR:-.device/mnist} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export APG_NATIVE_KERNELS=0   # the C kernels are for CPU tensors: nothing to build on a GPU machine
 start=$(date +%s)
@@ -33,25 +37,43 @@ pack() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 
+if [ "$COMPILE" = 1 ]; then  # compiled (train.compile: fullgraph, CUDA graphs), beside the eager work:
+  # compilation is host work; each compiled cell is timed only once the eager timings are done
+  echo "== 1b. compiled per-step times at paper sizes, started $(date +%T)"
+  rm -f "$OUT/.eager_done"
+  TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-8} timeout "${COMPILE_S:-300}" \
+    python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 --compile \
+    --tasks ${COMPILE_TASKS:-gmm dgmm} --methods ${COMPILE_METHODS:-apg rws-mlp} --pairs ${COMPILE_PAIRS:-10x10} \
+    --wait-for "$OUT/.eager_done" --json "$OUT/paper_scale_cuda_compiled.json" \
+    --markdown "$OUT/paper_scale_cuda_compiled.md" > "$OUT/compiled.log" 2>&1 &
+  compiled_pid=$!
+fi
 if [ "$TIMINGS" = 1 ]; then
   echo "== 1. per-step times at paper sizes $(date +%T)"
-  timeout 120 python3 bench/paper_scale.py --device "$DEVICE" --steps 5 \
+  timeout 150 python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 \
     --json "$OUT/paper_scale_cuda.json" --markdown "$OUT/paper_scale_cuda.md" || echo "paper_scale: exit $?"
 fi
-if [ "$COMPILE" = 1 ]; then  # the same, compiled (train.compile: fullgraph, CUDA graphs)
-  echo "== 1b. compiled per-step times at paper sizes $(date +%T)"
-  timeout "${COMPILE_S:-300}" python3 bench/paper_scale.py --device "$DEVICE" --steps 5 --compile \
-    --json "$OUT/paper_scale_cuda_compiled.json" --markdown "$OUT/paper_scale_cuda_compiled.md" \
-    || echo "paper_scale --compile: exit $?"
-fi
-for task in gmm dgmm bmnist; do
+for task in gmm dgmm bmnist; do  # AGREE/<task>/pair: the K and L to evaluate at (default 10 10)
   [ -f "$AGREE/$task/model.pt" ] || continue
-  pair="10 10"; [ $task = bmnist ] && pair="4 4"
-  timeout 45 python3 bench/cuda_agreement.py --cell "$AGREE/$task/model.pt" --data "$AGREE/$task/test.npz" \
+  pair=$(cat "$AGREE/$task/pair" 2>/dev/null || echo "10 10")
+  echo "== agreement $task $(date +%T)"
+  timeout 60 python3 bench/cuda_agreement.py --cell "$AGREE/$task/model.pt" --data "$AGREE/$task/test.npz" \
     --pair $pair --seeds 4 --batch 20 --device "$DEVICE" --json "$OUT/agree_$task.json" || echo "agreement $task: exit $?"
 done
-mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda* "$OUT/t/" 2>/dev/null
+if [ "$SHARE" = 1 ]; then  # trials sharing the GPU (gpus_per_trial 0.25): throughput of 4 against 1
+  echo "== trials sharing the GPU $(date +%T)"
+  timeout 120 python3 bench/gpu_share.py --params "$PARAMS" --device "$DEVICE" --task ${SHARE_TASK:-gmm} --method ${SHARE_METHOD:-apg} \
+    --pair ${SHARE_PAIR:-10 10} --procs 1 4 --seconds 15 --json "$OUT/share.json" || echo "gpu_share: exit $?"
+fi
+touch "$OUT/.eager_done"
+if [ -n "${compiled_pid:-}" ]; then
+  while kill -0 "$compiled_pid" 2>/dev/null && (( $(left) > ${PACK_S:-20} )); do sleep 2; done
+  kill "$compiled_pid" 2>/dev/null && echo "compiled timings stopped at the deadline"
+  cat "$OUT/compiled.log"
+fi
+mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda* "$OUT"/share.json "$OUT"/compiled.log "$OUT/t/" 2>/dev/null
 tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
+[ "$TRAIN" = 1 ] || { ls -la "$OUT"; exit 0; }
 
 if [ "$CHECK" = 1 ]; then
   echo "== 2. $PROFILE check $(date +%T)"

@@ -11,13 +11,17 @@ in the params' storage dtype, times the paper's dataset count). The full cost is
 cells x iterations x seconds per step, shown per row with its arithmetic.
 
     python bench/paper_scale.py [--params params-paper.yaml] [--steps 3] [--threads 1]
-        [--tasks gmm dgmm bmnist] [--json OUT] [--markdown OUT] [--device cuda] [--compile]
+        [--tasks gmm dgmm bmnist] [--methods apg rws-mlp] [--pairs 10x10] [--json OUT]
+        [--markdown OUT] [--device cuda] [--compile] [--wait-for FILE]
 
 ``--compile`` trains every cell whose method allows it with ``TrainConfig.compile`` (one
 ``torch.compile`` graph; CUDA graphs on a GPU) and reports its warm-up apart.
 
-On a GPU (``--device cuda``) each step is timed between ``torch.cuda.synchronize()`` calls,
-the peak is the device's allocated memory (``torch.cuda.max_memory_allocated``, reset per
+Timed steps are unlogged (``Trainer.step(log=False)``: on a GPU nothing is read back).
+On a GPU (``--device cuda``) each step is timed between ``torch.cuda.synchronize()`` calls
+(``s/step``: the step's latency, host launch included), and the same number of steps is then
+run back to back with one synchronization at the end (``queued``: what training gets when
+the host launches the next step while the GPU still runs the last); the peak is the device's allocated memory (``torch.cuda.max_memory_allocated``, reset per
 cell), and the cells run one after another in this process (one CUDA start-up, not one
 per cell); a cell that fails is reported with its error and the others still run.
 
@@ -48,9 +52,11 @@ def vm_hwm_mb() -> float:
     return float("nan")
 
 
-def plan(params_file: Path, tasks: list[str] | None) -> list[dict]:
+def plan(
+    params_file: Path, tasks: list[str] | None, methods: list[str] | None = None, pairs: list[str] | None = None
+) -> list[dict]:
     """One row per (task, method, K, L) of the grid: the cell's config and how many cells
-    (seeds, roles) of the grid share it."""
+    (seeds, roles) of the grid share it; only ``methods`` and ``pairs`` ("KxL") if given."""
     from pipeline.config import grid_cells, load_params
 
     params = load_params(params_file)
@@ -58,6 +64,8 @@ def plan(params_file: Path, tasks: list[str] | None) -> list[dict]:
     for task in tasks or params["tasks"]:
         section = params[task]
         for cell in grid_cells(params, task):
+            if methods and cell.method not in methods or pairs and f"{cell.sweeps}x{cell.particles}" not in pairs:
+                continue
             key = (task, cell.method, cell.sweeps, cell.particles)
             row = rows.setdefault(
                 key,
@@ -77,10 +85,9 @@ def plan(params_file: Path, tasks: list[str] | None) -> list[dict]:
     return list(rows.values())
 
 
-def measure(row: dict, steps: int, threads: int, device: str = "cpu", compile_: bool = False) -> dict:
-    """Time one cell's training steps in this process (called in a fresh subprocess on a CPU).
-    With ``compile_``, cells whose method compiles train with ``TrainConfig.compile``; their
-    first steps (tracing, code generation, CUDA graph capture) are timed apart."""
+def cell_trainer(row: dict, device: str = "cpu", compile_: bool = False) -> tuple:
+    """The row's trainer as the sweep would build it, on ``B`` simulated datasets:
+    ``(trainer, compiled, simulate_seconds_per_dataset, bytes_per_dataset)``."""
     import numpy as np
     import torch
 
@@ -88,7 +95,6 @@ def measure(row: dict, steps: int, threads: int, device: str = "cpu", compile_: 
     from apg.training import TrainConfig, Trainer
     from pipeline.generate import simulate_set
 
-    torch.set_num_threads(threads)
     torch.manual_seed(0)
     compiled = compile_ and METHODS[row["method"]].not_compiled_because is None
     cfg = TrainConfig.from_dict({**row["train"], "compile": compiled})
@@ -97,30 +103,54 @@ def measure(row: dict, steps: int, threads: int, device: str = "cpu", compile_: 
     simulate_seconds = (time.perf_counter() - start) / cfg.batch_size
     arrays["x"] = arrays["x"].astype(np.dtype(row["x_dtype"]))
     bytes_per_dataset = sum(a.nbytes for a in arrays.values()) / cfg.batch_size
+    return Trainer(cfg, torch.from_numpy(arrays["x"]), device), compiled, simulate_seconds, bytes_per_dataset
+
+
+def measure(
+    row: dict, steps: int, threads: int, device: str = "cpu", compile_: bool = False, wait_for: str | None = None
+) -> dict:
+    """Time one cell's training steps in this process (called in a fresh subprocess on a CPU).
+    With ``compile_``, cells whose method compiles train with ``TrainConfig.compile``; their
+    first steps (tracing, code generation, CUDA graph capture) are timed apart."""
+    import torch
+
+    torch.set_num_threads(threads)
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(cfg, torch.from_numpy(arrays["x"]), device)
+    trainer, compiled, simulate_seconds, bytes_per_dataset = cell_trainer(row, device, compile_)
     start = time.perf_counter()
     # warm-up: first-call costs (kernel compilation, allocator; compiled: tracing, code
     # generation and, on a GPU, CUDA graph recording over the first calls) once per trial
     for _ in range(3 if compiled else 1):
-        trainer.step()
+        trainer.step(log=False)
     sync()
     warmup_seconds = time.perf_counter() - start
+    # Another run on the same GPU (a compilation beside eager timings) times its cells only
+    # once the other's are done, so neither's steps share the device.
+    while wait_for is not None and not Path(wait_for).exists():
+        time.sleep(0.5)
     times = []
     for _ in range(steps):
         sync()
         t0 = time.perf_counter()
-        trainer.step()
+        trainer.step(log=False)
         sync()
         times.append(time.perf_counter() - t0)
+    queued = None
+    if cuda:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            trainer.step(log=False)
+        sync()
+        queued = (time.perf_counter() - t0) / steps
     return {
         "compiled": compiled,
         "warmup_seconds": warmup_seconds,
         "seconds_per_step": statistics.median(times),
         "step_seconds": times,
+        "queued_seconds_per_step": queued,
         "peak_rss_mb": vm_hwm_mb(),
         "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
         "train_set_gb": bytes_per_dataset * row["num_datasets"] / 1e9,
@@ -143,22 +173,25 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"Paper per-step sizes (`{meta['params']}`), {meta['threads']} thread(s), median of "
         f"{meta['steps']} steps after a warm-up, {where}; {meta['machine']}.",
         "",
-        f"| task | method | K | L | B | s/step | {'peak GPU memory' if gpu else 'peak RSS'} (MB) | train set (GB) "
+        f"| task | method | K | L | B | s/step |{' queued s/step |' if gpu else ''} "
+        f"{'peak GPU memory' if gpu else 'peak RSS'} (MB) | train set (GB) "
         "| cells | full run: cells x iterations x s/step | hours |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if gpu else "") + " ---: | ---: | ---: | --- | ---: |",
     ]
     for r in rows:
         if r.get("error"):
             lines.append(
                 f"| {r['task']} | {r['method']} | {r['K']} | {r['L']} | {r['train']['batch_size']} | "
-                f"failed: {r['error']} | | | {r['cells']} | | |"
+                f"failed: {r['error']} |{' |' if gpu else ''} | | {r['cells']} | | |"
             )
             continue
         peak = r["peak_gpu_mb"] if gpu else r["peak_rss_mb"]
         compiled = f" (compiled; warm-up {r['warmup_seconds']:.0f} s)" if r.get("compiled") else ""
         lines.append(
             f"| {r['task']} | {r['method']} | {r['K']} | {r['L']} | {r['train']['batch_size']} | "
-            f"{r['seconds_per_step']:.3g}{compiled} | {peak:.0f} | {r['train_set_gb']:.2f} | {r['cells']} | "
+            f"{r['seconds_per_step']:.3g}{compiled} |"
+            + (f" {r['queued_seconds_per_step']:.3g} |" if gpu else "")
+            + f" {peak:.0f} | {r['train_set_gb']:.2f} | {r['cells']} | "
             f"{r['cost']['arithmetic']} | {r['cost']['hours']:.1f} |"
         )
     rows = [r for r in rows if not r.get("error")]
@@ -175,47 +208,8 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params", default=str(REPO / "params-paper.yaml"))
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--tasks", nargs="*", default=None)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--markdown", default=None)
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda: cells in this process on the GPU")
-    parser.add_argument(
-        "--compile", action="store_true", help="train with TrainConfig.compile where the method allows it"
-    )
-    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a row as JSON: measure it here
-    args = parser.parse_args(argv)
-    if args.one is not None:
-        print(json.dumps(measure(json.loads(args.one), args.steps, args.threads, compile_=args.compile)), flush=True)
-        return []
-    rows = plan(Path(args.params), args.tasks)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    for row in rows:
-        if args.device != "cpu":
-            try:
-                row.update(measure(row, args.steps, args.threads, args.device, args.compile))
-            except Exception as err:  # noqa: BLE001 - one failing cell must not hide the others' numbers
-                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
-                print(f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} {row['error']}", flush=True)
-                continue
-        else:
-            cmd = [sys.executable, __file__, "--one", json.dumps(row), "--steps", str(args.steps),
-                   "--threads", str(args.threads), *(["--compile"] if args.compile else [])]
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-            if proc.returncode != 0:
-                raise SystemExit(f"{row['task']}/{row['method']}: {proc.stderr.strip().splitlines()[-1]}")
-            row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-        row["cost"] = full_cost(row)
-        print(
-            f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} "
-            f"{row['seconds_per_step']:.4f} s/step  {row['peak_rss_mb']:.0f} MB  "
-            f"{row['cost']['hours']:.1f} h for {row['cost']['arithmetic']}",
-            flush=True,
-        )
+def write(rows: list[dict], args: argparse.Namespace) -> str:
+    """The rows measured so far as markdown (returned) and, where asked, files."""
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
     if args.device != "cpu":
         import torch
@@ -230,11 +224,65 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "machine": machine,
     }
     text = markdown(rows, meta)
-    print(text)
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     if args.markdown:
         Path(args.markdown).write_text(text + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", default=str(REPO / "params-paper.yaml"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tasks", nargs="*", default=None)
+    parser.add_argument("--methods", nargs="*", default=None, help="only these methods")
+    parser.add_argument("--pairs", nargs="*", default=None, help="only these budgets, as KxL (10x10)")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--markdown", default=None)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: cells in this process on the GPU")
+    parser.add_argument(
+        "--compile", action="store_true", help="train with TrainConfig.compile where the method allows it"
+    )
+    parser.add_argument(
+        "--wait-for", default=None, help="a file: time a cell only once it exists (warm-up and compilation go first)"
+    )
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a row as JSON: measure it here
+    args = parser.parse_args(argv)
+    if args.one is not None:
+        print(json.dumps(measure(json.loads(args.one), args.steps, args.threads, compile_=args.compile)), flush=True)
+        return []
+    rows = plan(Path(args.params), args.tasks, args.methods, args.pairs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done: list[dict] = []
+    text = write(done, args)
+    for row in rows:
+        if args.device != "cpu":
+            try:
+                row.update(measure(row, args.steps, args.threads, args.device, args.compile, args.wait_for))
+            except Exception as err:  # noqa: BLE001 - one failing cell must not hide the others' numbers
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
+                print(f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} {row['error']}", flush=True)
+        else:
+            cmd = [sys.executable, __file__, "--one", json.dumps(row), "--steps", str(args.steps),
+                   "--threads", str(args.threads), *(["--compile"] if args.compile else [])]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+            if proc.returncode != 0:
+                raise SystemExit(f"{row['task']}/{row['method']}: {proc.stderr.strip().splitlines()[-1]}")
+            row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+        if not row.get("error"):
+            row["cost"] = full_cost(row)
+            print(
+                f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} "
+                f"{row['seconds_per_step']:.4f} s/step  {row['peak_rss_mb']:.0f} MB  "
+                f"{row['cost']['hours']:.1f} h for {row['cost']['arithmetic']}",
+                flush=True,
+            )
+        done.append(row)
+        # written after every cell: a run stopped at a time limit keeps what it measured
+        text = write(done, args)
+    print(text)
     return rows
 
 
