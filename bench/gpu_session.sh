@@ -84,11 +84,18 @@ fi
 
 # Training gets what is left but the data (~20 s), the timing of the cells (~20 s) and
 # packing: MINUTES at most, so that the schedule is planned to end before the deadline.
-minutes=$(python3 -c "print(round(max(0.5, min($MINUTES, ($(left) - 90) / 60 * 0.95)), 2))")
-echo "== 3. $PROFILE, $minutes min of training $(date +%T), $(left) s left"
+# MINUTES=none: the profile's own iterations (a compiled profile would compile twice if timed).
+if [ "$MINUTES" = none ]; then
+  sized=()
+  echo "== 3. $PROFILE, its own iterations $(date +%T), $(left) s left"
+else
+  minutes=$(python3 -c "print(round(max(0.5, min($MINUTES, ($(left) - 90) / 60 * 0.95)), 2))")
+  sized=(--minutes "$minutes")
+  echo "== 3. $PROFILE, $minutes min of training $(date +%T), $(left) s left"
+fi
 deadline=$(python3 -c "print(($(left) - 30) / 60)")
 python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --stages train \
-  --minutes "$minutes" --deadline "$deadline" || { echo "training failed"; pack; exit 1; }
+  "${sized[@]}" --deadline "$deadline" || { echo "training failed"; pack; exit 1; }
 
 if (( $(left) > EVAL_MIN )); then
   echo "== 4. evaluate on $DEVICE $(date +%T), $(left) s left"

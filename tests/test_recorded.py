@@ -24,7 +24,7 @@ def cell_keys(params: dict, task: str) -> set[tuple]:
 
 
 @pytest.mark.parametrize(
-    "profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d", "paper-gmm-std"})
+    "profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d", "gpu-gmm", "paper-gmm-std"})
 )
 def test_profiles_keep_the_papers_per_step_sizes(profile):
     paper = load_params(PAPER)
@@ -79,6 +79,25 @@ def test_paper_gmm_std_is_paper_gmms_apg_on_standardized_offsets():
     for key in ("model", "data", "evaluate"):
         assert std["gmm"][key] == narrow["gmm"][key]
     assert "standardized" in std["report"]["scale"]
+
+
+def test_gpu_gmm_is_table_1_compiled_four_trials_to_a_gpu():
+    paper, std, run = load_params(PAPER), recorded.derive("paper-gmm-std", PAPER), recorded.derive("gpu-gmm", PAPER)
+    cells = grid_cells(run, "gmm")
+    trained = [c for c in cells if c.method != "gibbs"]
+    assert sorted((c.method, c.seed) for c in trained) == [("apg", 0), ("apg", 1), ("rws-lstm", 0), ("rws-mlp", 0)]
+    # the paper's per-step sizes and data; paper-gmm-std's networks
+    assert {(c.sweeps, c.particles, c.train.batch_size) for c in cells} == {(10, 10, 20)}
+    assert run["gmm"]["network"] == std["gmm"]["network"] and run["gmm"]["data"] == paper["gmm"]["data"]
+    assert run["gmm"]["evaluate"] == paper["gmm"]["evaluate"]
+    # four trials to a GPU, every step compiled where the method allows it
+    assert run["sweep"]["gpus_per_trial"] == 0.25 and len(trained) == 4
+    assert {c.method for c in trained if c.train.compile} == {"apg", "rws-mlp"}
+    for c in trained:
+        assert c.train.iterations == recorded.GPU_GMM_ITERATIONS
+        assert {k: getattr(c.train, k) for k in recorded.GPU_GMM_SCHEDULE} == recorded.GPU_GMM_SCHEDULE
+    assert [c.train.iterations for c in cells if c.method == "gibbs"] == [0]
+    assert "compiled" in run["report"]["scale"]
 
 
 def test_gpu_bmnist_keeps_the_papers_budgets_and_test_sets_and_trains_on_one_digit():
