@@ -21,9 +21,10 @@ Timed steps are unlogged (``Trainer.step(log=False)``: on a GPU nothing is read 
 On a GPU (``--device cuda``) each step is timed between ``torch.cuda.synchronize()`` calls
 (``s/step``: the step's latency, host launch included), and the same number of steps is then
 run back to back with one synchronization at the end (``queued``: what training gets when
-the host launches the next step while the GPU still runs the last); the peak is the device's allocated memory (``torch.cuda.max_memory_allocated``, reset per
-cell), and the cells run one after another in this process (one CUDA start-up, not one
-per cell); a cell that fails is reported with its error and the others still run.
+the host launches the next step while the GPU still runs the last); the peak is the
+device's allocated memory (``torch.cuda.max_memory_allocated``, reset per cell), and the
+cells run one after another in this process (one CUDA start-up, not one per cell); a cell
+that fails is reported with its error and the others still run.
 
 Bouncing MNIST reads MNIST from ``$APG_MNIST_DIR``. It measures wall time: run it on an
 otherwise quiet machine.
