@@ -94,6 +94,19 @@ class Factorized:
         return total
 
 
+class BlockWindow(NamedTuple):
+    """A block's update as an update of a smaller problem (``Model.block_window``).
+
+    ``block``: the block's name there; ``x``: the data there (a view of the whole);
+    ``names``: latent name there -> latent name in the whole problem, for every latent the
+    update reads (the block's own included).
+    """
+
+    block: str
+    x: Tensor
+    names: dict[str, str]
+
+
 class Model(nn.Module):
     """Base class of a task's generative model ``p_theta(x, z)``.
 
@@ -105,6 +118,11 @@ class Model(nn.Module):
     """
 
     blocks: dict[str, tuple[str, ...]] = {}
+    # ``TrainConfig.compile`` compiles the sampler unit by unit (the initial proposal,
+    # resampling, one graph per kind of block update: ``run_apg(compiled=True)``) instead
+    # of the whole step as one graph: for models whose step unrolls into more ops than a
+    # trace can take (Bouncing MNIST: T frames x K sweeps of block updates).
+    compile_per_block: bool = False
 
     def blocks_for(self, x: Tensor) -> dict[str, tuple[str, ...]]:
         """The ordered blocks for data ``x``; the default is ``self.blocks``.
@@ -113,6 +131,18 @@ class Model(nn.Module):
         override this, so that one trained model serves data of any size.
         """
         return self.blocks
+
+    def block_window(self, block: str, x: Tensor) -> BlockWindow | None:
+        """The smaller problem that holds everything ``block``'s update reads, or ``None``
+        (the default: the whole problem).
+
+        A compiled block update (``run_apg(compiled=True)``) is one graph per distinct
+        ``(block, shapes)``; a model whose blocks differ only in where they sit (a video's
+        frames) maps each to the same local block of a window of the data, so that one
+        graph serves them all. The update in the window must equal the update in the whole
+        problem exactly (the proposal and the log joint change read the same values).
+        """
+        return None
 
     def log_joint(self, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
         """``log p_theta(x, z)`` of shape ``(L, B)``."""

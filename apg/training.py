@@ -10,6 +10,7 @@ Legend: M datasets in a file, B datasets per batch, K sweeps, L particles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -178,8 +179,18 @@ class Trainer:
             # method's code, whose cache would pile up entries to dynamo's recompile limit
             # and then run eager. So a new trainer starts the cache afresh.
             torch._dynamo.reset()
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
-            self._forward = torch.compile(self._loss_and_metrics, fullgraph=True, dynamic=False, mode=mode)
+            if self.model.compile_per_block:  # the sampler compiles its units (run_apg)
+                if not self.method.compiles_per_block:
+                    raise ValueError(
+                        f"method {cfg.method!r} cannot be compiled on task {cfg.task!r}: "
+                        "its step compiles one block update at a time, which the method does not support"
+                    )
+                self._forward = functools.partial(self._loss_and_metrics, compiled=True)
+            else:
+                mode = "reduce-overhead" if self.device.type == "cuda" else None  # CUDA graphs
+                self._forward = torch.compile(
+                    self._loss_and_metrics, fullgraph=True, dynamic=False, mode=mode
+                )
 
     def _next_batch(self) -> Tensor:
         size = min(self.cfg.batch_size, len(self.train_x))
@@ -212,9 +223,13 @@ class Trainer:
         metrics = _read(loss, values) if log else None
         # Every step's loss is checked where reading it is free (apg.host); on a device only
         # the logged steps', so a divergence shows there and the weights may be NaN by then.
-        value = metrics["loss"] if metrics is not None else float(loss.detach()) if values_on_host(loss) else 0.0
+        value = (
+            metrics["loss"] if metrics is not None else float(loss.detach()) if values_on_host(loss) else 0.0
+        )
         if not math.isfinite(value):
-            raise TrainingDiverged(f"loss became {value} at iteration {self.iteration + 1}; try a lower learning rate")
+            raise TrainingDiverged(
+                f"loss became {value} at iteration {self.iteration + 1}; try a lower learning rate"
+            )
         if self.optimizer is not None:
             lr = learning_rate(cfg, self.iteration)
             for group in self.optimizer.param_groups:
@@ -232,12 +247,22 @@ class Trainer:
         that turns out to need logging, such as the last before a deadline)."""
         return _read(*self._last)
 
-    def _loss_and_metrics(self, x: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def _loss_and_metrics(self, x: Tensor, compiled: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
         """The method's surrogate loss on batch ``x`` and its final sweep's scalar metrics
-        (detached, still on the device): what ``torch.compile`` compiles when ``cfg.compile``."""
+        (detached, still on the device): what ``torch.compile`` compiles when ``cfg.compile``,
+        unless the model compiles per block (then the sampler is ``compiled``)."""
         cfg = self.cfg
+        # the keyword only where it is set: the methods that cannot compile per block lack it
+        per_block = {"compiled": True} if compiled else {}
         result = self.method.run(
-            self.model, self.proposals, x, cfg.sweeps, cfg.particles, cfg.resample_mode, cfg.resampler
+            self.model,
+            self.proposals,
+            x,
+            cfg.sweeps,
+            cfg.particles,
+            cfg.resample_mode,
+            cfg.resampler,
+            **per_block,
         )
         last = result.sweeps[-1]
         values = {

@@ -1,20 +1,30 @@
-"""The training step as one ``torch.compile`` graph (issue 21, item 2).
+"""The training step compiled with ``torch.compile`` (issue 21, item 2).
 
 ``TrainConfig.compile`` compiles the step's sampler and loss with ``fullgraph=True`` (a
 graph break is an error there), as a GPU trial runs it (with CUDA graphs). Dynamo's trace
 alone (``torch._dynamo.explain``, no code generation) shows the breaks in seconds for every
 task and method; one slow test compiles and trains for real.
+
+Bouncing MNIST's step is too long to trace whole (K sweeps of T + 1 block updates), so it
+compiles unit by unit (``Model.compile_per_block``, ``run_apg(compiled=True)``): the tests
+count its graphs, check that a frame's update in its window is its update in the whole
+video, and that the compiled step computes what the eager one does from the same draws.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch._dynamo
+from torch._dynamo.utils import counters
 
 from apg.baselines import METHODS
+from apg.smc import sampler
+from apg.smc.sampler import block_update, update_in_window
 from apg.tasks import get_task, task_names
-from apg.training import TrainConfig, Trainer, make_method
+from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline.generate import simulate_set
 
 SIZES = {"gmm": {"num_points": 12}, "dgmm": {"num_points": 24}}
@@ -41,11 +51,31 @@ def runs_on(task: str, method: str) -> bool:
         return False
 
 
+def builds_on(task: str, method: str) -> bool:
+    """Whether a trainer builds (some methods check the task's model only then)."""
+    try:
+        build(config(task, method))
+        return True
+    except ValueError:
+        return False
+
+
+def per_block(task: str) -> bool:
+    return get_task(task).build_model().compile_per_block
+
+
 CASES = [(t, m) for t in task_names() for m in METHODS if runs_on(t, m)]
 COMPILED = [(t, m) for t, m in CASES if METHODS[m].not_compiled_because is None]
+WHOLE = [(t, m) for t, m in COMPILED if not per_block(t)]
+PER_BLOCK = [(t, m) for t, m in COMPILED if per_block(t) and builds_on(t, m)]
 
 
-@pytest.mark.parametrize("task,method", COMPILED)
+def test_bouncing_mnist_compiles_per_block_and_the_others_whole():
+    assert {t for t, _ in PER_BLOCK} == {"bmnist"} and {t for t, _ in WHOLE} == {"gmm", "dgmm"}
+    assert {m for _, m in PER_BLOCK} == {"apg", "rws-mlp"}
+
+
+@pytest.mark.parametrize("task,method", WHOLE)
 def test_the_step_traces_into_one_graph(task, method):
     try:
         trainer = Trainer(config(task, method), data(task))
@@ -54,7 +84,10 @@ def test_the_step_traces_into_one_graph(task, method):
     torch._dynamo.reset()
     with torch._dynamo.config.patch(allow_rnn=True):
         explained = torch._dynamo.explain(trainer._loss_and_metrics)(trainer._next_batch())
-    reasons = [f"{b.reason.splitlines()[0]} at {b.user_stack[-1] if b.user_stack else '?'}" for b in explained.break_reasons]
+    reasons = [
+        f"{b.reason.splitlines()[0]} at {b.user_stack[-1] if b.user_stack else '?'}"
+        for b in explained.break_reasons
+    ]
     assert explained.graph_break_count == 0, reasons
     assert explained.graph_count == 1
 
@@ -76,7 +109,14 @@ def test_a_compiled_step_trains_and_compiles_once():
     torch._dynamo.reset()
     counters.clear()
     cfg = TrainConfig(
-        task="gmm", method="rws-mlp", sweeps=1, particles=3, batch_size=2, iterations=4, network={"hidden": 4}, compile=True
+        task="gmm",
+        method="rws-mlp",
+        sweeps=1,
+        particles=3,
+        batch_size=2,
+        iterations=4,
+        network={"hidden": 4},
+        compile=True,
     )
     trainer = Trainer(cfg, data("gmm"))
     before = [p.detach().clone() for p in trainer.proposals.parameters()]
@@ -113,3 +153,103 @@ def test_params_turn_compiling_on_per_task_or_per_grid_entry():
         same = c.cell_id("d") == eager[c.method, c.sweeps, c.particles, c.seed]
         assert same != c.train.compile
     assert {c.method for c in cells if not c.train.compile} == eager_methods
+
+
+def videos(num_frames: int) -> torch.Tensor:
+    """Two sparse random videos: enough ink for every correlation map to have a peak."""
+    gen = torch.Generator().manual_seed(num_frames)
+    return torch.rand(2, num_frames, 96, 96, generator=gen) * (
+        torch.rand(2, num_frames, 96, 96, generator=gen) < 0.1
+    )
+
+
+def test_a_frames_update_in_its_window_is_its_update_in_the_whole_video():
+    model, proposals = build(config("bmnist", "apg"))
+    x = videos(4)
+    torch.manual_seed(0)
+    z, _ = proposals.initial(x, 3)
+    blocks = model.blocks_for(x)
+    windows = {}
+    for block, names in blocks.items():
+        torch.manual_seed(1)
+        whole = block_update(model, proposals, block, names, x, z)
+        torch.manual_seed(1)
+        local = update_in_window(block_update, model, proposals, block, names, x, z)
+        assert whole[0].keys() == local[0].keys() == set(names)
+        for name in names:
+            assert torch.equal(whole[0][name], local[0][name]), block
+        for a, b in zip(whole[1:], local[1:], strict=True):
+            if isinstance(a, dict):
+                assert a == b == {}
+            else:
+                assert torch.equal(a, b), block
+        window = model.block_window(block, x)
+        if window is not None:
+            windows[block] = (window.block, window.x.shape[1])
+    # three kinds of where-update: the first frame, a middle one, the last
+    assert windows == {
+        "where_1": ("where_1", 2),
+        "where_2": ("where_2", 3),
+        "where_3": ("where_2", 3),
+        "where_4": ("where_2", 2),
+    }
+
+
+def compiled_against_eager(method: str, num_frames: int, steps: int) -> list[tuple[dict, dict]]:
+    """Metrics of ``steps`` training steps of an eager and a compiled trainer from the same
+    seeds (the same draws: the compiled graphs run torch's random ops in the eager order)."""
+    x = videos(num_frames)
+    rows = []
+    trainers = []
+    for compile_ in (False, True):
+        torch.manual_seed(2)
+        trainers.append(Trainer(config("bmnist", method, compile=compile_, lr=1e-3), x))
+        counters.clear()
+        torch.manual_seed(3)
+        rows.append([trainers[-1].step() for _ in range(steps)])
+    return list(zip(*rows, strict=True))
+
+
+def assert_same_steps(pairs: list[tuple[dict, dict]], rel: float) -> None:
+    for eager, compiled in pairs:
+        for key in ("loss", "log_joint", "ess", "log_evidence"):
+            assert compiled[key] == pytest.approx(eager[key], rel=rel, abs=1e-5), key
+
+
+@pytest.mark.parametrize(
+    "method,lengths", [("rws-mlp", (4,)), pytest.param("apg", (4, 6), marks=pytest.mark.slow)]
+)
+def test_a_per_block_step_traces_unit_by_unit(method, lengths, monkeypatch):
+    """Traced with aot_eager (the traced ops, run as they are: no code generation; a
+    minute for APG): fullgraph, the same number of graphs for videos of 4 and 6 frames,
+    none traced again at later steps, and the eager step's numbers."""
+    monkeypatch.setattr(
+        sampler, "compiled_units", functools.partial(sampler.compiled_units, backend="aot_eager")
+    )
+    # APG: the initial step, resampling (two stride patterns: the encoder's positions are
+    # views), what, and where at the first, a middle and the last frame. RWS: the initial step.
+    graphs = {"apg": 7, "rws-mlp": 1}[method]
+    for num_frames in lengths:
+        pairs = compiled_against_eager(method, num_frames, steps=3)
+        assert counters["stats"]["unique_graphs"] == graphs, num_frames
+        assert not counters["graph_break"]
+        assert_same_steps(pairs, rel=1e-5)
+
+
+def test_a_method_without_per_block_compiling_refuses_it(monkeypatch):
+    monkeypatch.setattr(type(METHODS["rws-mlp"]), "compiles_per_block", False)
+    with pytest.raises(ValueError, match="method 'rws-mlp' cannot be compiled on task 'bmnist'"):
+        Trainer(config("bmnist", "rws-mlp", compile=True), videos(3))
+
+
+@pytest.mark.slow
+def test_a_per_block_step_compiles_with_inductor_and_computes_the_eager_step(monkeypatch):
+    """inductor's generated code, with its random ops falling back to torch's (its own
+    Philox streams would draw other numbers): the same numbers as the eager step, to
+    float32 round-off."""
+    import torch._inductor.config
+
+    monkeypatch.setattr(torch._inductor.config, "fallback_random", True)
+    pairs = compiled_against_eager("apg", 3, steps=2)
+    assert counters["stats"]["unique_graphs"] == 7
+    assert_same_steps(pairs, rel=1e-4)

@@ -29,6 +29,9 @@ class Method:
     # Whether its training step traces into one graph (``TrainConfig.compile``); a method
     # whose step differentiates inside itself (``torch.autograd.grad``) names why not.
     not_compiled_because: str | None = None
+    # Whether ``run`` takes ``compiled=True``: the sampler compiled unit by unit, for models
+    # whose whole step is too long to trace (``Model.compile_per_block``).
+    compiles_per_block = False
     # Option name -> default; ``configure`` accepts exactly these keys.
     defaults: Mapping[str, Any] = {}
 
@@ -71,6 +74,7 @@ class Method:
         resample_mode: str = "block",
         resampler: str = "systematic",
         collectors: Iterable[Collector] = (),
+        compiled: bool = False,
     ) -> APGResult:
         raise NotImplementedError
 
@@ -108,6 +112,8 @@ def apg_evaluations(sweeps: int, particles: int) -> list[float]:
 class APG(Method):
     """The APG sampler: K sweeps (the first is the encoder) of L particles (section 2.2)."""
 
+    compiles_per_block = True
+
     def run(
         self,
         model,
@@ -118,6 +124,7 @@ class APG(Method):
         resample_mode="block",
         resampler="systematic",
         collectors=(),
+        compiled=False,
     ):
         return run_apg(
             model,
@@ -128,6 +135,7 @@ class APG(Method):
             resample_mode=resample_mode,
             resampler=resampler,
             collectors=collectors,
+            compiled=compiled,
         )
 
     def model_evaluations(self, sweeps: int, particles: int) -> list[float]:

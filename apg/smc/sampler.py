@@ -11,7 +11,8 @@ Legend: L particles, B datasets; latents ``(L, B, ...)``, log-weights ``(L, B)``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -106,6 +107,7 @@ def run_apg(
     resampler: str = "systematic",
     blocks: Iterable[str] | None = None,
     collectors: Iterable[Collector] = (),
+    compiled: bool = False,
 ) -> APGResult:
     """Run the APG sampler on a batch of datasets ``x`` shaped ``(B, ...)``.
 
@@ -119,6 +121,10 @@ def run_apg(
     blocks: the blocks to update and their order; default ``model.blocks_for(x)``.
     collectors: callables ``(sweep, z, log_w)`` run after every sweep, for diagnostics
         that need the particles themselves (reconstructions, say).
+    compiled: run the initial proposal, each resampling and each block update as a
+        ``torch.compile`` graph (``Model.compile_per_block``): one graph per distinct
+        unit, reused at every sweep, and by every block that ``Model.block_window`` maps
+        to the same local block. The bookkeeping between them stays eager (a few ops).
     """
     if num_sweeps < 1:
         raise ValueError(f"number of sweeps K must be >= 1, got {num_sweeps}")
@@ -132,14 +138,10 @@ def run_apg(
     for name in block_names:
         if name not in model_blocks:
             raise ValueError(f"unknown block {name!r}; the model has {list(model_blocks)}")
-    batch = x.shape[0]
 
+    units = compiled_units() if compiled else _UNITS
     # Initial proposal: z ~ q(z | x), w = p(x, z) / q(z | x).
-    z, log_q = proposals.initial(x, num_particles)
-    for name, t in z.items():
-        check_particles(f"latent {name!r}", t, num_particles, batch)
-    log_p = model.log_joint(x, z)
-    check_particles("log_joint", log_p, num_particles, batch)
+    z, log_q, log_p = units.initial(model, proposals, x, num_particles)
     log_w = sanitize((log_p - log_q).detach())
     # Per step (the initial one, then every block update): log-weights and the log-densities
     # of eq. 5 and 6; the steps' normalized weights are one softmax after the run.
@@ -156,18 +158,12 @@ def run_apg(
         increments: dict[str, Tensor] = {}
         for i, block in enumerate(block_names):
             if resample_mode == "block" or (resample_mode == "sweep" and i == 0):
-                log_w, state = resample(log_w, state, resample_fn, sanitized=True)
+                log_w, state = units.resample(log_w, state, resample_fn, sanitized=True)
             z = {k: v for k, v in state.items() if k != _LOG_JOINT}  # with the model's caches
-            latents = _latents(z)
-            kernel = proposals.kernel(block, x, latents)
-            old = {name: z[name] for name in model_blocks[block]}
-            # the forward kernel's draw and score, and the reverse kernel's score of the old values
-            proposed, log_q_new, log_q_old = propose(kernel, old)
-            z_new = {**latents, **proposed}
-            # The joint changes only in the block's blanket (Model.log_joint_step).
-            change, caches = model.log_joint_step(block, x, z, z_new)
-            if any(not name.startswith("_") for name in caches):
-                raise ValueError(f"model caches must be named with a leading '_', got {sorted(caches)}")
+            proposed, change, caches, log_q_new, log_q_old = units.update(
+                model, proposals, block, model_blocks[block], x, z
+            )
+            z_new = {**_latents(z), **proposed}
             # eq. 9: incremental weight p(x, z_b', z_-b) q(z_b | .) / (p(x, z_b, z_-b) q(z_b' | .))
             log_v = (change + log_q_old - log_q_new).detach()
             log_w = sanitize(log_w + log_v)
@@ -195,6 +191,80 @@ def run_apg(
     ]
     sweeps = all_sweep_stats(sweep_log_w, sweep_log_joint, ess_blocks, sweep_increments)
     return APGResult(_latents(state), log_w, state[_LOG_JOINT], sweeps, steps)
+
+
+def initial_step(
+    model: Model, proposals: Proposals, x: Tensor, num_particles: int
+) -> tuple[Latents, Tensor, Tensor]:
+    """The encoder's draw ``z ~ q(z | x)``, its log-density and ``log p(x, z)``."""
+    z, log_q = proposals.initial(x, num_particles)
+    for name, t in z.items():
+        check_particles(f"latent {name!r}", t, num_particles, x.shape[0])
+    log_p = model.log_joint(x, z)
+    check_particles("log_joint", log_p, num_particles, x.shape[0])
+    return z, log_q, log_p
+
+
+def block_update(
+    model: Model, proposals: Proposals, block: str, names: Sequence[str], x: Tensor, z: Latents
+) -> tuple[Latents, Tensor, Latents, Tensor, Tensor]:
+    """One block update from particles ``z`` (latents and the model's caches): the block's
+    new values ``z_b'`` (its latents ``names``), the log joint's change, the model's caches
+    for the new particles, ``log q(z_b' | .)`` and the reverse kernel's ``log q(z_b | .)``."""
+    latents = _latents(z)
+    kernel = proposals.kernel(block, x, latents)
+    old = {name: z[name] for name in names}
+    # the forward kernel's draw and score, and the reverse kernel's score of the old values
+    proposed, log_q_new, log_q_old = propose(kernel, old)
+    # The joint changes only in the block's blanket (Model.log_joint_step).
+    change, caches = model.log_joint_step(block, x, z, {**latents, **proposed})
+    if any(not name.startswith("_") for name in caches):
+        raise ValueError(f"model caches must be named with a leading '_', got {sorted(caches)}")
+    return proposed, change, caches, log_q_new, log_q_old
+
+
+class _Units(NamedTuple):
+    """The pieces of ``run_apg`` that run as one graph each when it is ``compiled``."""
+
+    initial: Callable[..., tuple[Latents, Tensor, Tensor]]
+    resample: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    update: Callable[..., tuple[Latents, Tensor, Latents, Tensor, Tensor]]
+
+
+_UNITS = _Units(initial_step, resample, block_update)
+
+
+def update_in_window(update: Callable, model: Model, proposals: Proposals, block: str, names, x, z):
+    """``update`` (``block_update``'s signature) run on ``block``'s window
+    (``Model.block_window``), its results named as in the whole problem."""
+    window = model.block_window(block, x)
+    if window is None:
+        return update(model, proposals, block, names, x, z)
+    local = {here: z[there] for here, there in window.names.items()}
+    local_names = model.blocks_for(window.x)[window.block]
+    proposed, change, caches, log_q_new, log_q_old = update(
+        model, proposals, window.block, local_names, window.x, local
+    )
+    back = window.names
+    return (
+        {back[k]: v for k, v in proposed.items()},
+        change,
+        {back.get(k, k): v for k, v in caches.items()},
+        log_q_new,
+        log_q_old,
+    )
+
+
+@functools.cache
+def compiled_units(backend: str = "inductor") -> _Units:
+    """``run_apg``'s units compiled (``backend``: tests trace with ``"aot_eager"``, which
+    runs the traced ops without generating code)."""
+    # Plain inductor kernels, no CUDA graphs ("reduce-overhead"): a step calls each graph
+    # several times (every sweep) while the autograd graph still holds the earlier calls'
+    # outputs, which CUDA graph trees would have to record as separate replays.
+    compile_ = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend)
+    update = functools.partial(update_in_window, compile_(block_update))
+    return _Units(compile_(initial_step), compile_(resample), update)
 
 
 def all_sweep_stats(

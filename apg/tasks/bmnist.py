@@ -65,7 +65,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.distributions import Normal
 
-from apg.blocks import Factorized, Latents, Model, Proposals, TaskSpec
+from apg.blocks import BlockWindow, Factorized, Latents, Model, Proposals, TaskSpec
 from apg.host import values_on_host
 
 CANVAS = 96
@@ -515,6 +515,9 @@ class BouncingMNIST(Model):
     """``p_theta(x, z_what, z_where_{1:T})`` of the module docstring; theta = the decoder."""
 
     blocks: dict[str, tuple[str, ...]] = {"what": ("z_what",)}  # where_1..where_T: see blocks_for
+    # The step unrolls K sweeps of T + 1 block updates: traced whole at the paper's sizes it
+    # did not finish in 44 minutes (bench/RESULTS.md), so it compiles one unit at a time.
+    compile_per_block = True
 
     def __init__(self, cfg: BMNISTConfig = BMNISTConfig()):
         super().__init__()
@@ -526,6 +529,21 @@ class BouncingMNIST(Model):
         """``what``, then ``where_1 .. where_T`` for videos ``x (B, T, H, H)``."""
         _check_video(x, self.cfg)
         return {"what": ("z_what",), **{f"where_{t}": (where_key(t),) for t in range(1, x.shape[1] + 1)}}
+
+    def block_window(self, block: str, x: Tensor) -> BlockWindow | None:
+        """``where_t``'s update reads frame t, z_what and the positions of frames t - 1 .. t + 1:
+        it is the update of the middle frame of the video ``x[:, t-2 : t+1]`` (of the first
+        or last frame of a two-frame video at the ends). So a compiled step has three
+        where-graphs for videos of any length. ``what`` reads every frame: no window."""
+        if block == "what":
+            return None
+        t, num_frames = _frame_of(block), x.shape[1]
+        first, last = max(t - 1, 1), min(t + 1, num_frames)
+        names = {
+            "z_what": "z_what",
+            **{where_key(s - first + 1): where_key(s) for s in range(first, last + 1)},
+        }
+        return BlockWindow(f"where_{t - first + 1}", x[:, first - 1 : last], names)
 
     def templates(self, z_what: Tensor) -> Tensor:
         """Decoded digits ``(L, B, D, S, S)``.
