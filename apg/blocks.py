@@ -120,8 +120,8 @@ class Model(nn.Module):
     blocks: dict[str, tuple[str, ...]] = {}
     # ``TrainConfig.compile`` compiles the sampler unit by unit (the initial proposal,
     # resampling, one graph per kind of block update: ``run_apg(compiled=True)``) instead
-    # of the whole step as one graph: for models whose step unrolls into more ops than a
-    # trace can take (Bouncing MNIST: T frames x K sweeps of block updates).
+    # of the whole step as one graph, for methods with block updates: for models whose step
+    # unrolls into more ops than a trace can take (Bouncing MNIST: T frames x K sweeps).
     compile_per_block: bool = False
 
     def blocks_for(self, x: Tensor) -> dict[str, tuple[str, ...]]:
@@ -136,11 +136,13 @@ class Model(nn.Module):
         """The smaller problem that holds everything ``block``'s update reads, or ``None``
         (the default: the whole problem).
 
-        A compiled block update (``run_apg(compiled=True)``) is one graph per distinct
-        ``(block, shapes)``; a model whose blocks differ only in where they sit (a video's
-        frames) maps each to the same local block of a window of the data, so that one
-        graph serves them all. The update in the window must equal the update in the whole
-        problem exactly (the proposal and the log joint change read the same values).
+        A compiled block update (``run_apg(compiled=True)``) is one graph per block name
+        and input layout (names, shapes, strides); a model whose blocks differ only in where
+        they sit (a video's frames) maps each to the same local block of a window of the
+        data, so that one graph serves them all. The update in the window must equal the
+        update in the whole problem exactly (the proposal and the log joint change read the
+        same values). Windows are for models without per-particle caches
+        (``log_joint_step``): the sampler raises where both meet.
         """
         return None
 

@@ -179,11 +179,13 @@ class Trainer:
             # method's code, whose cache would pile up entries to dynamo's recompile limit
             # and then run eager. So a new trainer starts the cache afresh.
             torch._dynamo.reset()
-            if self.model.compile_per_block:  # the sampler compiles its units (run_apg)
-                if not self.method.compiles_per_block:
+            # A model whose block updates are too many to trace whole has the sampler compile
+            # them one at a time; a method without block updates (RWS) still compiles whole.
+            if self.model.compile_per_block and self.method.kernels:
+                if not self.method.supports_compiled_units:
                     raise ValueError(
-                        f"method {cfg.method!r} cannot be compiled on task {cfg.task!r}: "
-                        "its step compiles one block update at a time, which the method does not support"
+                        f"method {cfg.method!r} cannot be compiled on task {cfg.task!r}: the task's "
+                        "block updates compile one at a time (run_apg(compiled=True)), which its run lacks"
                     )
                 self._forward = functools.partial(self._loss_and_metrics, compiled=True)
             else:

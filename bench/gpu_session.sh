@@ -14,6 +14,8 @@
 #      every cell stopped at the latest DEADLINE - 30 seconds after the start;
 #   4. evaluated on the GPU if EVAL_MIN seconds are left, else later elsewhere:
 #      apg-pipeline record $PROFILE --direct --stages evaluate --dir runs/$PROFILE
+# With COMPILE_TRAIN=1, steps 2-4 derive the profile from params-paper.yaml with train.compile
+# on for every cell whose method compiles (Bouncing MNIST: per block; AVF stays eager).
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
 # tarred and split under 15 MB (the device tool's file limit), and the timings.
 # Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.
@@ -75,9 +77,26 @@ mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda* "$OUT"/shar
 tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
 [ "$TRAIN" = 1 ] || { ls -la "$OUT"; exit 0; }
 
+RECORD_PARAMS=params-paper.yaml
+if [ "${COMPILE_TRAIN:-0}" = 1 ]; then
+  RECORD_PARAMS=runs/params-paper-compiled.yaml
+  mkdir -p runs && python3 - "$RECORD_PARAMS" <<'PY'
+import sys, yaml
+from apg.baselines import METHODS
+params = yaml.safe_load(open("params-paper.yaml"))
+for task in params["tasks"]:
+    params[task]["train"]["compile"] = True
+    for entry in params[task]["grid"]:
+        if any(METHODS[m].not_compiled_because for m in entry["methods"]):
+            entry.setdefault("train", {})["compile"] = False
+yaml.safe_dump(params, open(sys.argv[1], "w"), sort_keys=False)
+PY
+  echo "== training compiled: $RECORD_PARAMS"
+fi
+
 if [ "$CHECK" = 1 ]; then
   echo "== 2. $PROFILE check $(date +%T)"
-  if ! timeout 150 python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --check; then
+  if ! timeout 150 python3 -m pipeline.cli record "$PROFILE" --params "$RECORD_PARAMS" --direct --device "$DEVICE" --check; then
     echo "check failed: not training"; exit 1
   fi
 fi
@@ -94,12 +113,12 @@ else
   echo "== 3. $PROFILE, $minutes min of training $(date +%T), $(left) s left"
 fi
 deadline=$(python3 -c "print(($(left) - 30) / 60)")
-python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --stages train \
+python3 -m pipeline.cli record "$PROFILE" --params "$RECORD_PARAMS" --direct --device "$DEVICE" --stages train \
   "${sized[@]}" --deadline "$deadline" || { echo "training failed"; pack; exit 1; }
 
 if (( $(left) > EVAL_MIN )); then
   echo "== 4. evaluate on $DEVICE $(date +%T), $(left) s left"
-  python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --stages evaluate &
+  python3 -m pipeline.cli record "$PROFILE" --params "$RECORD_PARAMS" --direct --device "$DEVICE" --stages evaluate &
   pid=$!
   while kill -0 $pid 2>/dev/null; do
     if (( $(left) < 15 )); then echo "deadline: evaluation stopped"; kill $pid; rm -rf "recorded/$PROFILE"; break; fi

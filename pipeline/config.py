@@ -88,7 +88,7 @@ TRAIN_KEYS: dict[str, Any] = {
     "lr_schedule": str,  # constant | cosine (apg.training.learning_rate)
     "lr_final_factor": (int, float),
     "lr_hold_fraction": (int, float),  # cosine: the last fraction of steps at the floor rate
-    "compile": bool,  # the step as one torch.compile graph: for GPU trials (apg.training.TrainConfig)
+    "compile": bool,  # torch.compile the step (Bouncing MNIST APG: per block): GPU trials (apg.training)
     "resample_mode": str,
     "resampler": str,
     "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}

@@ -29,9 +29,9 @@ class Method:
     # Whether its training step traces into one graph (``TrainConfig.compile``); a method
     # whose step differentiates inside itself (``torch.autograd.grad``) names why not.
     not_compiled_because: str | None = None
-    # Whether ``run`` takes ``compiled=True``: the sampler compiled unit by unit, for models
-    # whose whole step is too long to trace (``Model.compile_per_block``).
-    compiles_per_block = False
+    # Whether ``run`` takes ``compiled=True``: its sampler compiled unit by unit (``run_apg``),
+    # for models whose step of block updates is too long to trace whole (``Model.compile_per_block``).
+    supports_compiled_units = False
     # Option name -> default; ``configure`` accepts exactly these keys.
     defaults: Mapping[str, Any] = {}
 
@@ -112,7 +112,7 @@ def apg_evaluations(sweeps: int, particles: int) -> list[float]:
 class APG(Method):
     """The APG sampler: K sweeps (the first is the encoder) of L particles (section 2.2)."""
 
-    compiles_per_block = True
+    supports_compiled_units = True
 
     def run(
         self,

@@ -13,7 +13,6 @@ from apg.smc.sampler import run_apg
 
 class RWS(Method):
     kernels = False
-    compiles_per_block = True
 
     def __init__(self, name: str, architecture: str):
         super().__init__()
@@ -30,18 +29,8 @@ class RWS(Method):
         resample_mode="block",
         resampler="systematic",
         collectors=(),
-        compiled=False,
     ):
-        return run_apg(
-            model,
-            proposals,
-            x,
-            1,
-            sweeps * particles,
-            resampler=resampler,
-            collectors=collectors,
-            compiled=compiled,
-        )
+        return run_apg(model, proposals, x, 1, sweeps * particles, resampler=resampler, collectors=collectors)
 
     def model_evaluations(self, sweeps: int, particles: int) -> list[float]:
         return [float(sweeps * particles)]  # one log joint per particle

@@ -234,25 +234,39 @@ class _Units(NamedTuple):
 _UNITS = _Units(initial_step, resample, block_update)
 
 
-def update_in_window(update: Callable, model: Model, proposals: Proposals, block: str, names, x, z):
+def update_in_window(
+    update: Callable,
+    model: Model,
+    proposals: Proposals,
+    block: str,
+    names: Sequence[str],
+    x: Tensor,
+    z: Latents,
+) -> tuple[Latents, Tensor, Latents, Tensor, Tensor]:
     """``update`` (``block_update``'s signature) run on ``block``'s window
-    (``Model.block_window``), its results named as in the whole problem."""
+    (``Model.block_window``; ``names`` then come from the window's own blocks), its results
+    named as in the whole problem. The window's data and latents are contiguous copies (a
+    few frames), so that its graph depends neither on the video's length nor on whether the
+    latents are views (the encoder's positions are, before the first resampling)."""
     window = model.block_window(block, x)
     if window is None:
         return update(model, proposals, block, names, x, z)
-    local = {here: z[there] for here, there in window.names.items()}
-    local_names = model.blocks_for(window.x)[window.block]
+    _check_no_caches(model, z)
+    local = {here: z[there].contiguous() for here, there in window.names.items()}
+    local_x = window.x.contiguous()
+    local_names = model.blocks_for(local_x)[window.block]
     proposed, change, caches, log_q_new, log_q_old = update(
-        model, proposals, window.block, local_names, window.x, local
+        model, proposals, window.block, local_names, local_x, local
     )
-    back = window.names
-    return (
-        {back[k]: v for k, v in proposed.items()},
-        change,
-        {back.get(k, k): v for k, v in caches.items()},
-        log_q_new,
-        log_q_old,
-    )
+    _check_no_caches(model, caches)
+    return {window.names[k]: v for k, v in proposed.items()}, change, {}, log_q_new, log_q_old
+
+
+def _check_no_caches(model: Model, state: Latents) -> None:
+    if any(name.startswith("_") for name in state):
+        raise ValueError(
+            f"{type(model).__name__} has both per-particle caches and block windows; windows need none"
+        )
 
 
 @functools.cache

@@ -534,10 +534,13 @@ class BouncingMNIST(Model):
         """``where_t``'s update reads frame t, z_what and the positions of frames t - 1 .. t + 1:
         it is the update of the middle frame of the video ``x[:, t-2 : t+1]`` (of the first
         or last frame of a two-frame video at the ends). So a compiled step has three
-        where-graphs for videos of any length. ``what`` reads every frame: no window."""
+        where-graphs (fewer for videos of one or two frames), the same for every length.
+        ``what`` reads every frame: no window."""
         if block == "what":
             return None
         t, num_frames = _frame_of(block), x.shape[1]
+        if t > num_frames:
+            raise ValueError(f"block {block!r} does not exist in a video of {num_frames} frames")
         first, last = max(t - 1, 1), min(t + 1, num_frames)
         names = {
             "z_what": "z_what",
