@@ -2,7 +2,8 @@
 # One lease of a GPU machine in one call (it has PyTorch, not Ray, MLflow or DVC):
 #   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda; with
 #      COMPILE=1 also compiled, --compile, within COMPILE_S seconds: COMPILE_TASKS x
-#      COMPILE_METHODS x COMPILE_PAIRS, compiling beside the eager work, timed after it),
+#      COMPILE_METHODS x COMPILE_PAIRS, compiling beside the eager work, timed after it;
+#      COMPILE_FLAGS=--cuda-graphs: CUDA graphs in Bouncing MNIST's per-block graphs too),
 #      the GPU's sampler against the CPU's on trained cells (bench/cuda_agreement.py: cells and
 #      held-out sets carried in AGREE/<task>/{model.pt,test.npz,pair}), and with SHARE=1 four
 #      trials sharing the GPU against one (bench/gpu_share.py: SHARE_TASK, SHARE_METHOD, SHARE_PAIR);
@@ -44,7 +45,7 @@ if [ "$COMPILE" = 1 ]; then  # compiled (train.compile: fullgraph, CUDA graphs),
   echo "== 1b. compiled per-step times at paper sizes, started $(date +%T)"
   rm -f "$OUT/.eager_done"
   TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-8} timeout "${COMPILE_S:-300}" \
-    python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 --compile \
+    python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 --compile ${COMPILE_FLAGS:-} \
     --tasks ${COMPILE_TASKS:-gmm dgmm} --methods ${COMPILE_METHODS:-apg rws-mlp} --pairs ${COMPILE_PAIRS:-10x10} \
     --wait-for "$OUT/.eager_done" --json "$OUT/paper_scale_cuda_compiled.json" \
     --markdown "$OUT/paper_scale_cuda_compiled.md" > "$OUT/compiled.log" 2>&1 &
