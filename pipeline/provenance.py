@@ -136,17 +136,25 @@ def git_commit(root: Path) -> str:
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"
 
 
+def uncommitted(root: Path, paths: list[str]) -> list[str]:
+    """The code files under ``paths`` that differ from the commit (``git status``)."""
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", *sorted(code_files(root, paths))],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout  # not stripped: each line starts with its two status columns, the first may be a space
+    return [line[3:] for line in dirty.splitlines() if line]
+
+
 def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
     """What produced the results of ``params`` in ``root``: commit, code and params digests."""
     code, keys = _all_stage_inputs(root, params["tasks"])
     digests = file_digests(root, code)
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", *sorted(digests)], cwd=root, capture_output=True, text=True
-    ).stdout  # not stripped: each line starts with its two status columns, the first may be a space
     return {
         "commit": git_commit(root),
         # Code that differed from that commit when the results were made.
-        "uncommitted": [line[3:] for line in dirty.splitlines() if line],
+        "uncommitted": uncommitted(root, code),
         "code": digests,
         "params": params_digests(params, keys),
     }

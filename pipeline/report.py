@@ -110,15 +110,34 @@ def finals(frame: pd.DataFrame) -> pd.DataFrame:
     return frame[frame["sweep"] == last]
 
 
+def training_length(meta: dict[str, Any]) -> str:
+    """How long the cells trained: the count most methods share, then the other methods'
+    ("8000 training iterations (gibbs-bootstrap, reparam 5000; gibbs untrained)")."""
+    per_method: dict[str, set[int]] = {}
+    for cell in meta.get("cells", []):
+        per_method.setdefault(cell["method"], set()).add(int(cell["iterations"]))
+    if not per_method:  # results written before the metadata listed its cells
+        return "/".join(str(i) for i in meta["iterations"]) + " training iterations"
+    methods: dict[str, list[str]] = {}  # "8000" (or "3000/4500" for a method's grid) -> methods
+    for method, counts in per_method.items():
+        methods.setdefault("/".join(map(str, sorted(counts))), []).append(method)
+    main = max((c for c in methods if c != "0"), key=lambda c: len(methods[c]), default="0")
+    others = [
+        f"{', '.join(methods[c])} {'untrained' if c == '0' else c}"
+        for c in sorted(methods, key=lambda c: -int(c.split("/")[-1]))
+        if c != main
+    ]
+    return f"{main} training iterations" + (f" ({'; '.join(others)})" if others else "")
+
+
 def scale_caption(meta: dict[str, Any], label: str) -> str:
-    iters = "/".join(str(i) for i in meta["iterations"])
     sets = meta.get("test_sets") or []
     if len(sets) > 1:
         held_out = "held-out sets " + ", ".join(f"{s['name']} ({s['num_datasets']})" for s in sets)
     else:
         held_out = f"{meta['test_datasets']} held-out datasets"
     return (
-        f"{label}: {iters} training iterations on {meta['train_datasets']} simulated datasets "
+        f"{label}: {training_length(meta)} on {meta['train_datasets']} simulated datasets "
         f"(batch {meta['batch_size']}), {held_out}, seeds {meta['seeds']}"
     )
 

@@ -60,7 +60,7 @@ from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, build, evaluate
-from pipeline import tracking
+from pipeline import provenance, tracking
 from pipeline.common import project_root, seed_everything, training_rows
 from pipeline.config import ParamsError, apply_setting, load_params, setting_of
 
@@ -573,6 +573,7 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
     client.log_metric(parent_id, f"best_val_{plan['metric']}", float(best["score"]))
     tracking.finish(client, parent_id)
     defaults = frame[frame["defaults"]]
+    code = provenance.package_root()
     summary = {
         "task": plan["task"],
         "metric": plan["metric"],
@@ -591,12 +592,30 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
         "stopped_early": int(frame["stopped_early"].sum()),
         "failed": int(frame["failed"].sum()),
         "mlflow_parent_run": parent_id,
+        # Which code the search ran (the imported package's): its report names it.
+        "made_at": {
+            "commit": provenance.git_commit(code),
+            "uncommitted": provenance.uncommitted(code, list(provenance.CODE_PREFIXES)),
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
     }
     atomic_write(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
     return summary
 
 
 # --------------------------------------------------------------------------- the report
+
+
+def made_at_line(summary: dict[str, Any]) -> str:
+    made = summary.get("made_at")
+    if made is None:  # summaries written before searches recorded their commit
+        return "Made by code whose commit was not recorded."
+    dirty = made.get("uncommitted") or []
+    return (
+        f"Made at commit `{made['commit']}`"
+        + (f" with uncommitted changes to {', '.join(f'`{f}`' for f in dirty)}" if dirty else "")
+        + f", finished {made['finished']}."
+    )
 
 
 def defaults_line(summary: dict[str, Any]) -> str:
@@ -675,6 +694,8 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
             + f". Score: validation {plan['metric']} after the last sweep, mean over "
             f"{plan['validation']['num_datasets']} datasets simulated for the search (seed "
             f"{plan['validation']['seed']}; not a test set), every {plan['eval_every']} iterations.",
+            "",
+            made_at_line(summary),
             "",
             f"**Best:** trial `{best['trial']}`, {_trial_name(best['setting'])}: {best['score']:.6g}. "
             f"`results/tune/{task}/best-params.yaml` has the task's sections with these settings.",

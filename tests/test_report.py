@@ -396,6 +396,19 @@ def test_budget_claim_uses_the_retrained_cells_at_their_own_pair():
     assert report.verdict(empty) == "not run"
 
 
+def test_caption_gives_each_methods_training_length():
+    cells = [
+        {"method": m, "iterations": n}
+        for m, n in [("apg", 8000), ("apg", 8000), ("rws-mlp", 8000), ("hmc-rws", 1500), ("gibbs", 0)]
+    ]
+    meta = {"iterations": [0, 1500, 8000], "cells": cells}
+    assert report.training_length(meta) == "8000 training iterations (hmc-rws 1500; gibbs untrained)"
+    # a method whose grid entries trained for different lengths keeps both counts
+    cells += [{"method": "reparam", "iterations": 3000}, {"method": "reparam", "iterations": 4500}]
+    assert report.training_length(meta).endswith("(reparam 3000/4500; hmc-rws 1500; gibbs untrained)")
+    assert report.training_length({"iterations": [100], "cells": cells[:1]}) == "8000 training iterations"
+
+
 def test_main_rows_keep_figure2_cells_out_of_the_tables():
     main = cell("apg", 5, 10, 0, roles=("main", "budget"))
     budget_only = cell("apg", 10, 5, 0, roles=("budget",))

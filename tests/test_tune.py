@@ -204,6 +204,9 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     assert "params.yaml's own settings" in (root / "reports" / "tune" / "gmm.md").read_text()
     report = (root / "reports" / "tune" / "gmm.md").read_text()
     assert "stopped early" in report and (root / "reports" / "tune" / "gmm.png").is_file()
+    # the report names the code it measured: the throwaway repo's one commit, nothing uncommitted
+    head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True)
+    assert f"Made at commit `{head.stdout.strip()}`, finished " in report
 
     # MLflow: one parent, one child run per trial across the interruption, the best tagged
     _, runs = mlflow_runs(root, "apg-test-tune")
