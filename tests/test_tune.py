@@ -21,7 +21,7 @@ import yaml
 
 from apg.checkpoint import load_checkpoint
 from pipeline.config import ParamsError, apply_setting
-from pipeline.tune import TAG_BEST, TAG_TRIAL, check_section, extremes, main, read_attempts
+from pipeline.tune import TAG_BEST, TAG_TRIAL, asha_order, check_section, extremes, main, read_attempts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline import env, make_repo, mlflow_runs, tiny  # noqa: E402
@@ -54,6 +54,20 @@ def test_a_good_section_plans_the_search():
     assert plan["reference"] == {"train.lr": 0.01, "network.hidden": 8}
     outside = check_section(tiny(), "gmm", section(space={"network.hidden": {"choice": [4, 16]}}))
     assert outside["reference"] is None
+
+
+def test_a_blocks_ess_is_a_score_to_maximize():
+    assert check_section(tiny(), "gmm", section(metric="ess_c"))["mode"] == "max"
+
+
+def test_the_best_trial_is_the_best_of_those_asha_trained_longest():
+    import pandas as pd
+
+    frame = pd.DataFrame(
+        {"trial": list("abcd"), "iterations": [40, 120, 120, 80], "score": [-1.0, -5.0, -3.0, float("nan")]}
+    )
+    assert list(asha_order(frame, "max")["trial"]) == ["c", "b", "d", "a"]  # a scored best, but early
+    assert list(asha_order(frame, "min")["trial"]) == ["b", "c", "d", "a"]
 
 
 def test_method_options_are_the_searched_methods_own():
@@ -100,6 +114,7 @@ def test_bad_search_spaces_are_one_line_errors(space, expected):
     [
         ({"metric": "accuracy"}, "metric"),
         ({"metric": "mse"}, "does not reconstruct"),
+        ({"metric": "ess_mu"}, r"a block's ESS is one of \['ess_globals', 'ess_c'\]"),
         ({"pair": [2]}, "pair"),
         ({"scheduler": {"hyperband": {}}}, "scheduler"),
         ({"scheduler": {"asha": {"grace_period": 500}}}, "grace_period"),
