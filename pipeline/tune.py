@@ -451,8 +451,15 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     client = tracking.client(uri)
     exp_name = params.get("tracking", {}).get("experiment", "apg") + "-tune"
     exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
+    key = f"{plan['task']}-{name}"
+    resuming = tune.Tuner.can_restore(str(storage / name))
+    earlier = None if resuming else tracking.find_run(client, exp_id, {tracking.TAG_SWEEP: key})
+    if earlier is not None:
+        # The same search run again from scratch (its Ray storage deleted): its trials are new,
+        # so they get a parent of their own; the earlier one keeps its trials, marked superseded.
+        client.set_tag(earlier.info.run_id, tracking.TAG_SWEEP, f"{key}@superseded-{earlier.info.run_id[:8]}")
     parent_id = tracking.open_parent(
-        client, exp_id, f"{plan['task']}-{name}", f"tune {plan['task']}",
+        client, exp_id, key, f"tune {plan['task']}",
         {"metric": plan["metric"], "method": plan["base"]["method"], "K": plan["pair"][0], "L": plan["pair"][1],
          "space": json.dumps({k: {kind: args} for k, (kind, args) in plan["space"].items()})},
     )
@@ -460,7 +467,7 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     try:
         trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan, paths=paths), {"cpu": 1})
         callbacks = [mlflow_callback(uri, exp_id, parent_id, plan)]
-        if tune.Tuner.can_restore(str(storage / name)):
+        if resuming:
             print(f"tune {plan['task']}: resuming {storage / name}")
             tuner = tune.Tuner.restore(str(storage / name), trainable, resume_unfinished=True, resume_errored=True)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -236,3 +237,16 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     tagged = [r for r in children if r.data.tags.get(TAG_BEST) == "true"]
     assert [r.data.tags[TAG_TRIAL] for r in tagged] == [summary["best"]["trial"]]
     assert all(r.info.status == "FINISHED" for r in runs)
+
+    # Run again from scratch (Ray's storage deleted): new trials under a new parent, the
+    # earlier parent kept with its trials and marked superseded (its best params stay as logged)
+    shutil.rmtree(root / "results" / "tune" / "gmm" / "ray")
+    proc = subprocess.run(cmd, cwd=root, env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    _, runs = mlflow_runs(root, "apg-test-tune")
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 2 and len(runs) == 2 + 2 * SECTION["search"]["num_samples"]
+    keys = sorted(p.data.tags["apg.sweep_key"] for p in parents)
+    assert keys[1] == keys[0] + "@superseded-" + next(
+        p.info.run_id[:8] for p in parents if p.data.tags["apg.sweep_key"] != keys[0]
+    )
