@@ -138,8 +138,11 @@ def git_commit(root: Path) -> str:
 
 def uncommitted(root: Path, paths: list[str]) -> list[str]:
     """The code files under ``paths`` that differ from the commit (``git status``)."""
+    files = code_files(root, paths)
+    if not files:  # `git status --` with no paths would report the whole tree
+        return []
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", *sorted(code_files(root, paths))],
+        ["git", "status", "--porcelain", "--", *files],
         cwd=root,
         capture_output=True,
         text=True,

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 import yaml
 
+from apg.baselines import get_method
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.tasks import get_task
@@ -74,6 +75,7 @@ KEYS = {
 }
 STATE = "trial.pt"
 ATTEMPTS = "attempts"  # results/tune/<task>/attempts/<trial id>.jsonl
+STARTS = "starts.jsonl"  # results/tune/<task>/starts.jsonl: the code of each run of the search
 TAG_TRIAL = "apg.trial_id"
 TAG_BEST = "apg.best"
 
@@ -162,11 +164,7 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         raise _bad(task, f"task {task!r} is not in params.yaml's tasks {params.get('tasks')}")
     space = check_space(section.get("space"), f"{task}.space")
     metric = section.get("metric", "log_joint")
-    if metric.startswith("ess_"):
-        blocks = [f"ess_{b}" for b in get_task(task).build_model(**params[task].get("model", {})).blocks]
-        if metric not in blocks:
-            raise _bad(f"{task}.metric", f"a block's ESS is one of {blocks}, got {metric!r}")
-    elif metric not in METRICS:
+    if not (isinstance(metric, str) and (metric in METRICS or metric.startswith("ess_"))):
         raise _bad(f"{task}.metric", f"one of {sorted(METRICS)} or ess_<block>, got {metric!r}")
     if metric == "mse" and get_task(task).reconstruct is None:
         raise _bad(f"{task}.metric", f"task {task} does not reconstruct its data: no mse")
@@ -230,8 +228,14 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         except (TypeError, ValueError, KeyError) as err:
             text = str(err).strip().splitlines()
             raise _bad(f"{task}.space", f"{setting}: {text[0] if text else type(err).__name__}") from None
+    if metric.startswith("ess_"):
+        blocks = [f"ess_{b}" for b in get_task(task).build_model(**task_params.get("model", {})).blocks]
+        if metric not in blocks:
+            raise _bad(f"{task}.metric", f"a block's ESS is one of {blocks}, got {metric!r}")
+        if not get_method(method).kernels or pair[0] < 2:  # block updates run from sweep 2 on
+            raise _bad(f"{task}.metric", f"{metric} needs block updates: method {method} at K={pair[0]} has none")
     # params.yaml's own settings are the search's first trial when the space holds them: the
-    # report then says whether the search beat the defaults at equal iterations.
+    # report then says how they did against the best.
     current = {key: setting_of(base, key) for key in space}
     reference = current if all(in_space(space[k], v) for k, v in current.items()) else None
     return {
@@ -425,6 +429,19 @@ def searcher(plan: dict[str, Any]):
     return BasicVariantGenerator(random_state=plan["seed"], points_to_evaluate=first)
 
 
+def note_start(out: Path, fresh: bool) -> None:
+    """Append the code this run of the search imports (commit, uncommitted files) to
+    ``out/starts.jsonl``; a fresh search starts the file again."""
+    code = provenance.package_root()
+    start = {
+        "commit": provenance.git_commit(code),
+        "uncommitted": provenance.uncommitted(code, list(provenance.CODE_PREFIXES)),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    earlier = "" if fresh or not (out / STARTS).is_file() else (out / STARTS).read_text()
+    atomic_write(out / STARTS, lambda tmp: tmp.write_text(earlier + json.dumps(start) + "\n"))
+
+
 def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
     """Run (or resume) the search; return its summary after writing the outputs."""
     import ray
@@ -453,11 +470,21 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
     key = f"{plan['task']}-{name}"
     resuming = tune.Tuner.can_restore(str(storage / name))
-    earlier = None if resuming else tracking.find_run(client, exp_id, {tracking.TAG_SWEEP: key})
-    if earlier is not None:
+    earlier = tracking.find_run(client, exp_id, {tracking.TAG_SWEEP: key})
+    if resuming and earlier is None:
+        # Tune's saved state holds the parent's id (the MLflow callback): a new parent would
+        # be left without its trials.
+        raise FileNotFoundError(
+            f"tune {plan['task']}: the MLflow parent run of {storage / name} is gone from {uri}; "
+            f"delete {storage} to search again from scratch"
+        )
+    if not resuming and earlier is not None:
         # The same search run again from scratch (its Ray storage deleted): its trials are new,
         # so they get a parent of their own; the earlier one keeps its trials, marked superseded.
         client.set_tag(earlier.info.run_id, tracking.TAG_SWEEP, f"{key}@superseded-{earlier.info.run_id[:8]}")
+        if earlier.info.status == "RUNNING":
+            client.set_terminated(earlier.info.run_id, "KILLED")
+    note_start(out, fresh=not resuming)
     parent_id = tracking.open_parent(
         client, exp_id, key, f"tune {plan['task']}",
         {"metric": plan["metric"], "method": plan["base"]["method"], "K": plan["pair"][0], "L": plan["pair"][1],
@@ -547,11 +574,13 @@ def trials_frame(plan: dict[str, Any], results, out: Path):
 
 
 def asha_order(frame, mode: str):
-    """Trials ranked as ASHA ranked them: those it let train longest first, then by score.
+    """Trials that trained longest first (those ASHA let go on), then by score.
 
     An early-stopped trial's score is from fewer iterations, and scores need not rise with
-    training (the rings' validation log joint swings by ~100 nats between checkpoints); ASHA
-    compared trials at equal iterations, so the best trial is the best of the longest-trained.
+    training (the rings' validation log joint swings by ~100 nats between checkpoints), so the
+    best trial is the best of the longest-trained, not the highest last score. ASHA stopped
+    the others by their score at a rung they shared with trials that had got there first
+    (the first to reach a rung always goes on: it has nobody to trail).
     """
     return frame.sort_values(
         ["iterations", "score"], ascending=[False, mode == "min"], na_position="last"
@@ -595,7 +624,6 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
     client.log_metric(parent_id, f"best_val_{plan['metric']}", float(best["score"]))
     tracking.finish(client, parent_id)
     defaults = frame[frame["defaults"]]
-    code = provenance.package_root()
     summary = {
         "task": plan["task"],
         "metric": plan["metric"],
@@ -613,18 +641,18 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
             "setting": plan["reference"],
             "score": float(defaults.iloc[0]["score"]),
             "iterations": int(defaults.iloc[0]["iterations"]),
+            "failed": bool(defaults.iloc[0]["failed"]),
         },
         "trials": len(frame),
         "max_iterations": plan["iterations"],
         "stopped_early": int(frame["stopped_early"].sum()),
         "failed": int(frame["failed"].sum()),
         "mlflow_parent_run": parent_id,
-        # Which code the search ran (the imported package's): its report names it.
-        "made_at": {
-            "commit": provenance.git_commit(code),
-            "uncommitted": provenance.uncommitted(code, list(provenance.CODE_PREFIXES)),
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        },
+        # The code each run of the search imported (note_start): its report names it.
+        "starts": [json.loads(line) for line in (out / STARTS).read_text().splitlines()]
+        if (out / STARTS).is_file()
+        else [],
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     atomic_write(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
     return summary
@@ -634,15 +662,21 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
 
 
 def made_at_line(summary: dict[str, Any]) -> str:
-    made = summary.get("made_at")
-    if made is None:  # summaries written before searches recorded their commit
+    """The code that ran the search: the commit of each start (a resumed search has several)."""
+    starts = summary.get("starts") or []
+    if not starts:  # summaries written before searches recorded their code
         return "Made by code whose commit was not recorded."
-    dirty = made.get("uncommitted") or []
-    return (
-        f"Made at commit `{made['commit']}`"
-        + (f" with uncommitted changes to {', '.join(f'`{f}`' for f in dirty)}" if dirty else "")
-        + f", finished {made['finished']}."
-    )
+
+    def code(start: dict[str, Any]) -> str:
+        dirty = start.get("uncommitted") or []
+        return (
+            f"commit `{start['commit']}`"
+            + (f" with uncommitted changes to {', '.join(f'`{f}`' for f in dirty)}" if dirty else "")
+            + f" (started {start['started']})"
+        )
+
+    resumed = "".join(f"; resumed at {code(s)}" for s in starts[1:])
+    return f"Run at {code(starts[0])}{resumed}; finished {summary['finished']}."
 
 
 def defaults_line(summary: dict[str, Any]) -> str:
@@ -651,13 +685,19 @@ def defaults_line(summary: dict[str, Any]) -> str:
     if ref is None:
         return "params.yaml's own settings lie outside the searched space: no trial ran them."
     if ref["trial"] == summary["best"]["trial"]:
-        return f"**params.yaml's own settings** ({_trial_name(ref['setting'])}, trial `{ref['trial']}`) scored best."
-    gain = summary["best"]["score"] - ref["score"]
+        return f"**params.yaml's own settings** ({_trial_name(ref['setting'])}, trial `{ref['trial']}`) ranked best."
+    if ref.get("failed"):
+        how = " (failed)"
+    elif ref["iterations"] < summary.get("max_iterations", ref["iterations"]):
+        how = " (stopped early)"
+    else:
+        how = ""
+    best = summary["best"]
+    best_at = best.get("iterations", summary.get("max_iterations"))
     return (
         f"**params.yaml's own settings** ({_trial_name(ref['setting'])}, trial `{ref['trial']}`, the "
-        f"search's first): {ref['score']:.6g} after {ref['iterations']} iterations"
-        + (" (stopped early by ASHA)" if ref["iterations"] < summary.get("max_iterations", ref["iterations"]) else "")
-        + f"; the best differs from it by {gain:+.4g}."
+        f"search's first): {ref['score']:.6g} after {ref['iterations']} iterations{how}; the best's "
+        f"score (after {best_at}) differs from it by {best['score'] - ref['score']:+.4g}."
     )
 
 
@@ -724,8 +764,8 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
             "",
             made_at_line(summary),
             "",
-            f"**Best** (of the trials that trained longest, {best.get('iterations', plan['iterations'])} "
-            f"iterations): trial `{best['trial']}`, {_trial_name(best['setting'])}: {best['score']:.6g}. "
+            f"**Best** (the highest score among the longest-trained of the trials that finished with a "
+            f"score, {best.get('iterations', plan['iterations'])} iterations): trial `{best['trial']}`, {_trial_name(best['setting'])}: {best['score']:.6g}. "
             f"`results/tune/{task}/best-params.yaml` has the task's sections with these settings.",
             "",
             defaults_line(summary),

@@ -61,6 +61,26 @@ def test_a_blocks_ess_is_a_score_to_maximize():
     assert check_section(tiny(), "gmm", section(metric="ess_c"))["mode"] == "max"
 
 
+def test_report_lines_name_the_code_and_compare_with_the_defaults():
+    from pipeline.tune import defaults_line, made_at_line
+
+    start = {"commit": "abc", "uncommitted": [], "started": "T0"}
+    resumed = {"commit": "def", "uncommitted": ["pipeline/tune.py"], "started": "T1"}
+    summary = {"starts": [start, resumed], "finished": "T2"}
+    assert made_at_line(summary) == (
+        "Run at commit `abc` (started T0); resumed at commit `def` with uncommitted changes to "
+        "`pipeline/tune.py` (started T1); finished T2."
+    )
+    assert made_at_line({}) == "Made by code whose commit was not recorded."
+    setting = {"train.lr": 0.01}
+    ref = {"trial": "a", "setting": setting, "score": -10.0, "iterations": 40, "failed": False}
+    summary = {"defaults": ref, "max_iterations": 120, "best": {"trial": "b", "score": -7.5, "iterations": 120}}
+    line = defaults_line(summary)
+    assert "-10 after 40 iterations (stopped early); the best's score (after 120) differs from it by +2.5." in line
+    assert "(failed)" in defaults_line({**summary, "defaults": {**ref, "failed": True}})
+    assert defaults_line({**summary, "best": {**summary["best"], "trial": "a"}}).endswith("ranked best.")
+
+
 def test_the_best_trial_is_the_best_of_those_asha_trained_longest():
     import pandas as pd
 
@@ -116,6 +136,9 @@ def test_bad_search_spaces_are_one_line_errors(space, expected):
         ({"metric": "accuracy"}, "metric"),
         ({"metric": "mse"}, "does not reconstruct"),
         ({"metric": "ess_mu"}, r"a block's ESS is one of \['ess_globals', 'ess_c'\]"),
+        ({"metric": "ess_c", "pair": [1, 3]}, "ess_c needs block updates: method apg at K=1 has none"),
+        ({"metric": "ess_c", "method": "rws-mlp"}, "method rws-mlp at K=2 has none"),
+        ({"metric": 5}, "or ess_<block>, got 5"),
         ({"pair": [2]}, "pair"),
         ({"scheduler": {"hyperband": {}}}, "scheduler"),
         ({"scheduler": {"asha": {"grace_period": 500}}}, "grace_period"),
@@ -222,7 +245,7 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     assert "stopped early" in report and (root / "reports" / "tune" / "gmm.png").is_file()
     # the report names the code it measured: the throwaway repo's one commit, nothing uncommitted
     head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True)
-    assert f"Made at commit `{head.stdout.strip()}`, finished " in report
+    assert f"Run at commit `{head.stdout.strip()}` (started " in report and "; resumed at commit" in report
 
     # MLflow: one parent, one child run per trial across the interruption, the best tagged
     _, runs = mlflow_runs(root, "apg-test-tune")
@@ -247,6 +270,9 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 2 and len(runs) == 2 + 2 * SECTION["search"]["num_samples"]
     keys = sorted(p.data.tags["apg.sweep_key"] for p in parents)
+    new = next(p for p in parents if p.data.tags["apg.sweep_key"] == keys[0])
+    under_new = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == new.info.run_id]
+    assert len(under_new) == SECTION["search"]["num_samples"]  # the new trials, none of the old
     assert keys[1] == keys[0] + "@superseded-" + next(
         p.info.run_id[:8] for p in parents if p.data.tags["apg.sweep_key"] != keys[0]
     )
