@@ -661,6 +661,11 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
 # --------------------------------------------------------------------------- the report
 
 
+def _score_text(value: float) -> str:
+    """A log joint to 0.01 (settings differ by about a nat); an ESS or MSE to 4 digits."""
+    return f"{value:.2f}" if abs(value) >= 10 else f"{value:.4g}"
+
+
 def made_at_line(summary: dict[str, Any]) -> str:
     """The code that ran the search: the commit of each start (a resumed search has several)."""
     starts = summary.get("starts") or []
@@ -743,9 +748,9 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
     plt.close(fig)
     shown = frame.drop(columns=["history"])
     table = ["| " + " | ".join(shown.columns) + " |", "|" + " --- |" * len(shown.columns)]
-    scores = {"score", "best_score"}  # settings differ by about a nat: print them to 0.01
+    scores = {"score", "best_score"}
     for row in shown.itertuples(index=False):
-        cells = [f"{v:.2f}" if c in scores else _short(_plain(v)) for c, v in zip(shown.columns, row, strict=True)]
+        cells = [_score_text(v) if c in scores else _short(_plain(v)) for c, v in zip(shown.columns, row, strict=True)]
         table.append("| " + " | ".join(cells) + " |")
     best = summary["best"]
     text = "\n".join(

@@ -81,6 +81,13 @@ def test_report_lines_name_the_code_and_compare_with_the_defaults():
     assert defaults_line({**summary, "best": {**summary["best"], "trial": "a"}}).endswith("ranked best.")
 
 
+def test_scores_are_printed_to_the_digits_that_tell_settings_apart():
+    from pipeline.tune import _score_text
+
+    assert _score_text(-274.9512) == "-274.95" and _score_text(0.992729) == "0.9927"
+    assert _score_text(0.00523) == "0.00523" and _score_text(float("nan")) == "nan"
+
+
 def test_the_best_trial_is_the_best_of_those_asha_trained_longest():
     import pandas as pd
 
