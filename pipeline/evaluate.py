@@ -23,8 +23,10 @@
   Held-out videos that carry the simulator's digit positions (Bouncing MNIST) add the
   curves ``pos_err`` (pixels between inferred and true digits, at the centres of their ink,
   after the best matching of digits), ``box_err`` (the same for the boxes' corners),
-  ``pos_err_aligned`` (the motion error) and ``tracked`` (fraction of frames with every
-  digit within 3 px) of the highest-weight particle after each sweep
+  ``pos_err_aligned`` (the motion error), ``tracked`` (fraction of frames with every
+  digit within 3 px), ``pos_err_frame`` and ``tracked_frame`` (the same with each frame's
+  digits matched alone) and ``swapped`` (frames whose boxes traded digits) of the
+  highest-weight particle after each sweep
   (``apg.tasks.bmnist.position_errors``); their
   figure sets add ``truth__<set>__z_where`` to ``samples.npz`` for the pictures' true paths.
 - ``training.parquet``: the training curves recorded by the sweep (iteration, metric, value).

@@ -1618,6 +1618,9 @@ TRACKING_COLUMNS = {
     "tracked": "tracked frames",
     "box_err": "boxes' error (px)",
     "pos_err_aligned": "motion error, offsets removed (px)",
+    "pos_err_frame": "error, each frame matched alone (px)",
+    "tracked_frame": "tracked frames, each frame matched alone",
+    "swapped": "frames with traded digits",
 }
 
 
@@ -1786,7 +1789,11 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
                 "also counts where the learned decoder draws a digit inside its 28 x 28 box, which "
                 "the data cannot pin down (a digit drawn 2 px to the right in a box 2 px to the "
                 "left makes the same frame). Motion error: the position error after removing each "
-                "digit's mean offset over its video.",
+                "digit's mean offset over its video. Each frame matched alone: the same with every "
+                "frame's digits matched on their own, which tells where the boxes are whichever "
+                "digit each follows; frames with traded digits: those whose every box is within 3 px "
+                "of some digit but not of its own (boxes that swapped digits, typically where two "
+                "digits pass close by).",
                 "",
                 part["tracking_md"],
                 "",

@@ -649,7 +649,19 @@ def test_position_errors_match_digits_once_per_video():
     # (per frame, every frame would match exactly; per video, half the frames of two digits are off)
     far = (truth[:, :, 0] - truth[:, :, 1]).norm(dim=-1) * px  # (M, T)
     expected = torch.minimum(far[:, 3:].sum(1), far[:, :3].sum(1)) * 2 / (6 * 3)
-    assert np.allclose(position_errors(truth, traded)["pos_err"], expected.numpy())
+    traded_err = position_errors(truth, traded)
+    assert np.allclose(traded_err["pos_err"], expected.numpy())
+    # Matched per frame, the traded boxes are on the digits: a localization error of 0, and
+    # the frames after the trade (every box within 3 px of some digit, not of its own) are
+    # swapped wherever the two digits are more than 3 px apart.
+    assert np.allclose(traded_err["pos_err_frame"], 0.0) and np.allclose(traded_err["tracked_frame"], 1.0)
+    apart = (far[:, 3:] > TRACK_TOLERANCE_PX).double().sum(1) / 6
+    kept_half = far[:, 3:].sum(1) <= far[:, :3].sum(1)  # the video's matching follows the first half
+    swapped = torch.where(kept_half, apart, (far[:, :3] > TRACK_TOLERANCE_PX).double().sum(1) / 6)
+    assert np.allclose(traded_err["swapped"], swapped.numpy()) and (swapped > 0).all()
+    assert np.allclose(traded_err["swapped"], traded_err["tracked_frame"] - traded_err["tracked"])
+    # Without a trade, per-frame and per-video matching agree and nothing is swapped.
+    assert np.allclose(err["pos_err_frame"], err["pos_err"]) and np.allclose(err["swapped"], 0.0)
     with pytest.raises(ValueError, match="positions must both be"):
         position_errors(truth, truth[:, :, :2])
 

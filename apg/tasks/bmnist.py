@@ -782,6 +782,12 @@ def position_errors(
     ``TRACK_TOLERANCE_PX`` of its match; ``pos_err_aligned``, ``pos_err`` after removing
     each matched digit's mean offset over the video (the error of the tracked motion,
     blind to any constant offset); and with centres, ``box_err``, the boxes' error.
+
+    Where the boxes are, whichever digit each follows: ``pos_err_frame`` and
+    ``tracked_frame``, the same with each frame's digits matched on their own (a
+    localization error, blind to identities); ``swapped``, the fraction of frames whose
+    every box is within the tolerance of some digit but not of its own (boxes that traded
+    digits, typically where two digits pass close by).
     """
     true_where = torch.as_tensor(np.asarray(true_where), dtype=torch.float64)
     where = torch.as_tensor(np.asarray(where), dtype=torch.float64)
@@ -817,10 +823,17 @@ def position_errors(
     # signed differences of the matched pairs, (M, T, D, 2), for the aligned error
     diff = (where - true_where[videos[:, None], :, perms[best]].transpose(1, 2)) * px
     aligned = torch.linalg.vector_norm(diff - diff.mean(1, keepdim=True), dim=-1)
+    tracked = (errors <= TRACK_TOLERANCE_PX).all(-1)  # (M, T)
+    frame_best = matched.mean(3).argmin(2)  # (M, T): each frame's own permutation
+    frame_errors = matched.gather(2, frame_best[:, :, None, None].expand(-1, -1, 1, digits))[:, :, 0]
+    tracked_frame = (frame_errors <= TRACK_TOLERANCE_PX).all(-1)
     return {
         "pos_err": errors.mean((1, 2)).numpy(),
-        "tracked": (errors <= TRACK_TOLERANCE_PX).all(-1).double().mean(1).numpy(),
+        "tracked": tracked.double().mean(1).numpy(),
         "pos_err_aligned": aligned.mean((1, 2)).numpy(),
+        "pos_err_frame": frame_errors.mean((1, 2)).numpy(),
+        "tracked_frame": tracked_frame.double().mean(1).numpy(),
+        "swapped": (tracked_frame & ~tracked).double().mean(1).numpy(),
         **out,
     }
 
