@@ -15,7 +15,12 @@ true digit positions are known (issue 18: gradients and objectives on small data
 - ``apg``: APG training (the pipeline's Trainer) on ``--videos`` videos, printing the
   position error of the highest-weight particle on those same videos, the training log
   joint and the gradient norm of each network every ``--every`` steps: can it overfit?
-  With ``--heldout``, the position error is measured on fresh videos instead.
+  With ``--heldout``, the position error is measured on fresh videos instead
+  (``--eval-frames`` long, at ``--eval-sweeps`` and ``--eval-particles``); with ``--init``,
+  training starts from a trained cell's networks (a pipeline ``model.pt``: a curriculum's
+  next step, e.g. a one-digit cell trained on ``--digits 3``). Besides the position error
+  (one matching of digits per video) it prints the error with each frame matched alone and
+  the frames whose boxes traded digits (``apg.tasks.bmnist.position_errors``).
 
 Prints one line per checkpoint; nothing is written. MNIST from $APG_MNIST_DIR.
 """
@@ -102,6 +107,12 @@ def apg(args) -> None:
                  "read_coordinates": not args.random_where_init},
     )
     trainer = Trainer(cfg, x)
+    if args.init:
+        from apg.checkpoint import load_checkpoint
+
+        _, state = load_checkpoint(args.init)
+        trainer.model.load_state_dict(state["model"])
+        trainer.proposals.load_state_dict(state["proposals"])
     nets = {
         "where": trainer.proposals.where_net,
         "what": trainer.proposals.what_net,
@@ -109,10 +120,14 @@ def apg(args) -> None:
     }
     if args.heldout:  # fresh videos of MNIST's test digits: does it generalize?
         held = bmnist.simulate(
-            trainer.model, args.eval_videos, torch.Generator().manual_seed(args.seed + 1), args.frames, args.digits, "test"
+            trainer.model, args.eval_videos, torch.Generator().manual_seed(args.seed + 1),
+            args.eval_frames or args.frames, args.digits, "test",
         )
         x, truth, centres = held["x"], held["z_where"], held["centres"]
     start = time.perf_counter()
+    eval_cfg = TrainConfig.from_dict(
+        {**cfg.to_dict(), "sweeps": args.eval_sweeps or cfg.sweeps, "particles": args.eval_particles or cfg.particles}
+    )
     for out in trainer.run():
         it = trainer.iteration
         if it % args.every and it != 1:
@@ -121,21 +136,25 @@ def apg(args) -> None:
             name: sum(float(p.grad.norm()) ** 2 for p in net.parameters() if p.grad is not None) ** 0.5
             for name, net in nets.items()
         }
-        sweeps = evaluate_sweeps(trainer, cfg, x[: args.eval_videos], truth[: args.eval_videos], centres[: args.eval_videos])
+        sweeps = evaluate_sweeps(trainer, eval_cfg, x[: args.eval_videos], truth[: args.eval_videos], centres[: args.eval_videos])
         print(
             f"{args.method} it {it}: log joint {out['log_joint']:.1f}, ESS/L {out['ess']:.2f}; held-out by sweep: "
-            + ", ".join(f"{k}: {lj:.0f} / {e:.2f} px ({b:.2f} box, {tr:.2f} tracked)" for k, (lj, e, b, tr) in sweeps.items())
+            + ", ".join(
+                f"{k}: {lj:.0f} / {e:.2f} px ({b:.2f} box, {tr:.2f} tracked; {ef:.2f} px per frame, {sw:.2f} traded)"
+                for k, (lj, e, b, tr, ef, sw) in sweeps.items()
+            )
             + "; |grad| " + " ".join(f"{k} {v:.3g}" for k, v in grads.items())
             + f", {time.perf_counter() - start:.0f} s",
             flush=True,
         )
 
 
-def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, float, float, float]]:
-    """``{sweep: (mean log joint, position error, box error, tracked frames)}`` of the
-    highest-weight particle after each sweep."""
+def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, ...]]:
+    """``{sweep: (mean log joint, position error, box error, tracked frames, error with each
+    frame matched alone, frames with traded digits)}`` of the highest-weight particle after
+    each sweep."""
     model = trainer.model
-    found: dict[int, tuple[float, float, float, float]] = {}
+    found: dict[int, tuple[float, ...]] = {}
 
     def collect(k, z, log_w):
         best = log_w.argmax(0)
@@ -145,7 +164,10 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, f
         found_centres = bmnist.ink_centres(model.templates(chosen["z_what"][None])[0])
         err = bmnist.position_errors(truth, where, true_centres=centres, centres=found_centres)
         log_joint = model.log_joint(x, {n: v[None] for n, v in chosen.items()}).mean()
-        found[k] = (float(log_joint), err["pos_err"].mean(), err["box_err"].mean(), err["tracked"].mean())
+        found[k] = tuple(
+            float(log_joint) if name is None else float(err[name].mean())
+            for name in (None, "pos_err", "box_err", "tracked", "pos_err_frame", "swapped")
+        )
 
     with torch.no_grad():
         make_method(cfg).run(
@@ -173,6 +195,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--random-where-init", action="store_true", help="apg: where networks from random weights, not a soft-argmax")
     parser.add_argument("--share-where-net", action="store_true", help="apg: one where network for encoder and kernels")
+    parser.add_argument("--init", help="apg: start from this trained cell's networks (a pipeline model.pt)")
+    parser.add_argument("--eval-frames", type=int, help="apg --heldout: frames per held-out video (default --frames)")
+    parser.add_argument("--eval-sweeps", type=int, help="apg: K of the held-out runs (default --sweeps)")
+    parser.add_argument("--eval-particles", type=int, help="apg: L of the held-out runs (default --particles)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     {"peak": peak, "decoder": decoder, "apg": apg}[args.check](args)

@@ -48,6 +48,7 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import numpy as np
 import pandas as pd
@@ -531,7 +532,14 @@ def mlflow_run_ids(summary: dict[str, Any]) -> dict[str, str]:
     try:
         from pipeline import tracking
 
-        client = tracking.client(info["tracking_uri"])
+        uri = info["tracking_uri"]
+        store = uri.removeprefix("sqlite:///") if urlparse(uri).scheme == "sqlite" else None
+        if store is not None and not Path(store).is_file():
+            # The sweep ran in a copy of the project since moved or deleted: opening its
+            # store would create an empty one there. The runs are where this project keeps them.
+            uri = tracking.tracking_uri(project_root())
+            print(f"note: the sweep's MLflow store {store} is gone; looking its runs up in {tracking.redact(uri)}")
+        client = tracking.client(uri)
         out = {}
         for cell in summary["cells"]:
             run = tracking.find_run(

@@ -1622,6 +1622,13 @@ TRACKING_COLUMNS = {
     "tracked_frame": "tracked frames, each frame matched alone",
     "swapped": "frames with traded digits",
 }
+# What a column means, under the table when it has the column (older runs lack the last three).
+TRACKING_NOTES = {
+    "pos_err_frame": "Each frame matched alone: the position error and tracked frames with every frame's "
+    "digits matched on their own, which tells where the boxes are whichever digit each follows.",
+    "swapped": "Frames with traded digits: those whose every box is within 3 px of some digit but not of "
+    "its own (boxes that swapped digits, typically where two digits pass close by).",
+}
 
 
 def tracking_markdown(frame: pd.DataFrame, meta: dict[str, Any], flags: dict[str, str], csv: Path) -> str:
@@ -1651,7 +1658,8 @@ def tracking_markdown(frame: pd.DataFrame, meta: dict[str, Any], flags: dict[str
         "| test set | method | K | L | " + " | ".join(columns.values()) + " |",
         "| --- | --- | --- | --- | " + " | ".join("---" for _ in columns) + " |",
     ]
-    return "\n".join(head + rows) + _footnote(table)
+    notes = " ".join(TRACKING_NOTES[m] for m in columns if m in TRACKING_NOTES)
+    return "\n".join(head + rows) + _footnote(table) + (f"\n\n{notes}" if notes else "")
 
 
 FIGURE_TEXT = {
@@ -1789,11 +1797,7 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
                 "also counts where the learned decoder draws a digit inside its 28 x 28 box, which "
                 "the data cannot pin down (a digit drawn 2 px to the right in a box 2 px to the "
                 "left makes the same frame). Motion error: the position error after removing each "
-                "digit's mean offset over its video. Each frame matched alone: the same with every "
-                "frame's digits matched on their own, which tells where the boxes are whichever "
-                "digit each follows; frames with traded digits: those whose every box is within 3 px "
-                "of some digit but not of its own (boxes that swapped digits, typically where two "
-                "digits pass close by).",
+                "digit's mean offset over its video.",
                 "",
                 part["tracking_md"],
                 "",

@@ -180,6 +180,7 @@ def test_the_evaluation_runs_on_its_own_thread_count(tmp_path, monkeypatch):
             path = tmp_path / "params.yaml"
             path.write_text(yaml.safe_dump(params))
             evaluate.main(["--task", "gmm", "--params", str(path), "--out", str(tmp_path / "out")])
+            assert seen[-1] == expected
         assert seen == [2, 1]
     finally:
         torch.set_num_threads(before)
@@ -492,6 +493,28 @@ def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
         "cells": [{"cell_id": "apg-K2-L3-s0-abc"}, {"cell_id": "rws-K2-L3-s0-def"}, {"cell_id": "none"}],
     }
     assert mlflow_run_ids(summary) == {"apg-K2-L3-s0-abc": trained, "rws-K2-L3-s0-def": fresh}
+
+
+def test_run_ids_of_a_sweep_run_in_a_moved_project(tmp_path, monkeypatch):
+    # The sweep ran in a copy of the project whose store is gone (its mlflow.db copied into
+    # this one): the lookup must use this project's store, not create an empty one there.
+    from pipeline import evaluate
+
+    project = tmp_path / "project"
+    project.mkdir()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(evaluate, "project_root", lambda: project)
+    client = tracking.client(tracking.tracking_uri(project))
+    exp = tracking.experiment_id(client, "apg-test", None)
+    parent = tracking.open_parent(client, exp, "grid-1", "gmm sweep", {})
+    child = tracking.open_child(client, exp, parent, "apg-K2-L3-s0-abc", "gmm/apg", {})
+    gone = tmp_path / "old-copy" / "mlflow.db"
+    summary = {
+        "mlflow": {"tracking_uri": f"sqlite:///{gone}", "experiment_id": exp, "parent_run_id": parent},
+        "cells": [{"cell_id": "apg-K2-L3-s0-abc"}],
+    }
+    assert evaluate.mlflow_run_ids(summary) == {"apg-K2-L3-s0-abc": child}
+    assert not gone.parent.exists()
 
 
 def _planned(tmp_path, monkeypatch, code: str, reuse: bool = False):
