@@ -28,7 +28,6 @@ sys.path.insert(0, str(REPO))
 def child(row: dict, device: str, seconds: float, warmup: int) -> None:
     """One trial: build, warm up, say ready, wait for go, train for ``seconds``, report."""
     import torch
-
     from paper_scale import cell_trainer
 
     torch.set_num_threads(1)

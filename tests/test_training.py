@@ -1,6 +1,7 @@
 """The learning-rate schedule (apg.training.learning_rate)."""
 
 import math
+from itertools import pairwise
 
 import pytest
 
@@ -16,7 +17,7 @@ def test_cosine_runs_from_the_rate_to_its_floor_over_every_step():
     lr = rates()
     assert lr[0] == pytest.approx(0.02) and lr[-1] == pytest.approx(2e-4)
     assert lr[50] == pytest.approx(2e-4 + (0.02 - 2e-4) * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
-    assert all(a > b for a, b in zip(lr, lr[1:]))
+    assert all(a > b for a, b in pairwise(lr))
 
 
 def test_hold_fraction_reaches_the_floor_early_and_keeps_it():
@@ -25,7 +26,7 @@ def test_hold_fraction_reaches_the_floor_early_and_keeps_it():
     # the cosine over steps 0..79, as a schedule of 80 steps would be
     assert lr[:80] == pytest.approx(rates(iterations=80))
     assert lr[79:] == pytest.approx([2e-4] * 21)
-    assert all(a > b for a, b in zip(lr[:80], lr[1:80]))
+    assert all(a > b for a, b in pairwise(lr[:80]))
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.0, "0.2"])
