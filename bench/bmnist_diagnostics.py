@@ -164,9 +164,9 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, .
         found_centres = bmnist.ink_centres(model.templates(chosen["z_what"][None])[0])
         err = bmnist.position_errors(truth, where, true_centres=centres, centres=found_centres)
         log_joint = model.log_joint(x, {n: v[None] for n, v in chosen.items()}).mean()
-        found[k] = tuple(
-            float(log_joint) if name is None else float(err[name].mean())
-            for name in (None, "pos_err", "box_err", "tracked", "pos_err_frame", "swapped")
+        found[k] = (
+            float(log_joint),
+            *(float(err[name].mean()) for name in ("pos_err", "box_err", "tracked", "pos_err_frame", "swapped")),
         )
 
     with torch.no_grad():
