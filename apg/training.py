@@ -120,8 +120,8 @@ class TrainConfig:
 
 
 def _read(loss: Tensor, values: dict[str, Tensor]) -> dict[str, float]:
-    """``loss`` and ``values`` as floats, in one host read (float64 holds every float32)."""
-    read = torch.stack([loss.detach().double(), *(v.double() for v in values.values())]).tolist()
+    """``loss`` and ``values`` (detached) as floats, in one host read (float64 holds every float32)."""
+    read = torch.stack([loss.double(), *(v.double() for v in values.values())]).tolist()
     return dict(zip(["loss", *values], read, strict=True))
 
 
@@ -222,11 +222,11 @@ class Trainer:
         else:
             loss, values = self._forward(x)
         self._last = (loss.detach(), values)
-        metrics = _read(loss, values) if log else None
+        metrics = _read(*self._last) if log else None
         # Every step's loss is checked where reading it is free (apg.host); on a device only
         # the logged steps', so a divergence shows there and the weights may be NaN by then.
         value = (
-            metrics["loss"] if metrics is not None else float(loss.detach()) if values_on_host(loss) else 0.0
+            metrics["loss"] if metrics is not None else float(self._last[0]) if values_on_host(loss) else 0.0
         )
         if not math.isfinite(value):
             raise TrainingDiverged(

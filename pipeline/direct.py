@@ -36,7 +36,7 @@ from apg.data import atomic_write
 from apg.training import TrainConfig, Trainer
 from pipeline.common import file_digest, seed_everything, training_rows
 from pipeline.generate import generate
-from pipeline.provenance import record_stage_time
+from pipeline.stages import record_stage_time
 from pipeline.sweep import DONE, HISTORY, MODEL, plan, summarize, write_history
 
 CALIBRATION_STEPS = 5  # timed, after two warm-up steps

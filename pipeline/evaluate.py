@@ -71,7 +71,7 @@ from pipeline.common import (
 from pipeline.config import axis_keys, evaluation_pairs, evaluation_sets, grid_cells, load_params, setting_of
 from pipeline.impute import check_settings as check_imputation
 from pipeline.impute import imputation_frame
-from pipeline.provenance import record_stage_time
+from pipeline.stages import record_stage_time
 
 COLUMNS = [
     "task",

@@ -47,6 +47,7 @@ from pipeline import provenance
 from pipeline.common import project_root
 from pipeline.config import load_params, validate_params
 from pipeline.smoke import make_sandbox
+from pipeline.stages import code_digest, package_root, stage_times
 
 RECORDED = "recorded"
 MANIFEST = "manifest.json"
@@ -297,7 +298,7 @@ def sandbox_for(
 ) -> tuple[Path, dict[str, Any]]:
     """The profile's sandbox repo: made anew, or the one a stopped run left (resumed only if
     the same code and params made it, since its finished cells are reused as they are)."""
-    code = provenance.package_root()
+    code = package_root()
     params = derive(name, base, check)
     info = {
         "profile": name,
@@ -305,7 +306,7 @@ def sandbox_for(
         # A copy of the code whose git history is absent or stale (a lent machine's copy of
         # the working tree) names its commit in APG_COMMIT.
         "commit": os.environ.get("APG_COMMIT") or provenance.git_commit(code),
-        "code_digest": {t: provenance.code_digest("sweep", t, code) for t in params["tasks"]},
+        "code_digest": {t: code_digest("sweep", t, code) for t in params["tasks"]},
         "params_sha": _digest(params),
     }
     marker = directory / SANDBOX_INFO
@@ -403,7 +404,7 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
         **info,
         "finished": _now(),
         "wall_minutes_last_run": round(wall_seconds / 60, 1),
-        "stage_minutes": {k: round(v / 60, 1) for k, v in provenance.stage_times(sandbox).items()},
+        "stage_minutes": {k: round(v / 60, 1) for k, v in stage_times(sandbox).items()},
         "scale": params["report"]["scale"],
         "cells": cells,
         "machine": f"trained on {info['device']}, evaluated on {info.get('eval_device', info['device'])}; "
@@ -506,7 +507,7 @@ def record(
             info["eval_device"] = info["device"]
         info["params_sha"] = _digest(yaml.safe_load((sandbox / "params.yaml").read_text()))
         (sandbox / SANDBOX_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        wall = sum(provenance.stage_times(sandbox).values())
+        wall = sum(stage_times(sandbox).values())
         if stages == "train":
             print(f"record {label}: trained; evaluate with `apg-pipeline record {name} --direct --stages evaluate --dir {sandbox}`")
             return sandbox
@@ -555,7 +556,7 @@ def check_summary(sandbox: Path, wall: float) -> str:
             rate = history["it_per_s"].iloc[-1] if history is not None and len(history) else None
             per_step = f"{1 / rate:.3g}" if rate else "nothing to train"
             lines.append(f"| {task} | {size:.1f} | {cell['name']} | {per_step} |")
-    times = provenance.stage_times(sandbox)
+    times = stage_times(sandbox)
     lines += ["", "| stage | minutes |", "| --- | ---: |"]
     lines += [f"| `{k}` | {v / 60:.1f} |" for k, v in times.items()]
     return "\n".join(lines)

@@ -58,7 +58,7 @@ import yaml  # noqa: E402
 
 from apg.data import atomic_write  # noqa: E402
 from apg.tasks import get_task  # noqa: E402
-from pipeline import provenance  # noqa: E402
+from pipeline import provenance, stages  # noqa: E402
 from pipeline.common import project_root  # noqa: E402
 from pipeline.config import load_params  # noqa: E402
 from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT  # noqa: E402
@@ -1866,7 +1866,7 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
     flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
     claims_md = claims_markdown(claims, flags, unclaimed)
     text = index_markdown(parts, label, claims_md, recorded_markdown(root, out, paper_all, fmt))
-    times = provenance.stage_times(root)
+    times = stages.stage_times(root)
     lead = reused_cells_markdown(parts) + pipeline_time_markdown(times)
     text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
@@ -1923,7 +1923,7 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
         flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
         claims_md = claims_markdown(claims, flags, [])
         same = all(
-            provenance.code_digest("sweep", t, provenance.package_root()) == d
+            stages.code_digest("sweep", t, stages.package_root()) == d
             for t, d in manifest["code_digest"].items()
         )
         about = (

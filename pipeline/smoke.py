@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from pipeline.provenance import package_root, stage_times
+from pipeline.stages import package_root, stage_times
 
 COPIED = ("apg", "pipeline", "dvc.yaml", ".dvcignore", ".gitignore")
 

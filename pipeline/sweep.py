@@ -55,7 +55,7 @@ from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
-from pipeline.provenance import code_digest, record_stage_time
+from pipeline.stages import code_digest, record_stage_time
 
 DONE = "done.json"
 RESUME = "resume.pt"
@@ -77,7 +77,7 @@ def plan(params: dict[str, Any], task: str, root: Path) -> tuple[dict[str, Cell]
     """``({cell_id: cell}, training data path, sweep directory)`` for the current grid.
 
     A cell's id hashes its config, the training data, its networks' shapes and the code its
-    training runs (``pipeline.provenance.code_digest``), so a cell trained by other code is
+    training runs (``pipeline.stages.code_digest``), so a cell trained by other code is
     never reused. ``sweep.reuse_across_code: true`` (development only) reuses the newest
     finished cell of the same config whatever code trained it; the report names such cells
     in bold.

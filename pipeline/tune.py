@@ -61,7 +61,7 @@ from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, build, evaluate
-from pipeline import provenance, tracking
+from pipeline import provenance, stages, tracking
 from pipeline.common import project_root, seed_everything, training_rows
 from pipeline.config import ParamsError, apply_setting, load_params, setting_of
 
@@ -432,10 +432,10 @@ def searcher(plan: dict[str, Any]):
 def note_start(out: Path, fresh: bool) -> None:
     """Append the code this run of the search imports (commit, uncommitted files) to
     ``out/starts.jsonl``; a fresh search starts the file again."""
-    code = provenance.package_root()
+    code = stages.package_root()
     start = {
         "commit": provenance.git_commit(code),
-        "uncommitted": provenance.uncommitted(code, list(provenance.CODE_PREFIXES)),
+        "uncommitted": provenance.uncommitted(code, list(stages.CODE_PREFIXES)),
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     earlier = "" if fresh or not (out / STARTS).is_file() else (out / STARTS).read_text()

@@ -8,12 +8,13 @@ sections of README.md and reports/README.md must open with the stale line that
 
 from __future__ import annotations
 
+import ast
 import subprocess
 from pathlib import Path
 
 import yaml
 
-from pipeline import provenance
+from pipeline import provenance, stages
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,21 +58,21 @@ def make_project(root: Path) -> Path:
 
 def test_stage_code_is_the_code_deps_of_dvc_yaml(tmp_path):
     root = make_project(tmp_path)
-    assert provenance.stage_code(root, "sweep", "a") == ["apg/tasks/a.py", "apg/core.py"]
-    assert provenance.stage_params(root, "sweep", "b") == ["b.train", "sweep"]
+    assert stages.stage_code(root, "sweep", "a") == ["apg/tasks/a.py", "apg/core.py"]
+    assert stages.stage_params(root, "sweep", "b") == ["b.train", "sweep"]
 
 
 def test_code_digest_follows_exactly_the_stage_code(tmp_path):
     root = make_project(tmp_path)
-    a, b = (provenance.code_digest("sweep", t, root) for t in "ab")
+    a, b = (stages.code_digest("sweep", t, root) for t in "ab")
     (root / "apg/tasks/b.py").write_text("B = 2\n")  # task b's code: a's cells keep their id
-    assert provenance.code_digest("sweep", "a", root) == a
-    assert provenance.code_digest("sweep", "b", root) != b
+    assert stages.code_digest("sweep", "a", root) == a
+    assert stages.code_digest("sweep", "b", root) != b
     (root / "apg/core.py").write_text("CORE = 2\n")  # shared code: every cell changes
-    assert provenance.code_digest("sweep", "a", root) != a
+    assert stages.code_digest("sweep", "a", root) != a
     (root / "apg/__pycache__").mkdir()
     (root / "apg/__pycache__/core.pyc").write_bytes(b"\0")  # bytecode is not code
-    assert provenance.code_digest("sweep", "a", root) == provenance.code_digest("sweep", "a", root)
+    assert stages.code_digest("sweep", "a", root) == stages.code_digest("sweep", "a", root)
 
 
 def test_check_names_what_changed_and_mark_writes_then_clears_the_stale_line(tmp_path):
@@ -117,3 +118,51 @@ def test_committed_results_are_this_checkouts_or_say_they_are_stale():
             "`python -m pipeline.provenance mark` to say so in README.md and reports/README.md"
         )
 
+
+
+def _module_file(name: str) -> Path | None:
+    path = REPO / Path(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported_code(module: str) -> set[str]:
+    """The project files ``module`` imports at module level, transitively (imports inside
+    functions are left out: they run only on the paths that need them)."""
+    seen: set[Path] = set()
+    todo = [_module_file(module)]
+    while todo:
+        path = todo.pop()
+        if path is None or path in seen:
+            continue
+        seen.add(path)
+        package = path.relative_to(REPO).parent.parts
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = list(package[: len(package) - node.level + 1]) if node.level else []
+                module_name = ".".join(base + ([node.module] if node.module else []))
+                names = [module_name, *(f"{module_name}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] in stages.CODE_PREFIXES:
+                    todo += [_module_file(".".join(parts[: i + 1])) for i in range(len(parts))]
+    return {p.relative_to(REPO).as_posix() for p in seen}
+
+
+def test_each_stage_lists_the_code_it_imports():
+    """A code file a stage imports but does not list would change its results without DVC,
+    the cell ids or the provenance check noticing. Each task's stages list only their own
+    task module (``apg/tasks/${item}.py``), so the other tasks' modules are left out by design."""
+    tasks = yaml.safe_load((REPO / "params.yaml").read_text())["tasks"]
+    for stage, per_task in (("generate", True), ("sweep", True), ("evaluate", True), ("report", False)):
+        for task in tasks if per_task else [None]:
+            listed = set(stages.code_files(REPO, stages.stage_code(REPO, stage, task)))
+            others = {f"apg/tasks/{t}.py" for t in tasks if t != task} if per_task else set()
+            missing = _imported_code(f"pipeline.{stage}") - others - listed
+            assert not missing, f"dvc.yaml's {stage}{'@' + task if task else ''} does not list {sorted(missing)}"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import provenance, recorded
+from pipeline import provenance, recorded, stages
 from pipeline.config import grid_cells, load_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def test_an_unknown_profile_is_a_one_line_error():
 def test_a_sandbox_is_resumed_only_by_the_code_and_params_that_made_it(tmp_path):
     box = tmp_path / "box"
     _, first = recorded.sandbox_for("paper-gmm", PAPER, box, fresh=False)
-    assert first["code_digest"] == {"gmm": provenance.code_digest("sweep", "gmm", provenance.package_root())}
+    assert first["code_digest"] == {"gmm": stages.code_digest("sweep", "gmm", stages.package_root())}
     _, again = recorded.sandbox_for("paper-gmm", PAPER, box, fresh=False)
     assert again["resumed"] == 1 and again["started"] == first["started"]
     with pytest.raises(ValueError, match="started by other code or params"):

@@ -777,7 +777,7 @@ def position_errors(
     ink centre. That is the position error; without centres it is the boxes' error.
 
     Returns, per video ``(M,)``: ``pos_err``, mean pixels between matched digits over
-    frames and digits (a pixel is ``(H - 28) / 2`` model units per coordinate);
+    frames and digits (one model unit is ``(H - 28) / 2`` pixels per coordinate);
     ``tracked``, the fraction of frames whose every digit is within
     ``TRACK_TOLERANCE_PX`` of its match; ``pos_err_aligned``, ``pos_err`` after removing
     each matched digit's mean offset over the video (the error of the tracked motion,
