@@ -159,10 +159,16 @@ def test_each_stage_lists_the_code_it_imports():
     """A code file a stage imports but does not list would change its results without DVC,
     the cell ids or the provenance check noticing. Each task's stages list only their own
     task module (``apg/tasks/${item}.py``), so the other tasks' modules are left out by design."""
-    tasks = yaml.safe_load((REPO / "params.yaml").read_text())["tasks"]
-    for stage, per_task in (("generate", True), ("sweep", True), ("evaluate", True), ("report", False)):
-        for task in tasks if per_task else [None]:
-            listed = set(stages.code_files(REPO, stages.stage_code(REPO, stage, task)))
-            others = {f"apg/tasks/{t}.py" for t in tasks if t != task} if per_task else set()
-            missing = _imported_code(f"pipeline.{stage}") - others - listed
-            assert not missing, f"dvc.yaml's {stage}{'@' + task if task else ''} does not list {sorted(missing)}"
+    all_tasks = yaml.safe_load((REPO / "params.yaml").read_text())["tasks"]
+    for dvc_file in ("dvc.yaml", "tuning/dvc.yaml"):
+        for stage, spec in yaml.safe_load((REPO / dvc_file).read_text())["stages"].items():
+            body = spec.get("do", spec)
+            module = body["cmd"].split("python -m ", 1)[1].split()[0]
+            foreach = spec.get("foreach")
+            tasks = (all_tasks if foreach == "${tasks}" else foreach) if foreach else [None]
+            for task in tasks:
+                deps = [d.replace("${item}", task) if task else d for d in body["deps"]]
+                listed = set(stages.code_files(REPO, [d for d in deps if d.split("/")[0] in stages.CODE_PREFIXES]))
+                others = {f"apg/tasks/{t}.py" for t in all_tasks if task and t != task}
+                missing = _imported_code(module) - others - listed
+                assert not missing, f"{dvc_file}: {stage} ({task or 'all tasks'}) does not list {sorted(missing)}"
