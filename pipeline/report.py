@@ -788,6 +788,16 @@ def check_claim(
     if "train" in spec:  # only the cells trained at this (K, L)
         k, l = spec["train"]
         fin = fin[(fin["train_K"] == k) & (fin["train_L"] == l)]
+    # ``sweep``: the method's numbers after that sweep rather than its last (a budget that
+    # matches another method's); the other method keeps its last sweep.
+    at_sweep = spec.get("sweep")
+    mine = fin
+    if at_sweep is not None:
+        if kind == "falls_over_sweeps":
+            raise ValueError(f"claim {task}/{spec['id']}: a falls_over_sweeps claim takes no sweep")
+        rows = curves if curves is not None and "sweep" in curves else fin.iloc[:0]
+        mine = rows[rows["sweep"] == at_sweep]
+    who = f"{method} K={pair[0]} L={pair[1]}" + (f" after sweep {at_sweep}" if at_sweep is not None else "")
     label = METRIC_LABELS.get(metric, metric)
     head = (task, spec["id"], spec["claim"], spec.get("section", ""))
     target = claim_target(spec)
@@ -800,11 +810,11 @@ def check_claim(
     not_run = result("not run", None, "not run", None, None, None, None, ())
 
     if kind == "threshold":
-        e = seed_estimate(fin, method, metric, pair)
+        e = seed_estimate(mine, method, metric, pair)
         if not e.n:
             return not_run
         ok = OPS[spec["op"]][0](e.mean, spec["target"])
-        ours = f"{method} K={pair[0]} L={pair[1]}: {_est(e)}"
+        ours = f"{who}: {_est(e)}"
         return result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["target"], e.cells)
 
     if kind == "falls_over_sweeps":
@@ -825,7 +835,7 @@ def check_claim(
     if kind in ("above", "below", "at_least", "within_noise"):
         other = spec["other"]
         other_pair = tuple(spec.get("other_pair", pair))
-        a, b = seed_estimate(fin, method, metric, pair), seed_estimate(fin, other, metric, other_pair)
+        a, b = seed_estimate(mine, method, metric, pair), seed_estimate(fin, other, metric, other_pair)
         if not a.n or not b.n:
             return not_run
         note = _seed_note(a, b)
@@ -838,8 +848,8 @@ def check_claim(
             ok = a.mean >= b.mean
         else:
             ok = None if note else d.lo <= 0 <= d.hi
-        if other_pair != pair:
-            ours = f"{method} K={pair[0]} L={pair[1]} {_est(a)} vs {other} K={other_pair[0]} L={other_pair[1]} {_est(b)}"
+        if other_pair != pair or at_sweep is not None:
+            ours = f"{who} {_est(a)} vs {other} K={other_pair[0]} L={other_pair[1]} {_est(b)}"
         else:
             ours = f"K={pair[0]} L={pair[1]}: {method} {_est(a)} vs {other} {_est(b)}"
         if kind != "at_least":

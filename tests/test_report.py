@@ -698,6 +698,27 @@ def test_below_claims_across_test_sets_and_budgets():
     assert report.verdict(absent) == "not run"
 
 
+def test_a_claim_can_take_the_method_after_an_earlier_sweep():
+    # AVF's step costs what APG's first three sweeps cost: APG is compared after sweep 3
+    # (worse than after its last, here), AVF after its last.
+    cells, last = seeds_frame("apg", {(4, 4): 2.0}, metric="pos_err")
+    third = pd.concat(
+        [metric_rows(c, 4, 4, {"pos_err": [9.5, 9.6, 9.7]}).assign(sweep=3) for c in cells], ignore_index=True
+    )
+    _, avf = seeds_frame("avf", {(1, 4): 9.0}, metric="pos_err")
+    curves = pd.concat([third, last, avf], ignore_index=True).assign(test_set="T5_D1")
+    spec = {"id": "x", "claim": "c", "kind": "below", "metric": "pos_err", "method": "apg", "pair": [4, 4],
+            "other": "avf", "other_pair": [1, 4], "test_set": "T5_D1"}
+    assert report.check_claim(spec, "bmnist", curves.iloc[:0], curves.iloc[:0], curves).passed is True
+    at_third = report.check_claim({**spec, "sweep": 3}, "bmnist", curves.iloc[:0], curves.iloc[:0], curves)
+    assert at_third.passed is False and at_third.value == pytest.approx(9.6)
+    assert "apg K=4 L=4 after sweep 3" in at_third.ours and "avf K=1 L=4" in at_third.ours
+    threshold = {**spec, "kind": "threshold", "op": "<=", "target": 3, "sweep": 3}
+    assert report.check_claim(threshold, "bmnist", curves.iloc[:0], curves.iloc[:0], curves).passed is False
+    with pytest.raises(ValueError, match="takes no sweep"):
+        report.check_claim({**spec, "kind": "falls_over_sweeps", "sweep": 3}, "bmnist", curves, curves, curves)
+
+
 def test_falls_over_sweeps_compares_the_first_and_last_sweep():
     cells, last = seeds_frame("apg", {(4, 4): 0.02}, metric="mse", spread=0.001)
     first = pd.concat(
