@@ -1,7 +1,8 @@
-"""Why does (or doesn't) Bouncing MNIST learn? Three checks, each on simulated videos whose
+"""Why does (or doesn't) Bouncing MNIST learn? Four checks, each on simulated videos whose
 true digit positions are known (issue 18: gradients and objectives on small data first).
 
     python bench/bmnist_diagnostics.py peak                    # no learning at all
+    python bench/bmnist_diagnostics.py identity --digits 3 --frames 10
     python bench/bmnist_diagnostics.py decoder --iterations 300
     python bench/bmnist_diagnostics.py apg --videos 1 --iterations 300
 
@@ -9,6 +10,12 @@ true digit positions are known (issue 18: gradients and objectives on small data
   the mean-digit template and digits are placed greedily at the map's argmax, explaining
   away each placed digit as the encoder does; the position error of that rule against the
   truth is what a where network reading the softmaxed map can reach without a decoder.
+- ``identity``: can a digit's own template tell it from the others? With the video's true
+  MNIST digits as templates (the best a decoder can do) and the digits before it explained
+  away at their true positions (the where kernel's order), where does each digit's map peak:
+  within 3 px of its own digit, of another digit, or of neither? For the kernel's map (the
+  frame's correlation with the template) and for the Bernoulli log-likelihood ratio of the
+  template placed at each offset (the frame's evidence for it there, up to a constant).
 - ``decoder``: can the decoder learn digits when positions are given? The true positions
   are fixed, z_what is proposed by the what network from crops, and decoder and what network
   are trained on the ELBO (reparameterized); prints the reconstruction MSE per pixel.
@@ -64,6 +71,37 @@ def peak(args) -> None:
         f"{err['pos_err'].mean():.2f} px (median {float(torch.tensor(err['pos_err']).median()):.2f}), "
         f"tracked frames {err['tracked'].mean():.3f}"
     )
+
+
+def identity(args) -> None:
+    from apg.data.mnist import load_mnist
+
+    data = videos(args.videos, args.frames, args.digits, args.seed)
+    cfg, eps = bmnist.BMNISTConfig(), bmnist.BMNISTConfig().prob_eps
+    x, indices = data["x"].double(), data["indices"]
+    offset = bmnist.pixel_offsets(data["z_where"].double(), cfg.canvas_size, cfg.digit_size)  # (column, row)
+    digits = torch.from_numpy(load_mnist("train").images).double()[indices] / 255.0  # (M, D, S, S)
+    p = digits.clamp(eps, 1 - eps)
+    maps = {"correlation": digits, "log-likelihood ratio": torch.log(p / eps) - torch.log((1 - p) / (1 - eps))}
+    counts = {name: torch.zeros(3) for name in maps}  # own digit, another digit, neither
+    for m in range(args.videos):
+        for t in range(args.frames):
+            frame = x[m, t]
+            for d in range(args.digits):
+                for name, kernels in maps.items():
+                    corr = F.conv2d(frame[None, None], kernels[m, d][None, None])[0, 0]
+                    row, column = divmod(int(corr.argmax()), corr.shape[1])
+                    dist = (offset[m, t] - torch.tensor([column, row], dtype=torch.float64)).norm(dim=-1)
+                    near = dist <= bmnist.TRACK_TOLERANCE_PX
+                    counts[name][0 if near[d] else 1 if near.any() else 2] += 1
+                # explain digit d away where it truly is, before the next digit's map
+                frame = frame - bmnist.render(digits[m, d][None, None], offset[m, t, d][None, None], cfg.canvas_size)[0, 0]
+    for name, c in counts.items():
+        own, other, neither = (c / c.sum()).tolist()
+        print(
+            f"identity: {args.videos} videos T={args.frames} D={args.digits}, {name} map: peak at its own digit "
+            f"{own:.3f}, at another digit {other:.3f}, at neither {neither:.3f}"
+        )
 
 
 def decoder(args) -> None:
@@ -178,7 +216,7 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, .
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=["peak", "decoder", "apg"])
+    parser.add_argument("check", choices=["peak", "identity", "decoder", "apg"])
     parser.add_argument("--videos", type=int, default=100)
     parser.add_argument("--eval-videos", type=int, default=20)
     parser.add_argument("--frames", type=int, default=5)
@@ -201,7 +239,7 @@ def main() -> None:
     parser.add_argument("--eval-particles", type=int, help="apg: L of the held-out runs (default --particles)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    {"peak": peak, "decoder": decoder, "apg": apg}[args.check](args)
+    {"peak": peak, "identity": identity, "decoder": decoder, "apg": apg}[args.check](args)
 
 
 if __name__ == "__main__":
