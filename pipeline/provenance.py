@@ -25,6 +25,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,11 @@ def _all_stage_inputs(root: Path, tasks: list[str]) -> tuple[list[str], list[str
             code += stage_code(root, stage, task)
             keys += stage_params(root, stage, task)
     return code, keys
+
+
+def utc_now() -> str:
+    """Now, as the records of runs write it (``2026-11-27T09:30:00Z``)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def git_commit(root: Path) -> str:

@@ -30,7 +30,6 @@ set) to fail fast on a new machine:
 from __future__ import annotations
 
 import copy
-import datetime
 import json
 import os
 import platform
@@ -325,7 +324,7 @@ def sandbox_for(
     else:
         with _params_file(params) as path:
             make_sandbox(directory, path, init_repo=not direct)
-        info["started"] = _now()
+        info["started"] = provenance.utc_now()
     marker.write_text(json.dumps(info, indent=2) + "\n")
     return directory, info
 
@@ -350,10 +349,6 @@ def _digest(params: dict[str, Any]) -> str:
     import hashlib
 
     return hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:12]
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def run_profile(sandbox: Path) -> float:
@@ -402,7 +397,7 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
     shutil.copy(sandbox / "params.yaml", tmp / "params.yaml")
     manifest = {
         **info,
-        "finished": _now(),
+        "finished": provenance.utc_now(),
         "wall_minutes_last_run": round(wall_seconds / 60, 1),
         "stage_minutes": {k: round(v / 60, 1) for k, v in stage_times(sandbox).items()},
         "scale": params["report"]["scale"],

@@ -436,7 +436,7 @@ def note_start(out: Path, fresh: bool) -> None:
     start = {
         "commit": provenance.git_commit(code),
         "uncommitted": provenance.uncommitted(code, list(stages.CODE_PREFIXES)),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "started": provenance.utc_now(),
     }
     earlier = "" if fresh or not (out / STARTS).is_file() else (out / STARTS).read_text()
     atomic_write(out / STARTS, lambda tmp: tmp.write_text(earlier + json.dumps(start) + "\n"))
@@ -652,7 +652,7 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
         "starts": [json.loads(line) for line in (out / STARTS).read_text().splitlines()]
         if (out / STARTS).is_file()
         else [],
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "finished": provenance.utc_now(),
     }
     atomic_write(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
     return summary
