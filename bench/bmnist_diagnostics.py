@@ -77,7 +77,8 @@ def identity(args) -> None:
     from apg.data.mnist import load_mnist
 
     data = videos(args.videos, args.frames, args.digits, args.seed)
-    cfg, eps = bmnist.BMNISTConfig(), bmnist.BMNISTConfig().prob_eps
+    cfg = bmnist.BMNISTConfig()
+    eps = cfg.prob_eps
     x, indices = data["x"].double(), data["indices"]
     offset = bmnist.pixel_offsets(data["z_where"].double(), cfg.canvas_size, cfg.digit_size)  # (column, row)
     digits = torch.from_numpy(load_mnist("train").images).double()[indices] / 255.0  # (M, D, S, S)
