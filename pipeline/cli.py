@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a profile of params-paper.yaml (paper-gmm: GMM Table 1 at paper scale) and keep "
         "its results in recorded/ for the report; resumes a stopped run",
     )
-    rec.add_argument("profile", help="paper-gmm, paper-gmm-std, paper-check, gpu-bmnist or gpu-bmnist-3d (after gpu-bmnist)")
+    rec.add_argument("profile", help="paper-gmm, paper-gmm-std, paper-check, gpu-gmm, gpu-bmnist or gpu-bmnist-3d (after gpu-bmnist)")
     rec.add_argument("--params", default="params-paper.yaml", help="the params the profile derives from")
     rec.add_argument("--dir", default=None, help="the sandbox repo (default runs/<profile>)")
     rec.add_argument("--fresh", action="store_true", help="start over instead of resuming")

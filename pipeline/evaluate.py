@@ -567,7 +567,7 @@ def _savez(tmp: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="evaluate every trained cell of a task's sweep")
+    parser = argparse.ArgumentParser(prog="apg-pipeline eval-sweep", description="evaluate every trained cell of a task's sweep")
     parser.add_argument("--task", required=True)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="output directory (default results/eval/<task>)")

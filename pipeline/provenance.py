@@ -9,7 +9,7 @@ Two uses:
   the digest of every code file and params key any stage reads, and the commit they were
   made at. ``python -m pipeline.provenance check`` compares that record with the working
   tree and says either that the results are current or ``stale since <commit>: <what
-  changed>``; ``--mark`` writes that line at the top of the results sections of
+  changed>``; ``mark`` writes that line at the top of the results sections of
   ``README.md`` and ``reports/README.md`` (and removes it once the results are current
   again), and the test suite fails when the two disagree. So a commit that changes code
   without regenerating either says so where the numbers are read, or does not pass CI.

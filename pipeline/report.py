@@ -2036,7 +2036,7 @@ def write_readme_results(readme: Path, block: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="regenerate reports/ from recorded results")
+    parser = argparse.ArgumentParser(prog="apg-pipeline report", description="regenerate reports/ from recorded results")
     parser.add_argument("--params", default="params.yaml")
     args = parser.parse_args(argv)
     from pipeline.cli import run_guarded

@@ -26,8 +26,8 @@ def package_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
 
-def stage_specs(root: Path) -> dict[str, Any] | None:
-    path = root / "dvc.yaml"
+def stage_specs(root: Path, dvc_file: str = "dvc.yaml") -> dict[str, Any] | None:
+    path = root / dvc_file
     if not path.is_file():
         return None
     return yaml.safe_load(path.read_text())["stages"]
@@ -37,12 +37,13 @@ def _expand(value: Any, task: str | None) -> Any:
     return value.replace("${item}", task) if isinstance(value, str) and task is not None else value
 
 
-def stage_code(root: Path, stage: str, task: str | None = None) -> list[str]:
-    """Code paths (files or folders, relative to ``root``) that ``stage`` depends on.
+def stage_code(root: Path, stage: str, task: str | None = None, dvc_file: str = "dvc.yaml") -> list[str]:
+    """Code paths (files or folders, relative to ``root``) that ``stage`` of ``dvc_file``
+    depends on.
 
     Without a ``dvc.yaml`` (the package installed without its repo) every code folder counts.
     """
-    stages = stage_specs(root)
+    stages = stage_specs(root, dvc_file)
     if stages is None:
         return list(CODE_PREFIXES)
     spec = stages[stage]

@@ -711,7 +711,7 @@ def fetch_cells(client, exp_name: str, sweep_key: str, todo: dict[str, Cell], sw
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Ray Tune sweep over one task's grid (params.yaml)")
+    parser = argparse.ArgumentParser(prog="apg-pipeline sweep", description="Ray Tune sweep over one task's grid (params.yaml)")
     parser.add_argument("--task", required=True)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="summary JSON (default results/<task>/sweep.json)")

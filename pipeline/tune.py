@@ -796,7 +796,7 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="hyperparameter search of one task (tune.yaml)")
+    parser = argparse.ArgumentParser(prog="apg-pipeline tune", description="hyperparameter search of one task (tune.yaml)")
     parser.add_argument("--task", required=True)
     parser.add_argument("--tune-params", default="tune.yaml", help="the search's params (default tune.yaml)")
     parser.add_argument("--params", default="params.yaml", help="the task's other settings")

@@ -167,8 +167,7 @@ def test_each_stage_lists_the_code_it_imports():
             foreach = spec.get("foreach")
             tasks = (all_tasks if foreach == "${tasks}" else foreach) if foreach else [None]
             for task in tasks:
-                deps = [d.replace("${item}", task) if task else d for d in body["deps"]]
-                listed = set(stages.code_files(REPO, [d for d in deps if d.split("/")[0] in stages.CODE_PREFIXES]))
+                listed = set(stages.code_files(REPO, stages.stage_code(REPO, stage, task, dvc_file)))
                 others = {f"apg/tasks/{t}.py" for t in all_tasks if task and t != task}
                 missing = _imported_code(module) - others - listed
                 assert not missing, f"{dvc_file}: {stage} ({task or 'all tasks'}) does not list {sorted(missing)}"
