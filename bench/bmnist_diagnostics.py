@@ -216,7 +216,7 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, .
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("check", choices=["peak", "identity", "decoder", "apg"])
     parser.add_argument("--videos", type=int, default=100)
     parser.add_argument("--eval-videos", type=int, default=20)

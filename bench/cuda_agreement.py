@@ -72,8 +72,8 @@ def compare(a: dict, b: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cell")
-    parser.add_argument("--data")
+    parser.add_argument("--cell", help="a trained cell's model.pt")
+    parser.add_argument("--data", help="held-out datasets (.npz)")
     parser.add_argument("--pair", type=int, nargs=2, default=(5, 10))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seeds", type=int, default=4)
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = parser.parse_args(argv)
+    if not args.compare and not (args.cell and args.data):
+        parser.error("give --cell and --data (or --compare A B)")
     if args.compare:
         a, b = (json.loads(Path(p).read_text()) for p in args.compare)
         print(compare(a, b))

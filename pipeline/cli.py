@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     rec = sub.add_parser(
         "record",
         help="run a profile of params-paper.yaml (paper-gmm: GMM Table 1 at paper scale) and keep "
-        "its results in recorded/ for the report; resumes a stopped run",
+        "its results in recorded/ for the report; resumes a stopped run (not with --direct)",
     )
     rec.add_argument("profile", help="paper-gmm, paper-gmm-std, paper-check, gpu-gmm, gpu-bmnist or gpu-bmnist-3d (after gpu-bmnist)")
     rec.add_argument("--params", default="params-paper.yaml", help="the params the profile derives from")
