@@ -66,7 +66,8 @@ def paper_gmm(paper: dict[str, Any]) -> dict[str, Any]:
     """GMM Table 1 as the paper ran it: APG, RWS-MLP and RWS-LSTM trained at K=10, L=10
     (RWS: K*L particles) for the paper's 200,000 iterations on its 20,000 datasets, one
     seed each (the paper trained one model per method), and the exact Gibbs sampler
-    (nothing to train) as the reference; evaluated at the paper's K in {5, 10, 15}, L=10."""
+    (nothing to train) as the reference; evaluated at the paper's K in {5, 10, 15}, L=10, and
+    at K=50 (``params-paper.yaml``: the comparison with exact Gibbs at stationarity)."""
     params = copy.deepcopy(paper)
     params["tasks"] = ["gmm"]
     gmm = params["gmm"]
