@@ -1029,27 +1029,31 @@ def budget_figure(
 
 
 def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path) -> bool:
-    """Log joint and ESS/L versus sweep at the largest evaluation pair."""
+    """Log joint and ESS/L versus sweep at the largest evaluation pair; shaded: the standard
+    error of the mean over seeds x datasets (their spread, which differs between datasets
+    far more than between methods, would hide the burn-in the figure is for)."""
     if not meta["pairs"]:
         return False
     k_max, l_at = max(tuple(p) for p in meta["pairs"])
     sub = frame[(frame["K"] == k_max) & (frame["L"] == l_at)]
+    colors = dict(zip(sorted(set(sub["method"])), sns.color_palette("tab10"), strict=False))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, CURVE_METRICS, strict=False):
-        stats = mean_std(sub[sub["metric"] == metric], ["method", "sweep"])
-        for (method, group), color in zip(stats.groupby("method"), sns.color_palette(), strict=False):
+        part = sub[sub["metric"] == metric]
+        stats = part.groupby(["method", "sweep"])["value"].agg(["mean", "sem"]).fillna(0.0).reset_index()
+        for method, group in stats.groupby("method"):
             if len(group) == 1:  # one-step methods (RWS with K*L particles): a level line
                 ax.axhline(
-                    group["mean"].iloc[0], ls="--", color=color, label=f"{method} ({k_max * l_at} particles)"
+                    group["mean"].iloc[0], ls="--", color=colors[method], label=f"{method} ({k_max * l_at} particles)"
                 )
                 continue
-            ax.plot(group["sweep"], group["mean"], marker=".", label=method, color=color)
+            ax.plot(group["sweep"], group["mean"], marker=".", label=method, color=colors[method])
             ax.fill_between(
                 group["sweep"],
-                group["mean"] - group["std"],
-                group["mean"] + group["std"],
+                group["mean"] - group["sem"],
+                group["mean"] + group["sem"],
                 alpha=0.2,
-                color=color,
+                color=colors[method],
             )
         ax.set_xlabel("sweep k")
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
@@ -1680,7 +1684,7 @@ FIGURE_TEXT = {
     "methods_sweeps": "Held-out log joint versus sweep for every method at each test-time budget (K, L): APG, exact population Gibbs (gibbs), bootstrapped Gibbs, HMC-RWS (K-1 HMC transitions), and the one-step methods (RWS, reparam: K*L particles at once) as dashed levels; shaded: standard error of the mean over seeds x datasets (the same held-out datasets for every method; their spread is in Table 1).",
     "kl": "Inclusive KL (eq. 4) of each method's block kernels to the exact Gibbs conditionals, per block, using the final particles of each test-time budget as samples of the other blocks (4 exact draws each); gibbs uses the exact kernels (0 by construction) and gibbs-bootstrap the prior for the global block. Error bars: std over seeds x datasets.",
     "budget": "Figure 2: log joint and ESS/L of the final sweep versus K at a fixed budget K*L. Solid: APG retrained at each (K, L = total // K) and evaluated at that same (K, L); dashed: each method's main cell (trained at its grid pair) run at the test-time budgets, one model for every K, as the paper did. Shaded: std over seeds x datasets.",
-    "sweeps": "Log joint and ESS/L versus sweep at the largest evaluation budget; RWS (one step with K*L particles) as a dashed level.",
+    "sweeps": "Log joint and ESS/L versus sweep at the largest evaluation budget; RWS (one step with K*L particles) as a dashed level; shaded: standard error of the mean over seeds x datasets (their spread is in Table 1).",
     "training": "Training log joint of every cell (last sweep of each training batch; rolling mean over 1/50 of the logged points), one panel per method, one thin line per seed, coloured by the (K, L) it was trained at. Shaded: the last fifth of training, where the plateau test of the training table fits its trend; † / ‡ at a curve's end: not plateaued / not assessable.",
     "samples": "Figure 1/3 style: each method's highest-weight sample after k sweeps, on held-out datasets of different sizes (the task's draw hook: for videos, frames with the inferred digit boxes).",
     "animation": "Animated sample (the task's animate hook): for videos, each frame | its reconstruction, with the inferred boxes.",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,9 @@ def stage_code(root: Path, stage: str, task: str | None = None, dvc_file: str = 
         return list(CODE_PREFIXES)
     spec = stages[stage]
     spec = spec.get("do", spec)
-    deps = [_expand(d, task) for d in spec.get("deps", [])]
+    # DVC reads deps relative to the stage's wdir, itself relative to the dvc file's folder
+    base = Path(dvc_file).parent / spec.get("wdir", ".")
+    deps = [posixpath.normpath((base / _expand(d, task)).as_posix()) for d in spec.get("deps", [])]
     return [d for d in deps if d.split("/", 1)[0] in CODE_PREFIXES]
 
 

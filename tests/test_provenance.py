@@ -62,6 +62,18 @@ def test_stage_code_is_the_code_deps_of_dvc_yaml(tmp_path):
     assert stages.stage_params(root, "sweep", "b") == ["b.train", "sweep"]
 
 
+def test_stage_code_reads_deps_relative_to_the_stages_wdir(tmp_path):
+    """A dvc file in a subfolder names its deps from there, or from its ``wdir``."""
+    root = make_project(tmp_path)
+    (root / "sub").mkdir()
+    local = {"stages": {"s": {"cmd": "x", "deps": ["../apg/core.py", "notes.txt"]}}}
+    (root / "sub/dvc.yaml").write_text(yaml.safe_dump(local))
+    assert stages.stage_code(root, "s", dvc_file="sub/dvc.yaml") == ["apg/core.py"]
+    up = {"stages": {"s": {"foreach": ["a"], "do": {"wdir": "..", "cmd": "x", "deps": ["apg/tasks/${item}.py"]}}}}
+    (root / "sub/dvc.yaml").write_text(yaml.safe_dump(up))
+    assert stages.stage_code(root, "s", "a", dvc_file="sub/dvc.yaml") == ["apg/tasks/a.py"]
+
+
 def test_code_digest_follows_exactly_the_stage_code(tmp_path):
     root = make_project(tmp_path)
     a, b = (stages.code_digest("sweep", t, root) for t in "ab")
