@@ -588,10 +588,8 @@ def test_no_service_left_listening_beyond_loopback(ray_cluster, mlflow_server):
     ours = set(processes_mentioning(str(mlflow_server.home))) | set(
         processes_mentioning(ray_cluster.head_node.get_session_dir_path())
     )
-    wide = [
-        line
-        for line in out.splitlines()
-        if any(f"pid={pid}," in line for pid in ours)
-        and not line.split()[3].startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))
-    ]
+    assert ours, "found no Ray or MLflow process: the check below would pass vacuously"
+    mine = [line for line in out.splitlines() if any(f"pid={pid}," in line for pid in ours)]
+    assert mine, "ss shows none of their listening sockets (no pid= fields?)"
+    wide = [line for line in mine if not line.split()[3].startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))]
     assert not wide, wide

@@ -76,8 +76,10 @@ def test_simulated_points_lie_on_rings_of_the_given_radius():
     # The residual is the noise: mean 0, sd 0.2 per coordinate (20,000 draws: SE of sd ~ 0.001).
     assert abs(float(resid.mean())) < 3 * 0.2 / math.sqrt(resid.numel())
     assert abs(float(resid.std()) - 0.2) < 0.005
+    # Distance from the centre: the noise across the ring adds sd^2 / (2 r) to its mean.
     dist = (out["x"] - centre).norm(dim=-1)
-    assert abs(float(dist.mean()) - 2.0) < 0.02
+    se = float(dist.std()) / math.sqrt(dist.numel())
+    assert abs(float(dist.mean()) - (2.0 + 0.2**2 / (2 * 2.0))) < 4 * se
 
 
 def test_simulator_handles_test_set_sizes():
@@ -329,10 +331,11 @@ def test_compiled_local_kernels_draw_what_their_twins_draw(dtype, monkeypatch):
     assert torch.equal(c1, c2)
     # asin(sqrt(x)) near x = 1 amplifies rounding (~1e-4 in float32); a flipped accept
     # test or a wrap at 0 = 2 pi would show as a gap of order 1.
-    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    # In float64 every draw agrees; in float32 a few near-boundary ones may round apart.
+    tol, stray = (1e-3, 5) if dtype == torch.float32 else (1e-9, 0)
     for got, want in ((a1, a2), (v1, v2)):
         gap = torch.remainder(got - want + math.pi, TWO_PI) - math.pi
-        assert float((gap.abs() > tol).double().mean()) < 1e-3
+        assert int((gap.abs() > tol).sum()) <= stray
         assert float(got.min()) >= 0 and float(got.max()) < TWO_PI
 
 

@@ -247,6 +247,7 @@ def test_direct_record_trains_to_the_clock_on_one_machine_and_evaluates_on_anoth
     for name in recorded.EVAL_FILES:
         assert (kept / "eval" / "gmm" / name).is_file(), name
     meta = json.loads((kept / "eval" / "gmm" / "meta.json").read_text())
+    assert {c["method"] for c in meta["cells"]} >= {"apg", "rws-mlp", "rws-lstm"}
     for cell in meta["cells"]:  # the report finds each cell's weights in the kept run
         assert (
             cell["checkpoint"].startswith("recorded/paper-gmm/cells/")

@@ -82,9 +82,17 @@ def test_code_digest_follows_exactly_the_stage_code(tmp_path):
     assert stages.code_digest("sweep", "b", root) != b
     (root / "apg/core.py").write_text("CORE = 2\n")  # shared code: every cell changes
     assert stages.code_digest("sweep", "a", root) != a
+    # a folder dep (dvc.yaml lists apg/baselines, apg/smc, ...) counts its files but not
+    # bytecode or built extensions
+    before = stages.file_digests(root, ["apg"])
+    assert set(before) == {"apg/core.py", "apg/tasks/a.py", "apg/tasks/b.py"}
     (root / "apg/__pycache__").mkdir()
-    (root / "apg/__pycache__/core.pyc").write_bytes(b"\0")  # bytecode is not code
-    assert stages.code_digest("sweep", "a", root) == stages.code_digest("sweep", "a", root)
+    (root / "apg/__pycache__/core.cpython-311.pyc").write_bytes(b"\0")
+    (root / "apg/core.pyc").write_bytes(b"\0")
+    (root / "apg/_kernels.so").write_bytes(b"\0")
+    assert stages.file_digests(root, ["apg"]) == before
+    (root / "apg/extra.py").write_text("X = 1\n")  # while a new source file is code
+    assert set(stages.file_digests(root, ["apg"])) == set(before) | {"apg/extra.py"}
 
 
 def test_check_names_what_changed_and_mark_writes_then_clears_the_stale_line(tmp_path):
