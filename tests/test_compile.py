@@ -18,13 +18,14 @@ import functools
 import pytest
 import torch
 import torch._dynamo
+from pairs import accepted, runnable
 from torch._dynamo.utils import counters
 
 from apg.baselines import METHODS
 from apg.smc import sampler
 from apg.smc.sampler import block_update, update_in_window
-from apg.tasks import get_task, task_names
-from apg.training import TrainConfig, Trainer, build, make_method
+from apg.tasks import get_task
+from apg.training import TrainConfig, Trainer, build
 from pipeline.generate import simulate_set
 
 SIZES = {"gmm": {"num_points": 12}, "dgmm": {"num_points": 24}}
@@ -42,31 +43,14 @@ def config(task: str, method: str, **kw) -> TrainConfig:
     return TrainConfig(task=task, method=method, **sizes)
 
 
-def runs_on(task: str, method: str) -> bool:
-    try:
-        make_method(config(task, method)).check_task(get_task(task))
-        return True
-    except ValueError:
-        return False
-
-
-def builds_on(task: str, method: str) -> bool:
-    """Whether a trainer builds (some methods check the task's model only then)."""
-    try:
-        build(config(task, method))
-        return True
-    except ValueError:
-        return False
-
-
 def per_block(task: str, method: str) -> bool:
     """Whether a compiled trainer compiles the sampler unit by unit (``Trainer``'s rule)."""
     return get_task(task).build_model().compile_per_block and METHODS[method].kernels
 
 
 # Every task with every method that accepts it, less those that refuse its model when built.
-ACCEPTED = [(t, m) for t in task_names() for m in METHODS if runs_on(t, m)]
-CASES = [(t, m) for t, m in ACCEPTED if builds_on(t, m)]
+ACCEPTED = accepted(config)
+CASES = runnable(config)
 COMPILED = [(t, m) for t, m in CASES if METHODS[m].not_compiled_because is None]
 WHOLE = [(t, m) for t, m in COMPILED if not per_block(t, m)]
 PER_BLOCK = [(t, m) for t, m in COMPILED if per_block(t, m)]

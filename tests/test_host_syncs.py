@@ -13,10 +13,9 @@ import math
 
 import pytest
 import torch
+from pairs import runnable
 
-from apg.baselines import METHODS
-from apg.tasks import get_task, task_names
-from apg.training import TrainConfig, Trainer, TrainingDiverged, build, make_method
+from apg.training import TrainConfig, Trainer, TrainingDiverged
 from pipeline.generate import simulate_set
 
 SIZES = {"gmm": {"num_points": 12}, "dgmm": {"num_points": 24}}
@@ -34,24 +33,7 @@ def config_for(task: str, method: str) -> TrainConfig:
     )
 
 
-def runnable(task: str, method: str) -> bool:
-    try:
-        make_method(TrainConfig(task=task, method=method)).check_task(get_task(task))
-        return True
-    except ValueError:
-        return False
-
-
-def builds(task: str, method: str) -> bool:
-    """Some methods check the task's model only when built (test_compile.py lists which)."""
-    try:
-        build(config_for(task, method))
-        return True
-    except ValueError:
-        return False
-
-
-CASES = [(t, m) for t in task_names() for m in METHODS if runnable(t, m) and builds(t, m)]
+CASES = runnable(config_for)
 
 
 @pytest.mark.parametrize("task,method", CASES)
