@@ -1056,6 +1056,7 @@ def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
                 color=colors[method],
             )
         ax.set_xlabel("sweep k")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Convergence over sweeps (K={k_max}, L={l_at})")
