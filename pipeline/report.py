@@ -972,8 +972,9 @@ def claims_json(results: list[ClaimResult]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- figures
 
 
-def mean_std(frame: pd.DataFrame, by: list[str]) -> pd.DataFrame:
-    return frame.groupby(by)["value"].agg(["mean", "std"]).fillna(0.0).reset_index()
+def mean_std(frame: pd.DataFrame, by: list[str], spread: str = "std") -> pd.DataFrame:
+    """Mean and ``spread`` (``std``, or ``sem`` for the standard error) of ``value`` per group."""
+    return frame.groupby(by)["value"].agg(["mean", spread]).fillna(0.0).reset_index()
 
 
 def budget_figure(
@@ -1028,10 +1029,20 @@ def budget_figure(
     return True
 
 
-def _z(method: str) -> float:
-    """APG's curve in front: a sampler whose curve coincides with it (HMC-RWS on the GMM)
+def sweep_curves(ax, stats: pd.DataFrame, colors: dict[str, Any], at_once: str) -> None:
+    """Each method's mean over sweeps with its standard error shaded; a one-step method
+    (RWS, reparam: K*L particles at once) as a dashed level labelled ``method (at_once)``.
+    APG is drawn in front: a sampler whose curve coincides with it (HMC-RWS on the GMM)
     would otherwise hide it."""
-    return 3.0 if method == "apg" else 2.0
+    for method, group in stats.groupby("method"):
+        if len(group) == 1:
+            ax.axhline(group["mean"].iloc[0], ls="--", color=colors[method], label=f"{method} ({at_once})")
+            continue
+        front = 3.0 if method == "apg" else 2.0
+        ax.plot(group["sweep"], group["mean"], marker=".", color=colors[method], label=method, zorder=front)
+        ax.fill_between(
+            group["sweep"], group["mean"] - group["sem"], group["mean"] + group["sem"], alpha=0.2, color=colors[method]
+        )
 
 
 def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path) -> bool:
@@ -1045,22 +1056,8 @@ def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
     colors = dict(zip(sorted(set(sub["method"])), sns.color_palette("tab10"), strict=False))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, CURVE_METRICS, strict=False):
-        part = sub[sub["metric"] == metric]
-        stats = part.groupby(["method", "sweep"])["value"].agg(["mean", "sem"]).fillna(0.0).reset_index()
-        for method, group in stats.groupby("method"):
-            if len(group) == 1:  # one-step methods (RWS with K*L particles): a level line
-                ax.axhline(
-                    group["mean"].iloc[0], ls="--", color=colors[method], label=f"{method} ({k_max * l_at} particles)"
-                )
-                continue
-            ax.plot(group["sweep"], group["mean"], marker=".", label=method, color=colors[method], zorder=_z(method))
-            ax.fill_between(
-                group["sweep"],
-                group["mean"] - group["sem"],
-                group["mean"] + group["sem"],
-                alpha=0.2,
-                color=colors[method],
-            )
+        stats = mean_std(sub[sub["metric"] == metric], ["method", "sweep"], "sem")
+        sweep_curves(ax, stats, colors, f"{k_max * l_at} particles")
         ax.set_xlabel("sweep k")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
@@ -1137,21 +1134,7 @@ def methods_sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: st
     fig, axes = plt.subplots(1, len(pairs), figsize=(4.6 * len(pairs), 4), squeeze=False, sharey=True)
     for ax, (k, l) in zip(axes[0], pairs, strict=False):
         part = sub[(sub["K"] == k) & (sub["L"] == l)]
-        stats = part.groupby(["method", "sweep"])["value"].agg(["mean", "sem"]).fillna(0.0).reset_index()
-        for method, group in stats.groupby("method"):
-            if len(group) == 1:
-                ax.axhline(
-                    group["mean"].iloc[0], ls="--", color=colors[method], label=f"{method} ({k * l} at once)"
-                )
-                continue
-            ax.plot(group["sweep"], group["mean"], marker=".", color=colors[method], label=method, zorder=_z(method))
-            ax.fill_between(
-                group["sweep"],
-                group["mean"] - group["sem"],
-                group["mean"] + group["sem"],
-                alpha=0.2,
-                color=colors[method],
-            )
+        sweep_curves(ax, mean_std(part, ["method", "sweep"], "sem"), colors, f"{k * l} at once")
         ax.set_title(f"K={k}, L={l}", fontsize=9)
         ax.set_xlabel("sweep k")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
