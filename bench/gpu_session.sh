@@ -3,7 +3,10 @@
 #   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda; with
 #      COMPILE=1 also compiled, --compile, within COMPILE_S seconds: COMPILE_TASKS x
 #      COMPILE_METHODS x COMPILE_PAIRS, compiling beside the eager work, timed after it;
-#      COMPILE_FLAGS=--cuda-graphs: CUDA graphs in Bouncing MNIST's per-block graphs too),
+#      COMPILE_FLAGS=--cuda-graphs: CUDA graphs in Bouncing MNIST's per-block graphs too;
+#      COMPILE_VARIANTS="plain --cuda-graphs": each variant compiled at once, timed in turn;
+#      TIME_AFTER_TRAIN=1: timed after training, TIMING_S seconds kept for them, so that the
+#      compilation overlaps the training instead of waiting for it),
 #      the GPU's sampler against the CPU's on trained cells (bench/cuda_agreement.py: cells and
 #      held-out sets carried in AGREE/<task>/{model.pt,test.npz,pair}), and with SHARE=1 four
 #      trials sharing the GPU against one (bench/gpu_share.py: SHARE_TASK, SHARE_METHOD, SHARE_PAIR);
@@ -41,15 +44,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 
 if [ "$COMPILE" = 1 ]; then  # compiled (train.compile: fullgraph, CUDA graphs), beside the eager work:
-  # compilation is host work; each compiled cell is timed only once the eager timings are done
+  # compilation is host work; each compiled cell is timed only once the GPU is free: after the
+  # eager timings (with TIME_AFTER_TRAIN=1, after training), one variant after another
   echo "== 1b. compiled per-step times at paper sizes, started $(date +%T)"
-  rm -f "$OUT/.eager_done"
-  TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-8} timeout "${COMPILE_S:-300}" \
-    python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 --compile ${COMPILE_FLAGS:-} \
-    --tasks ${COMPILE_TASKS:-gmm dgmm} --methods ${COMPILE_METHODS:-apg rws-mlp} --pairs ${COMPILE_PAIRS:-10x10} \
-    --wait-for "$OUT/.eager_done" --json "$OUT/paper_scale_cuda_compiled.json" \
-    --markdown "$OUT/paper_scale_cuda_compiled.md" > "$OUT/compiled.log" 2>&1 &
-  compiled_pid=$!
+  rm -f "$OUT"/.eager_done "$OUT"/.timed_*; wait_for="$OUT/.eager_done"; compiled_pids=()
+  for variant in ${COMPILE_VARIANTS:-plain}; do  # plain, or a flag of paper_scale.py (--cuda-graphs)
+    tag=${variant#--}; suffix=$([ "$variant" = plain ] || echo "_$tag")
+    ( TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-8} timeout "${COMPILE_S:-300}" \
+        python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 --compile ${COMPILE_FLAGS:-} \
+        $([ "$variant" = plain ] || echo "$variant") --tasks ${COMPILE_TASKS:-gmm dgmm} \
+        --methods ${COMPILE_METHODS:-apg rws-mlp} --pairs ${COMPILE_PAIRS:-10x10} --wait-for "$wait_for" \
+        --json "$OUT/paper_scale_cuda_compiled$suffix.json" --markdown "$OUT/paper_scale_cuda_compiled$suffix.md" \
+        > "$OUT/compiled$suffix.log" 2>&1; touch "$OUT/.timed_$tag" ) &
+    compiled_pids+=($!); wait_for="$OUT/.timed_$tag"
+  done
 fi
 if [ "$TIMINGS" = 1 ]; then
   echo "== 1. per-step times at paper sizes $(date +%T)"
@@ -68,14 +76,18 @@ if [ "$SHARE" = 1 ]; then  # trials sharing the GPU (gpus_per_trial 0.25): throu
   timeout 120 python3 bench/gpu_share.py --params "$PARAMS" --device "$DEVICE" --task ${SHARE_TASK:-gmm} --method ${SHARE_METHOD:-apg} \
     --pair ${SHARE_PAIR:-10 10} --procs 1 4 --seconds 15 --json "$OUT/share.json" || echo "gpu_share: exit $?"
 fi
-touch "$OUT/.eager_done"
-if [ -n "${compiled_pid:-}" ]; then
-  while kill -0 "$compiled_pid" 2>/dev/null && (( $(left) > ${PACK_S:-20} )); do sleep 2; done
-  kill "$compiled_pid" 2>/dev/null && echo "compiled timings stopped at the deadline"
-  cat "$OUT/compiled.log"
-fi
-mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda* "$OUT"/share.json "$OUT"/compiled.log "$OUT/t/" 2>/dev/null
-tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
+finish_timings() {  # the compiled timings (if any) run now, then every timing is packed
+  touch "$OUT/.eager_done"
+  for pid in ${compiled_pids[@]+"${compiled_pids[@]}"}; do
+    while kill -0 "$pid" 2>/dev/null && (( $(left) > ${PACK_S:-20} )); do sleep 2; done
+    kill "$pid" 2>/dev/null && echo "compiled timings stopped at the deadline"
+  done
+  cat "$OUT"/compiled*.log 2>/dev/null
+  mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda* "$OUT"/share.json "$OUT"/compiled*.log "$OUT/t/" 2>/dev/null
+  tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
+  rm -f "$OUT"/.eager_done "$OUT"/.timed_*  # the tool brings back 8 files at most
+}
+[ "${TIME_AFTER_TRAIN:-0}" = 1 ] && [ "$TRAIN" = 1 ] || finish_timings
 [ "$TRAIN" = 1 ] || { ls -la "$OUT"; exit 0; }
 
 RECORD_PARAMS=params-paper.yaml
@@ -102,6 +114,7 @@ if [ "$CHECK" = 1 ]; then
   fi
 fi
 
+after=$([ "${TIME_AFTER_TRAIN:-0}" = 1 ] && echo "${TIMING_S:-90}" || echo 0)  # kept for the timings
 # Training gets what is left but the data (~20 s), the timing of the cells (~20 s) and
 # packing: MINUTES at most, so that the schedule is planned to end before the deadline.
 # MINUTES=none: the profile's own iterations (a compiled profile would compile twice if timed).
@@ -109,13 +122,14 @@ if [ "$MINUTES" = none ]; then
   sized=()
   echo "== 3. $PROFILE, its own iterations $(date +%T), $(left) s left"
 else
-  minutes=$(python3 -c "print(round(max(0.5, min($MINUTES, ($(left) - 90) / 60 * 0.95)), 2))")
+  minutes=$(python3 -c "print(round(max(0.5, min($MINUTES, ($(left) - 90 - $after) / 60 * 0.95)), 2))")
   sized=(--minutes "$minutes")
   echo "== 3. $PROFILE, $minutes min of training $(date +%T), $(left) s left"
 fi
-deadline=$(python3 -c "print(($(left) - 30) / 60)")
+deadline=$(python3 -c "print(($(left) - 30 - $after) / 60)")
 python3 -m pipeline.cli record "$PROFILE" --params "$RECORD_PARAMS" --direct --device "$DEVICE" --stages train \
-  "${sized[@]}" --deadline "$deadline" || { echo "training failed"; pack; exit 1; }
+  "${sized[@]}" --deadline "$deadline" || { echo "training failed"; [ "$after" = 0 ] || finish_timings; pack; exit 1; }
+[ "$after" = 0 ] || finish_timings
 
 if (( $(left) > EVAL_MIN )); then
   echo "== 4. evaluate on $DEVICE $(date +%T), $(left) s left"

@@ -24,6 +24,7 @@ set) to fail fast on a new machine:
 
     apg-pipeline record gpu-bmnist --direct --device cuda --minutes 5
     apg-pipeline record gpu-bmnist-3d --direct --device cuda --minutes 7   # then on three digits
+    apg-pipeline record gpu-bmnist-compiled --direct --device cuda --minutes 5   # more steps, compiled
     apg-pipeline record gpu-gmm --direct --device cuda   # GMM Table 1 compiled, 4 trials at once
 """
 
@@ -226,12 +227,34 @@ def gpu_bmnist_3d(paper: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def gpu_bmnist_compiled(paper: dict[str, Any]) -> dict[str, Any]:
+    """``gpu-bmnist`` with every step that compiles compiled (``train.compile``: APG one graph
+    per block update, RWS-MLP whole; AVF eager): the same minutes buy several times the
+    one-digit steps, the next thing to try after ``gpu-bmnist``'s 800 (its log joint was
+    still rising) and ``gpu-bmnist-3d``'s three-digit steps (no gain)."""
+    from apg.baselines import METHODS
+
+    params = gpu_bmnist(paper)
+    section = params["bmnist"]
+    section["train"]["compile"] = True
+    for entry in section["grid"]:
+        if any(METHODS[m].not_compiled_because for m in entry["methods"]):
+            entry.setdefault("train", {})["compile"] = False
+    params["tracking"]["experiment"] = "apg-gpu-bmnist-compiled"
+    params["report"]["scale"] = (
+        "one GPU for minutes (Bouncing MNIST: paper K, L, B, T and test sets; trained on one digit, "
+        "APG and RWS-MLP compiled)"
+    )
+    return params
+
+
 PROFILES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "paper-gmm": paper_gmm,
     "paper-gmm-std": paper_gmm_std,
     "paper-check": paper_check,
     "gpu-bmnist": gpu_bmnist,
     "gpu-bmnist-3d": gpu_bmnist_3d,
+    "gpu-bmnist-compiled": gpu_bmnist_compiled,
     "gpu-gmm": gpu_gmm,
 }
 # A curriculum's later step: the profile's cells start from the trained weights of the same

@@ -24,7 +24,7 @@ def cell_keys(params: dict, task: str) -> set[tuple]:
 
 
 @pytest.mark.parametrize(
-    "profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d", "gpu-gmm", "paper-gmm-std"})
+    "profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d", "gpu-bmnist-compiled", "gpu-gmm", "paper-gmm-std"})
 )
 def test_profiles_keep_the_papers_per_step_sizes(profile):
     paper = load_params(PAPER)
@@ -132,6 +132,18 @@ def test_gpu_bmnist_3d_trains_the_papers_three_digit_videos_from_gpu_bmnists_cel
     assert cell_keys(run, "bmnist") == cell_keys(first, "bmnist")
     assert {c.seed for c in grid_cells(run, "bmnist")} == {c.seed for c in grid_cells(first, "bmnist")}
     assert ours["train"]["lr"] < first["bmnist"]["train"]["lr"]
+
+
+def test_gpu_bmnist_compiled_is_gpu_bmnist_with_every_step_that_compiles_compiled():
+    first, run = recorded.derive("gpu-bmnist", PAPER), recorded.derive("gpu-bmnist-compiled", PAPER)
+    compiled = {c.method: c.train.compile for c in grid_cells(run, "bmnist")}
+    assert compiled == {"apg": True, "rws-mlp": True, "avf": False}
+    assert not any(c.train.compile for c in grid_cells(first, "bmnist"))
+    # Otherwise the same run: data, networks, schedule and cells.
+    for key in ("data", "network", "model", "evaluate"):
+        assert run["bmnist"][key] == first["bmnist"][key]
+    assert {k: v for k, v in run["bmnist"]["train"].items() if k != "compile"} == first["bmnist"]["train"]
+    assert cell_keys(run, "bmnist") == cell_keys(first, "bmnist")
 
 
 def test_an_unknown_profile_is_a_one_line_error():
