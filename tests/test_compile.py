@@ -25,6 +25,7 @@ from apg.baselines import METHODS
 from apg.smc import sampler
 from apg.smc.sampler import block_update, update_in_window
 from apg.tasks import get_task
+from apg.tasks.bmnist import BMNISTConfig, frame_log_likelihood
 from apg.training import TrainConfig, Trainer, build
 from pipeline.generate import simulate_set
 
@@ -118,6 +119,26 @@ def test_a_compiled_step_trains_and_compiles_once():
     assert len(rows) == 4 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert counters["stats"]["unique_graphs"] == 1  # traced once: no recompilation per step
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.proposals.parameters(), strict=True))
+
+
+def test_the_video_likelihood_keeps_its_gradients_when_compiled():
+    """torch 2.11's torch.compile silently zeroed the gradients of an autograd.Function whose
+    output it had written in place, on any backend: on the GPU, Bouncing MNIST's decoder then
+    never learnt (session 27). The likelihood's gradients, traced, are the eager ones."""
+    gen = torch.Generator().manual_seed(0)
+    templates = torch.rand(2, 3, 2, 28, 28, generator=gen).requires_grad_()  # (L, B, D, S, S)
+    where = (torch.rand(2, 3, 2, 2, 2, generator=gen) * 1.6 - 0.8).requires_grad_()  # (L, B, F, D, 2)
+    frames = torch.rand(3, 2, 96, 96, generator=gen)  # (B, F, H, H)
+
+    def total(t, w):
+        return frame_log_likelihood(frames, t, w, BMNISTConfig()).sum()
+
+    eager = torch.autograd.grad(total(templates, where), (templates, where))
+    traced = torch.compile(total, backend="aot_eager", fullgraph=True)
+    compiled = torch.autograd.grad(traced(templates, where), (templates, where))
+    for e, c in zip(eager, compiled, strict=True):  # round-off: the traced path pads its sums
+        assert e.abs().sum() > 0
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4 * float(e.abs().max()))
 
 
 def test_params_turn_compiling_on_per_task_or_per_grid_entry():

@@ -345,9 +345,12 @@ class _PatchLikelihood(torch.autograd.Function):
         d_offset = torch.zeros_like(offset) if need_o else None
         padded = F.pad(x, (0, 1, 0, 1)).flatten(-2)  # (B, F, (H + 1)^2), zero off the canvas
         for f in range(offset.shape[2]):
-            dt, do = _patch_likelihood_frame(
-                templates, offset[:, :, f], padded[:, f], x.shape[-1], eps, out, need_t, need_o
+            value, dt, do = _patch_likelihood_frame(
+                templates, offset[:, :, f], padded[:, f], x.shape[-1], eps, need_t, need_o
             )
+            # Not `out += value`: torch.compile (torch 2.11) gives a Function whose output is
+            # written in place zero gradients, silently (the sum's order is the same).
+            out = out + value
             if need_t:
                 d_templates += dt
             if need_o:
@@ -373,11 +376,10 @@ def _patch_likelihood_frame(
     flat_x: Tensor,
     canvas_size: int,
     eps: float,
-    out: Tensor,
     need_t: bool,
     need_o: bool,
-) -> tuple[Tensor | None, Tensor | None]:
-    """One frame of ``_PatchLikelihood``: adds the frame's term to ``out (L, B)`` and returns
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """One frame of ``_PatchLikelihood``: the frame's term ``(L, B)`` and
     its gradients with respect to ``t (L, B, D, S, S)`` and ``offset (L, B, D, 2)``.
     ``flat_x (B, (H + 1)^2)`` is the frame padded with a zero row and column."""
     num_particles, batch, digits, size = t.shape[:4]
@@ -425,9 +427,9 @@ def _patch_likelihood_frame(
     # where a pixel covered by m patches counts 1/m in each
     term = log_q.sub_(log_1mq).sub_(log_eps - log1m_eps).mul_(xv).add_(log_1mq).sub_(log1m_eps)
     term.div_(_cover_count(base, side, t.dtype))
-    out += term.view(num_particles, batch, -1).sum(-1)
+    value = term.view(num_particles, batch, -1).sum(-1)
     if not (need_t or need_o):
-        return None, None
+        return value, None, None
     # f'(p) = (x - p) / (p (1 - p)) where the clamp is inactive (eps < p < 1 - eps; never off
     # the canvas), else 0: hardtanh's backward is exactly that mask, in one fused pass
     dp = (xv - q).div_(torch.addcmul(q, q, q, value=-1.0))
@@ -443,7 +445,7 @@ def _patch_likelihood_frame(
         d_fx = (rows * (dp[..., 1:] - dp[..., :size])).sum((-2, -1))
         d_fy = (t * (d_rows[..., 1:, :] - d_rows[..., :size, :])).sum((-2, -1))
         d_o = torch.stack([d_fx, d_fy], -1)
-    return d_t, d_o
+    return value, d_t, d_o
 
 
 def _cover_count(base: Tensor, side: int, dtype: torch.dtype) -> Tensor:
