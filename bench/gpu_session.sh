@@ -19,7 +19,10 @@
 #   4. evaluated on the GPU if EVAL_MIN seconds are left, else later elsewhere:
 #      apg-pipeline record $PROFILE --direct --stages evaluate --dir runs/$PROFILE
 # With COMPILE_TRAIN=1, steps 2-4 derive the profile from params-paper.yaml with train.compile
-# on for every cell whose method compiles (Bouncing MNIST: per block; AVF stays eager).
+# on for every cell whose method compiles (Bouncing MNIST: per block; AVF stays eager); the
+# gpu-bmnist-compiled profile has it built in. TORCHINDUCTOR_CUDAGRAPHS=1 in the environment
+# puts CUDA graphs in every graph inductor makes, Bouncing MNIST's per-block ones included
+# (4x faster on the H200, session 27; bench/RESULTS.md).
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
 # tarred and split under 15 MB (the device tool's file limit), and the timings.
 # Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.
