@@ -610,12 +610,20 @@ def test_training_lowers_heldout_mse_and_sweeps_help():
             cfg, trainer.model, trainer.proposals, test["x"], sweeps=4, particles=4, batch_size=10
         )["mse"]
 
+    def falls(high: np.ndarray, low: np.ndarray) -> tuple[float, float]:
+        """Mean paired fall per video and its standard error."""
+        drop = np.asarray(high) - np.asarray(low)
+        return drop.mean(), drop.std(ddof=1) / np.sqrt(len(drop))
+
     before = mse()
     for _ in trainer.run():
         pass
     after = mse()
-    assert after[-1].mean() < 0.8 * before[-1].mean()
-    assert after[-1].mean() < after[0].mean()  # more sweeps, lower reconstruction error
+    for name, (drop, se) in (
+        ("training", falls(before[-1], after[-1])),
+        ("more sweeps", falls(after[0], after[-1])),  # more sweeps, lower reconstruction error
+    ):
+        assert drop > 3 * se, (name, drop, se)
 
 
 def test_position_errors_match_digits_once_per_video():

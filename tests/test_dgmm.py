@@ -701,8 +701,8 @@ def test_config_validation():
 def test_short_training_improves_inference_and_learns_a_ring():
     """A short CPU run of APG (about a minute) trains g_theta and the proposals jointly.
 
-    Held-out log joint and ESS/L of the mu block must improve over the untrained model (the
-    ESS per dataset, paired: mean gain > 0.1 and > 3 standard errors; on 10 held-out sets the
+    Held-out log joint and ESS/L of the mu block must improve over the untrained model (per
+    dataset, paired: mean gain > 3 standard errors, and > 0.1 for the ESS; on 10 held-out sets the
     trained ESS swung between 0.19 and 0.6 with float round-off, on 30 it is 0.6-0.7), and
     the learned shape must be a ring of the simulator's radius 2: reconstructions lie at
     2 +- 0.25 from their centres (0.25 is a bit more than the noise sd 0.2; the maximum-
@@ -723,16 +723,16 @@ def test_short_training_improves_inference_and_learns_a_ring():
     def held_out():
         torch.manual_seed(5)
         out = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10, batch_size=10)
-        return out["log_joint"][-1].mean(), out["ess_mu"][-1]
+        return out["log_joint"][-1], out["ess_mu"][-1]
 
     lj0, ess0 = held_out()
     for _ in trainer.run():
         pass
     lj1, ess1 = held_out()
-    assert lj1 > lj0 + 0.5 * abs(lj0), (lj0, lj1)
-    gain = ess1 - ess0
-    standard_error = gain.std(ddof=1) / len(gain) ** 0.5
-    assert gain.mean() > max(0.1, 3 * standard_error), (ess0.mean(), ess1.mean(), standard_error)
+    for name, gain in (("log joint", lj1 - lj0), ("ESS/L", ess1 - ess0)):  # paired per dataset
+        standard_error = gain.std(ddof=1) / len(gain) ** 0.5
+        assert gain.mean() > 3 * standard_error, (name, gain.mean(), standard_error)
+    assert (ess1 - ess0).mean() > 0.1, (ess0.mean(), ess1.mean())
 
     torch.manual_seed(6)
     with torch.no_grad():

@@ -163,8 +163,9 @@ def test_evidence_estimate_is_unbiased(f64, mode):
 
 @pytest.mark.slow
 def test_short_training_lowers_inclusive_kl_and_raises_ess():
-    # About 30 s on an idle 2-core machine. Margins seen (session 3): median KL {mu, tau}
-    # 1.01 -> 0.08, median KL {c} 6.8 -> 0.27, ESS/L 0.18 -> 0.55.
+    # About 30 s on an idle 2-core machine. Seen (session 27): KL {mu, tau} fell on 17 of the
+    # 20 held-out datasets (median 0.76 -> 0.09), KL {c} on 20 (7.5 -> 0.35); paired gains
+    # ESS/L +0.36 (z 6.9), log joint +66 (z 9.5).
     model = GMM()
     train = simulate(model.cfg, 1000, 60, seed=1)["x"].float()
     test = simulate(model.cfg, 20, 60, seed=2)["x"].float()
@@ -174,13 +175,17 @@ def test_short_training_lowers_inclusive_kl_and_raises_ess():
     for _ in trainer.run():
         pass
     after = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10)
-    # Medians over the test datasets: a per-dataset KL estimate is itself self-normalized
-    # and heavy-tailed (one dataset whose particles all miss a cluster can read 10+ while
-    # the rest read 0.1), so a mean over 20 datasets can swing with float round-off.
+    # A per-dataset KL estimate is self-normalized and heavy-tailed (one dataset whose
+    # particles all miss a cluster can read 10+ while the rest read 0.1), so its mean over
+    # 20 datasets has no useful standard error: a sign test instead. Were training to change
+    # nothing, the KL would fall on 15 or more of the 20 datasets with probability 0.021.
     for block in ("globals", "c"):
-        assert np.median(after[f"kl_{block}"]) < 0.5 * np.median(before[f"kl_{block}"]), block
-    assert after["ess"][-1].mean() > before["ess"][-1].mean() + 0.08
-    assert after["log_joint"][-1].mean() > before["log_joint"][-1].mean()
+        falls = int((np.asarray(after[f"kl_{block}"]) < np.asarray(before[f"kl_{block}"])).sum())
+        assert falls >= 15, (block, falls)
+    # ESS and log joint, paired per dataset: the mean gain exceeds 3 standard errors.
+    for key in ("ess", "log_joint"):
+        gain = np.asarray(after[key][-1]) - np.asarray(before[key][-1])
+        assert gain.mean() > 3 * gain.std(ddof=1) / math.sqrt(len(gain)), key
 
 
 @pytest.mark.parametrize("num_points, num_particles", [(11, 4), (64, 19), (130, 35)])
