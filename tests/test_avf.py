@@ -140,8 +140,16 @@ def test_refinement_reaches_the_exact_step_posterior():
     for t, q in enumerate(qs, start=1):
         prior_loc, prior_var = (A * zs[t - 2].detach(), Q) if t > 1 else (torch.zeros_like(q.loc), 1.0)
         loc, var = one_step_posterior(prior_loc, prior_var, XS[t - 1])
-        assert torch.allclose(q.loc.detach(), loc, atol=0.05), t
-        assert torch.allclose(q.log_scale.detach().exp() ** 2, torch.full_like(loc, var), rtol=0.1), t
+        error = (q.loc.detach() - loc).reshape(-1)
+        var_error = (q.log_scale.detach().exp() ** 2 / var - 1).reshape(-1)
+        # Every particle's q within a tenth of the posterior's sd (mean) and 10% (variance);
+        # seen (session 27, 3 seeds): at most 0.05 sd and 6%.
+        assert error.abs().max() < 0.1 * math.sqrt(var), (t, error.abs().max())
+        assert var_error.abs().max() < 0.1, (t, var_error.abs().max())
+        # What is left is the 64-sample gradients' noise, not a bias: over the 20 particles
+        # the errors average to 0 within 4 standard errors.
+        for name, e in (("mean", error), ("variance", var_error)):
+            assert abs(e.mean()) < 4 * e.std() / math.sqrt(len(e)), (t, name, e.mean(), e.std())
 
 
 def test_importance_weights_recover_the_kalman_filter():
