@@ -98,13 +98,10 @@ if [ "${COMPILE_TRAIN:-0}" = 1 ]; then
   RECORD_PARAMS=runs/params-paper-compiled.yaml
   mkdir -p runs && python3 - "$RECORD_PARAMS" <<'PY'
 import sys, yaml
-from apg.baselines import METHODS
+from pipeline.recorded import compile_where_possible
 params = yaml.safe_load(open("params-paper.yaml"))
 for task in params["tasks"]:
-    params[task]["train"]["compile"] = True
-    for entry in params[task]["grid"]:
-        if any(METHODS[m].not_compiled_because for m in entry["methods"]):
-            entry.setdefault("train", {})["compile"] = False
+    compile_where_possible(params, task)
 yaml.safe_dump(params, open(sys.argv[1], "w"), sort_keys=False)
 PY
   echo "== training compiled: $RECORD_PARAMS"

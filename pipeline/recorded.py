@@ -227,19 +227,24 @@ def gpu_bmnist_3d(paper: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def compile_where_possible(params: dict[str, Any], task: str) -> None:
+    """``train.compile`` on for ``task``'s cells, off for the grid entries with a method that
+    cannot compile (AVF)."""
+    from apg.baselines import METHODS
+
+    params[task]["train"]["compile"] = True
+    for entry in params[task]["grid"]:
+        if any(METHODS[m].not_compiled_because for m in entry["methods"]):
+            entry.setdefault("train", {})["compile"] = False
+
+
 def gpu_bmnist_compiled(paper: dict[str, Any]) -> dict[str, Any]:
     """``gpu-bmnist`` with every step that compiles compiled (``train.compile``: APG one graph
     per block update, RWS-MLP whole; AVF eager): the same minutes buy several times the
     one-digit steps, the next thing to try after ``gpu-bmnist``'s 800 (its log joint was
     still rising) and ``gpu-bmnist-3d``'s three-digit steps (no gain)."""
-    from apg.baselines import METHODS
-
     params = gpu_bmnist(paper)
-    section = params["bmnist"]
-    section["train"]["compile"] = True
-    for entry in section["grid"]:
-        if any(METHODS[m].not_compiled_because for m in entry["methods"]):
-            entry.setdefault("train", {})["compile"] = False
+    compile_where_possible(params, "bmnist")
     params["tracking"]["experiment"] = "apg-gpu-bmnist-compiled"
     params["report"]["scale"] = (
         "one GPU for minutes (Bouncing MNIST: paper K, L, B, T and test sets; trained on one digit, "

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from montecarlo import mean_se
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apg.smc.sampler import run_apg
@@ -610,18 +611,13 @@ def test_training_lowers_heldout_mse_and_sweeps_help():
             cfg, trainer.model, trainer.proposals, test["x"], sweeps=4, particles=4, batch_size=10
         )["mse"]
 
-    def falls(high: np.ndarray, low: np.ndarray) -> tuple[float, float]:
-        """Mean paired fall per video and its standard error."""
-        drop = np.asarray(high) - np.asarray(low)
-        return drop.mean(), drop.std(ddof=1) / np.sqrt(len(drop))
-
     before = mse()
     for _ in trainer.run():
         pass
     after = mse()
     for name, (drop, se) in (
-        ("training", falls(before[-1], after[-1])),
-        ("more sweeps", falls(after[0], after[-1])),  # more sweeps, lower reconstruction error
+        ("training", mean_se(np.asarray(before[-1]) - np.asarray(after[-1]))),  # paired per video
+        ("more sweeps", mean_se(np.asarray(after[0]) - np.asarray(after[-1]))),  # lower error
     ):
         assert drop > 3 * se, (name, drop, se)
 
