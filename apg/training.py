@@ -48,6 +48,10 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite."""
 
 
+class CompiledGradientsLost(RuntimeError):
+    """The compiled step left a parameter without the gradient the eager step gives it."""
+
+
 @dataclass
 class TrainConfig:
     """Everything that defines one training run (one cell of a sweep)."""
@@ -173,6 +177,7 @@ class Trainer:
         self._order = torch.randperm(len(self.train_x))
         self._cursor = 0
         self._forward = self._loss_and_metrics
+        self._gradients_checked = not cfg.compile  # a compiled trainer's first step checks them
         if cfg.compile:
             # One compiled trainer per process at a time: a sweep's actors train trials one
             # after another (Ray's reuse_actors), and every trainer's trace shares this
@@ -238,11 +243,54 @@ class Trainer:
                 group["lr"] = lr
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if not self._gradients_checked:
+                self._check_compiled_gradients(x)
             self.optimizer.step()
         self.iteration += 1
         if metrics is not None:
             metrics["step_seconds"] = time.perf_counter() - start
         return metrics
+
+    def _check_compiled_gradients(self, x: Tensor) -> None:
+        """Raise ``CompiledGradientsLost`` if the compiled step's gradients (in ``.grad``)
+        miss a parameter that the eager step on the same batch trains.
+
+        torch 2.11's compile silently zeroed the gradient of an autograd.Function whose
+        output it had written in place: a GPU lease then trained a decoder that never moved
+        (session 27). The draws differ between the two steps, so what is compared is only
+        whether each parameter gets a gradient at all; any parameter the step uses gets one
+        that is not exactly zero. One eager step and one host read, once per trainer; the
+        random streams are left as they were, so the trial's draws do not change.
+        """
+        named = [
+            (f"{owner}.{name}", p)
+            for owner, module in (("model", self.model), ("proposals", self.proposals))
+            for name, p in module.named_parameters()
+            if p.requires_grad
+        ]
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            loss, _ = self._loss_and_metrics(x)
+            eager = torch.autograd.grad(loss, [p for _, p in named], allow_unused=True)
+
+        def live(g: Tensor | None) -> Tensor:
+            return g.ne(0).any() if g is not None else torch.zeros((), dtype=torch.bool, device=self.device)
+
+        flags = torch.stack(
+            [torch.stack((live(e), live(p.grad))) for e, (_, p) in zip(eager, named, strict=True)]
+        )
+        lost = [
+            name
+            for (name, _), (by_eager, by_compiled) in zip(named, flags.tolist(), strict=True)
+            if by_eager and not by_compiled
+        ]
+        if lost:
+            shown = ", ".join(lost[:5]) + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+            raise CompiledGradientsLost(
+                f"the compiled step gives no gradient to {len(lost)} of the {len(named)} parameters "
+                f"that the eager step trains ({shown}) under torch {torch.__version__}; "
+                "train this cell with train.compile: false"
+            )
+        self._gradients_checked = True
 
     def last_metrics(self) -> dict[str, float]:
         """The metrics of the last step, read back now (for a step run with ``log=False``

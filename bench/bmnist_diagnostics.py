@@ -5,6 +5,7 @@ true digit positions are known (issue 18: gradients and objectives on small data
     python bench/bmnist_diagnostics.py identity --digits 3 --frames 10
     python bench/bmnist_diagnostics.py decoder --iterations 300
     python bench/bmnist_diagnostics.py apg --videos 1 --iterations 300
+    python bench/bmnist_diagnostics.py modes --init <cell>/model.pt --data data/bmnist/test_T10_D3.npz
 
 - ``peak``: the signal the position proposals start from. Each frame is correlated with
   the mean-digit template and digits are placed greedily at the map's argmax, explaining
@@ -28,6 +29,14 @@ true digit positions are known (issue 18: gradients and objectives on small data
   next step, e.g. a one-digit cell trained on ``--digits 3``). Besides the position error
   (one matching of digits per video) it prints the error with each frame matched alone and
   the frames whose boxes traded digits (``apg.tasks.bmnist.position_errors``).
+- ``modes``: when boxes trade digits, does the model prefer the trade, or is the sampler
+  stuck in it? A trained cell's APG (``--eval-sweeps``, ``--eval-particles``) runs on a
+  held-out set (``--data``, a pipeline test set with the true positions); its
+  highest-weight particle's boxes are relabelled frame by frame so that each keeps the
+  digit it follows in most of the video ("untraded"). For the sampler's boxes, the
+  untraded ones and the true boxes, z_what is fitted to the largest log p(x, z) (Adam from
+  the what network's mean, ``--iterations`` steps at ``--lr``); per video, the log joints
+  say which configuration the model prefers.
 
 Prints one line per checkpoint; nothing is written. MNIST from $APG_MNIST_DIR.
 """
@@ -215,9 +224,95 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, .
     return found
 
 
+def modes(args) -> None:
+    import itertools
+
+    import numpy as np
+
+    from apg.checkpoint import load_checkpoint
+    from apg.training import build
+
+    data = np.load(args.data)
+    count = args.eval_videos
+    x = torch.as_tensor(data["x"][:count]).float()
+    truth = torch.as_tensor(data["z_where"][:count]).float()  # (M, T, D, 2)
+    true_centres = torch.as_tensor(data["centres"][:count]).float()
+    num_frames, digits = truth.shape[1:3]
+    cfg = TrainConfig(
+        task="bmnist", method="apg", sweeps=args.eval_sweeps or 5, particles=args.eval_particles or 10,
+        network={"num_digits": digits},
+    )
+    model, proposals = build(cfg)
+    _, state = load_checkpoint(args.init)
+    model.load_state_dict(state["model"])
+    proposals.load_state_dict(state["proposals"])
+    for p in (*model.parameters(), *proposals.parameters()):
+        p.requires_grad_(False)
+    torch.manual_seed(args.seed)
+    with torch.no_grad():
+        result = make_method(cfg).run(model, proposals, x, cfg.sweeps, cfg.particles, "block", "systematic")
+    best, rows = result.log_weights.argmax(0), torch.arange(count)
+    where = bmnist.stack_where(result.z, num_frames)[best, rows]  # (M, T, D, 2)
+    z_what = result.z["z_what"][best, rows]  # (M, D, Z)
+    centres = bmnist.ink_centres(model.templates(z_what[None])[0])
+    errors = bmnist.position_errors(truth, where, true_centres=true_centres, centres=centres)
+
+    # Relabel: the identity of slot i is the true digit it follows over the video (one
+    # permutation, as pos_err); at frame t it takes the box that frame's own matching
+    # puts on that digit.
+    cfg_m = model.cfg
+    px, mid = 0.5 * (cfg_m.canvas_size - cfg_m.digit_size), 0.5 * (cfg_m.digit_size - 1)
+    ink = where + ((centres - mid) / px)[:, None]
+    true_ink = truth + ((true_centres - mid) / px)[:, None]
+    dist = torch.linalg.vector_norm(ink.unsqueeze(3) - true_ink.unsqueeze(2), dim=-1)  # (M, T, i, j)
+    perms = torch.tensor(list(itertools.permutations(range(digits))))
+    matched = dist[:, :, torch.arange(digits)[None], perms]  # (M, T, P, D): box i on digit perms[p, i]
+    video_perm = perms[matched.mean((1, 3)).argmin(-1)]  # (M, D): slot i follows digit video_perm[i]
+    frame_perm = perms[matched.mean(3).argmin(2)]  # (M, T, D): at frame t box k is on frame_perm[k]
+    box_on = frame_perm.argsort(-1)  # (M, T, D): the box on digit j at frame t
+    take = box_on.gather(2, video_perm[:, None].expand(-1, num_frames, -1))  # (M, T, D)
+    untraded = where.gather(2, take[..., None].expand(-1, -1, -1, 2))
+
+    def fitted(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per video: log p(x, z) at the what network's mean and at the fitted z_what."""
+        latents = {bmnist.where_key(t + 1): w[None, :, t] for t in range(num_frames)}
+        start = proposals._what(x, w[None]).loc.detach()
+        z = start.clone().requires_grad_()
+        opt = torch.optim.Adam([z], lr=args.lr)
+        for _ in range(args.iterations):
+            opt.zero_grad()
+            (-model.log_joint(x, {**latents, "z_what": z}).sum()).backward()
+            opt.step()
+        with torch.no_grad():
+            return (model.log_joint(x, {**latents, "z_what": start})[0],
+                    model.log_joint(x, {**latents, "z_what": z})[0])
+
+    with torch.no_grad():
+        own = model.log_joint(x, {**{bmnist.where_key(t + 1): where[None, :, t] for t in range(num_frames)},
+                                  "z_what": z_what[None]})[0]
+    configs = {"sampler's": fitted(where), "untraded": fitted(untraded), "true boxes": fitted(truth)}
+    traded = torch.as_tensor(errors["pos_err"] - errors["pos_err_frame"]) > 1.0
+    print(f"modes: {count} videos T={num_frames} D={digits}, APG K={cfg.sweeps} L={cfg.particles}, "
+          f"z_what fitted by {args.iterations} Adam steps at lr {args.lr}; {int(traded.sum())} videos trade digits "
+          "(error per video - per frame > 1 px)")
+    print("video | px per video / per frame | log p(x,z): sampler's own | "
+          + " | ".join(f"{k} (q mean, fitted)" for k in configs))
+    for m in range(count):
+        print(f"{m} | {errors['pos_err'][m]:.2f} / {errors['pos_err_frame'][m]:.2f}{' traded' if traded[m] else ''} | "
+              f"{own[m]:.1f} | " + " | ".join(f"{a[m]:.1f}, {b[m]:.1f}" for a, b in configs.values()))
+    for name, group in (("trading", traded), ("not trading", ~traded)):
+        if not group.any():
+            continue
+        gain = (configs["untraded"][1] - configs["sampler's"][1])[group]
+        truth_gain = (configs["true boxes"][1] - configs["sampler's"][1])[group]
+        print(f"{name} videos ({int(group.sum())}): fitted log joint, untraded - sampler's: mean {gain.mean():.1f} "
+              f"(higher in {int((gain > 0).sum())}); true boxes - sampler's: mean {truth_gain.mean():.1f} "
+              f"(higher in {int((truth_gain > 0).sum())})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("check", choices=["peak", "identity", "decoder", "apg"])
+    parser.add_argument("check", choices=["peak", "identity", "decoder", "apg", "modes"])
     parser.add_argument("--videos", type=int, default=100)
     parser.add_argument("--eval-videos", type=int, default=20)
     parser.add_argument("--frames", type=int, default=5)
@@ -234,13 +329,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--random-where-init", action="store_true", help="apg: where networks from random weights, not a soft-argmax")
     parser.add_argument("--share-where-net", action="store_true", help="apg: one where network for encoder and kernels")
+    parser.add_argument("--data", help="modes: a pipeline test set (.npz with x, z_where, centres)")
     parser.add_argument("--init", help="apg: start from this trained cell's networks (a pipeline model.pt)")
     parser.add_argument("--eval-frames", type=int, help="apg --heldout: frames per held-out video (default --frames)")
     parser.add_argument("--eval-sweeps", type=int, help="apg: K of the held-out runs (default --sweeps)")
     parser.add_argument("--eval-particles", type=int, help="apg: L of the held-out runs (default --particles)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    {"peak": peak, "identity": identity, "decoder": decoder, "apg": apg}[args.check](args)
+    {"peak": peak, "identity": identity, "decoder": decoder, "apg": apg, "modes": modes}[args.check](args)
 
 
 if __name__ == "__main__":

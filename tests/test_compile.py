@@ -26,7 +26,7 @@ from apg.smc import sampler
 from apg.smc.sampler import block_update, update_in_window
 from apg.tasks import get_task
 from apg.tasks.bmnist import BMNISTConfig, frame_log_likelihood
-from apg.training import TrainConfig, Trainer, build
+from apg.training import CompiledGradientsLost, TrainConfig, Trainer, build
 from pipeline.generate import simulate_set
 
 SIZES = {"gmm": {"num_points": 12}, "dgmm": {"num_points": 24}}
@@ -139,6 +139,50 @@ def test_the_video_likelihood_keeps_its_gradients_when_compiled():
     for e, c in zip(eager, compiled, strict=True):  # round-off: the traced path pads its sums
         assert e.abs().sum() > 0
         torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4 * float(e.abs().max()))
+
+
+def test_a_compiled_step_that_loses_a_gradient_stops_before_its_update():
+    """A compiled trainer's first step checks its gradients against an eager step's on the
+    same batch. Here the "compiled" step is the eager one with the decoder cut off, as torch
+    2.11 ran Bouncing MNIST's (session 27): it stops there, naming the decoder, and no weight
+    moves."""
+    trainer = Trainer(config("bmnist", "rws-mlp", compile=True), videos(3))
+    decoder = list(trainer.model.parameters())
+
+    def without_the_decoder(x):
+        for p in decoder:
+            p.requires_grad_(False)
+        try:
+            return trainer._loss_and_metrics(x)
+        finally:
+            for p in decoder:
+                p.requires_grad_(True)
+
+    trainer._forward = without_the_decoder
+    before = [p.detach().clone() for p in (*decoder, *trainer.proposals.parameters())]
+    lost = rf"no gradient to {len(decoder)} of the {len(before)} parameters that the eager step trains \(model\.decoder"
+    with pytest.raises(CompiledGradientsLost, match=lost):
+        trainer.step()
+    after = [*decoder, *trainer.proposals.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert trainer.iteration == 0
+
+
+def test_the_gradient_check_leaves_the_trials_draws_as_they_were():
+    """The check's eager step draws from forked random streams: a trainer whose compiled
+    step is (here) the eager one trains exactly as an eager trainer does."""
+    x = videos(3)
+    rows = []
+    for compile_ in (False, True):
+        torch.manual_seed(5)
+        trainer = Trainer(config("bmnist", "rws-mlp", compile=compile_), x)
+        if compile_:
+            trainer._forward = trainer._loss_and_metrics
+        rows.append([trainer.step() for _ in range(2)])
+        assert trainer._gradients_checked
+    for eager, checked in zip(*rows, strict=True):
+        for key in ("loss", "log_joint", "ess"):
+            assert checked[key] == eager[key], key
 
 
 def test_params_turn_compiling_on_per_task_or_per_grid_entry():
