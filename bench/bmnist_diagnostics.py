@@ -273,9 +273,13 @@ def modes(args) -> None:
     take = box_on.gather(2, video_perm[:, None].expand(-1, num_frames, -1))  # (M, T, D)
     untraded = where.gather(2, take[..., None].expand(-1, -1, -1, 2))
 
+    def positions(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Boxes ``(M, T, D, 2)`` as the model's latents, one particle."""
+        return {bmnist.where_key(t + 1): w[None, :, t] for t in range(num_frames)}
+
     def fitted(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per video: log p(x, z) at the what network's mean and at the fitted z_what."""
-        latents = {bmnist.where_key(t + 1): w[None, :, t] for t in range(num_frames)}
+        latents = positions(w)
         start = proposals._what(x, w[None]).loc.detach()
         z = start.clone().requires_grad_()
         opt = torch.optim.Adam([z], lr=args.lr)
@@ -288,8 +292,7 @@ def modes(args) -> None:
                     model.log_joint(x, {**latents, "z_what": z})[0])
 
     with torch.no_grad():
-        own = model.log_joint(x, {**{bmnist.where_key(t + 1): where[None, :, t] for t in range(num_frames)},
-                                  "z_what": z_what[None]})[0]
+        own = model.log_joint(x, {**positions(where), "z_what": z_what[None]})[0]
     configs = {"sampler's": fitted(where), "untraded": fitted(untraded), "true boxes": fitted(truth)}
     traded = torch.as_tensor(errors["pos_err"] - errors["pos_err_frame"]) > 1.0
     print(f"modes: {count} videos T={num_frames} D={digits}, APG K={cfg.sweeps} L={cfg.particles}, "
