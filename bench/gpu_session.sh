@@ -3,8 +3,6 @@
 #   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda; with
 #      COMPILE=1 also compiled, --compile, within COMPILE_S seconds: COMPILE_TASKS x
 #      COMPILE_METHODS x COMPILE_PAIRS, compiling beside the eager work, timed after it;
-#      COMPILE_FLAGS=--cuda-graphs: CUDA graphs in Bouncing MNIST's per-block graphs too;
-#      COMPILE_VARIANTS="plain --cuda-graphs": each variant compiled at once, timed in turn;
 #      TIME_AFTER_TRAIN=1: timed after training, TIMING_S seconds kept for them, so that the
 #      compilation overlaps the training instead of waiting for it),
 #      the GPU's sampler against the CPU's on trained cells (bench/cuda_agreement.py: cells and
@@ -20,9 +18,8 @@
 #      apg-pipeline record $PROFILE --direct --stages evaluate --dir runs/$PROFILE
 # With COMPILE_TRAIN=1, steps 2-4 derive the profile from params-paper.yaml with train.compile
 # on for every cell whose method compiles (Bouncing MNIST: per block; AVF stays eager); the
-# gpu-bmnist-compiled profile has it built in. TORCHINDUCTOR_CUDAGRAPHS=1 in the environment
-# puts CUDA graphs in every graph inductor makes, Bouncing MNIST's per-block ones included
-# (4x faster on the H200, session 27; bench/RESULTS.md).
+# gpu-bmnist-compiled profile has it built in. On a GPU every compiled graph has CUDA graphs,
+# Bouncing MNIST's per-block ones included (4x faster on the H200, session 27; bench/RESULTS.md).
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
 # tarred and split under 15 MB (the device tool's file limit), and the timings.
 # Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.
@@ -47,20 +44,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 
 if [ "$COMPILE" = 1 ]; then  # compiled (train.compile: fullgraph, CUDA graphs), beside the eager work:
-  # compilation is host work; each compiled cell is timed only once the GPU is free: after the
-  # eager timings (with TIME_AFTER_TRAIN=1, after training), one variant after another
+  # compilation is host work; the compiled cells are timed only once the GPU is free: after the
+  # eager timings (with TIME_AFTER_TRAIN=1, after training)
   echo "== 1b. compiled per-step times at paper sizes, started $(date +%T)"
-  rm -f "$OUT"/.eager_done "$OUT"/.timed_*; wait_for="$OUT/.eager_done"; compiled_pids=()
-  for variant in ${COMPILE_VARIANTS:-plain}; do  # plain, or a flag of paper_scale.py (--cuda-graphs)
-    tag=${variant#--}; suffix=$([ "$variant" = plain ] || echo "_$tag")
-    ( TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-8} timeout "${COMPILE_S:-300}" \
-        python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 --compile ${COMPILE_FLAGS:-} \
-        $([ "$variant" = plain ] || echo "$variant") --tasks ${COMPILE_TASKS:-gmm dgmm} \
-        --methods ${COMPILE_METHODS:-apg rws-mlp} --pairs ${COMPILE_PAIRS:-10x10} --wait-for "$wait_for" \
-        --json "$OUT/paper_scale_cuda_compiled$suffix.json" --markdown "$OUT/paper_scale_cuda_compiled$suffix.md" \
-        > "$OUT/compiled$suffix.log" 2>&1; touch "$OUT/.timed_$tag" ) &
-    compiled_pids+=($!); wait_for="$OUT/.timed_$tag"
-  done
+  rm -f "$OUT"/.eager_done; compiled_pids=()
+  ( TORCHINDUCTOR_COMPILE_THREADS=${COMPILE_THREADS:-8} timeout "${COMPILE_S:-300}" \
+      python3 bench/paper_scale.py --params "$PARAMS" --device "$DEVICE" --steps 5 --compile \
+      --tasks ${COMPILE_TASKS:-gmm dgmm} --methods ${COMPILE_METHODS:-apg rws-mlp} --pairs ${COMPILE_PAIRS:-10x10} \
+      --wait-for "$OUT/.eager_done" --json "$OUT/paper_scale_cuda_compiled.json" \
+      --markdown "$OUT/paper_scale_cuda_compiled.md" > "$OUT/compiled.log" 2>&1 ) &
+  compiled_pids+=($!)
 fi
 if [ "$TIMINGS" = 1 ]; then
   echo "== 1. per-step times at paper sizes $(date +%T)"
@@ -88,7 +81,7 @@ finish_timings() {  # the compiled timings (if any) run now, then every timing i
   cat "$OUT"/compiled*.log 2>/dev/null
   mkdir -p "$OUT/t" && mv "$OUT"/agree_*.json "$OUT"/paper_scale_cuda* "$OUT"/share.json "$OUT"/compiled*.log "$OUT/t/" 2>/dev/null
   tar czf "$OUT/timings.tgz" -C "$OUT" t && rm -r "$OUT/t"
-  rm -f "$OUT"/.eager_done "$OUT"/.timed_*  # the tool brings back 8 files at most
+  rm -f "$OUT"/.eager_done  # the tool brings back 8 files at most
 }
 [ "${TIME_AFTER_TRAIN:-0}" = 1 ] && [ "$TRAIN" = 1 ] || finish_timings
 [ "$TRAIN" = 1 ] || { ls -la "$OUT"; exit 0; }

@@ -12,11 +12,11 @@ cells x iterations x seconds per step, shown per row with its arithmetic.
 
     python bench/paper_scale.py [--params params-paper.yaml] [--steps 3] [--threads 1]
         [--tasks gmm dgmm bmnist] [--methods apg rws-mlp] [--pairs 10x10] [--json OUT]
-        [--markdown OUT] [--device cuda] [--compile [--cuda-graphs]] [--wait-for FILE]
+        [--markdown OUT] [--device cuda] [--compile] [--wait-for FILE]
 
 ``--compile`` trains every cell whose method allows it with ``TrainConfig.compile`` (one
-``torch.compile`` graph; CUDA graphs on a GPU; Bouncing MNIST's APG: one graph per unit of
-its sampler, without CUDA graphs unless ``--cuda-graphs``) and reports its warm-up apart.
+``torch.compile`` graph, or for Bouncing MNIST's APG one graph per unit of its sampler; CUDA
+graphs in each on a GPU) and reports its warm-up apart.
 
 Timed steps are unlogged (``Trainer.step(log=False)``: on a GPU nothing is read back).
 On a GPU (``--device cuda``) each step is timed between ``torch.cuda.synchronize()`` calls
@@ -223,7 +223,6 @@ def write(rows: list[dict], args: argparse.Namespace) -> str:
         "threads": args.threads,
         "device": args.device,
         "compile": args.compile,
-        "cuda_graphs": args.cuda_graphs,
         "machine": machine,
     }
     text = markdown(rows, meta)
@@ -249,12 +248,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--compile", action="store_true", help="train with TrainConfig.compile where the method allows it"
     )
     parser.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="with --compile: CUDA graphs in the graphs the sampler compiles per block too (Bouncing MNIST "
-        "APG; run_apg compiles them without), as inductor's triton.cudagraphs",
-    )
-    parser.add_argument(
         "--wait-for", default=None, help="a file: time a cell only once it exists (warm-up and compilation go first)"
     )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a row as JSON: measure it here
@@ -262,10 +255,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.one is not None:
         print(json.dumps(measure(json.loads(args.one), args.steps, args.threads, compile_=args.compile)), flush=True)
         return []
-    if args.cuda_graphs:  # what mode="reduce-overhead" sets, here for every compiled graph
-        import torch._inductor.config
-
-        torch._inductor.config.triton.cudagraphs = True
     rows = plan(Path(args.params), args.tasks, args.methods, args.pairs)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done: list[dict] = []

@@ -333,6 +333,26 @@ def test_a_per_block_step_traces_unit_by_unit(resample_mode, lengths, sweeps, mo
         assert_same_steps(pairs, grads, rel=1e-4, grad_rel=1e-3)
 
 
+def test_the_per_block_graphs_take_cuda_graphs_on_a_gpu_and_not_on_a_cpu(monkeypatch):
+    """``run_apg(compiled=True)`` asks for CUDA graphs by its data's device, and
+    ``compiled_units`` compiles each unit with ``mode="reduce-overhead"`` exactly then."""
+    modes: list = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: modes.append(kw["mode"]) or fn)
+    sampler.compiled_units.cache_clear()
+    try:
+        sampler.compiled_units(cuda_graphs=True)
+        sampler.compiled_units()
+    finally:
+        sampler.compiled_units.cache_clear()
+    assert modes == ["reduce-overhead"] * 3 + [None] * 3
+
+    asked: list = []
+    monkeypatch.setattr(sampler, "compiled_units", lambda **kw: asked.append(kw) or sampler._UNITS)
+    trainer = Trainer(config("bmnist", "apg", compile=True), videos(3))
+    trainer.step()
+    assert asked and all(kw == {"cuda_graphs": False} for kw in asked)
+
+
 def test_a_method_without_compiled_units_refuses_per_block_compiling(monkeypatch):
     monkeypatch.setattr(type(METHODS["apg"]), "supports_compiled_units", False)
     with pytest.raises(ValueError, match="method 'apg' cannot be compiled on task 'bmnist'"):
