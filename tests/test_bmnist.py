@@ -732,3 +732,26 @@ def test_encoder_where_network_shared_or_its_own():
     assert z["z_where_1"].shape == (4, 2, 1, 2) and torch.isfinite(log_q).all()
     # RWS has no kernels: its one position network is the encoder's
     assert build_proposals(model, "mlp", 1).initial_where_net is None
+
+
+def test_the_encoders_position_scale_has_its_floor_and_the_kernels_keep_theirs():
+    """However far the scale head pushes down, the encoder's position proposal keeps a scale
+    of ``encoder_min_scale`` (about a pixel), RWS's one network too; APG's kernels keep 1e-3."""
+    from apg.tasks.bmnist import build_model, build_proposals
+
+    model = build_model()
+    corr = torch.randn(2, 3, 69, 69)
+    apg_props, rws_props = build_proposals(model, "apg", 1), build_proposals(model, "mlp", 1)
+    nets = {
+        "encoder": apg_props.initial_where_net,
+        "kernel": apg_props.where_net,
+        "rws encoder": rws_props.where_net,
+    }
+    for net in nets.values():
+        with torch.no_grad():
+            net.scale[-1].bias.fill_(-100.0)  # softplus -> 0
+    scales = {name: net(corr).scale for name, net in nets.items()}
+    assert torch.allclose(scales["encoder"], torch.tensor(0.03))
+    assert torch.allclose(scales["rws encoder"], torch.tensor(0.03))
+    assert torch.allclose(scales["kernel"], torch.tensor(1e-3))
+    assert build_proposals(model, "apg", 1, encoder_min_scale=0.1).initial_where_net(corr).scale.min() >= 0.1

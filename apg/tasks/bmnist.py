@@ -890,10 +890,19 @@ class _SoftmaxLinear(torch.autograd.Function):
 
 class WhereNet(nn.Module):
     """q(z_where_{d,t} | correlation map): softmax over the map, 4761 -> 400 tanh, then
-    mean (200 tanh -> 2, tanh) and scale (200 tanh -> 2, softplus) heads (Appendix E)."""
+    mean (200 tanh -> 2, tanh) and scale (200 tanh -> 2, softplus, plus ``min_scale``)
+    heads (Appendix E)."""
 
-    def __init__(self, map_size: int, hidden: int = 400, head: int = 200, read_coordinates: bool = False):
+    def __init__(
+        self,
+        map_size: int,
+        hidden: int = 400,
+        head: int = 200,
+        read_coordinates: bool = False,
+        min_scale: float = 1e-3,
+    ):
         super().__init__()
+        self.min_scale = min_scale
         self.body = nn.Sequential(nn.Linear(map_size, hidden), nn.Tanh())
         self.loc = nn.Sequential(nn.Linear(hidden, head), nn.Tanh(), nn.Linear(head, 2), nn.Tanh())
         self.scale = nn.Sequential(nn.Linear(hidden, head), nn.Tanh(), nn.Linear(head, 2))
@@ -930,7 +939,7 @@ class WhereNet(nn.Module):
             rows = logits.reshape(-1, logits.shape[-1])
             pre = _SoftmaxLinear.apply(rows, first.weight, first.bias, 50.0)
             h = self.body[1:](pre).view(*logits.shape[:-1], -1)
-        return Normal(_run(self.loc, h), F.softplus(_run(self.scale, h)) + 1e-3, validate_args=False)
+        return Normal(_run(self.loc, h), F.softplus(_run(self.scale, h)) + self.min_scale, validate_args=False)
 
 
 class WhatNet(nn.Module):
@@ -1024,12 +1033,14 @@ class BMNISTProposals(Proposals):
     ``num_digits`` (D) is a property of the data, not of the networks: set it to evaluate
     on videos with another number of digits (the state dict is unchanged).
 
-    Two choices differ from the authors' code, both measured (bench/RESULTS.md, "Bouncing
-    MNIST learning diagnostics"): the encoder and the kernels have a position network each
-    (``share_where_net=False``; with one shared network, sweeps made the encoder's
-    positions worse), and both start as a soft-argmax of the map (``read_coordinates``,
+    Three choices differ from the authors' code, each measured (bench/RESULTS.md, "Bouncing
+    MNIST learning diagnostics" and session 29): the encoder and the kernels have a position
+    network each (``share_where_net=False``; with one shared network, sweeps made the
+    encoder's positions worse), both start as a soft-argmax of the map (``read_coordinates``,
     ``WhereNet._read_coordinates``; from random weights, reading positions took thousands
-    of steps). The layers are Appendix E's.
+    of steps), and the encoder's position scale has a floor of about a pixel
+    (``encoder_min_scale``; without it the encoder could collapse into a corner). The
+    layers are Appendix E's.
     """
 
     def __init__(
@@ -1039,6 +1050,7 @@ class BMNISTProposals(Proposals):
         num_digits: int = 3,
         share_where_net: bool = False,
         read_coordinates: bool = True,
+        encoder_min_scale: float = 0.03,
     ):
         super().__init__()
         if architecture not in ("apg", "mlp"):
@@ -1048,12 +1060,19 @@ class BMNISTProposals(Proposals):
         self.num_digits = num_digits
         cfg = model.cfg
         side = cfg.canvas_size - cfg.digit_size + 1
-        self.where_net = WhereNet(side * side, read_coordinates=read_coordinates)
         # The encoder reads maps of the mean-digit blob, the kernels maps of decoded digits:
         # one network each (the default; the kernel's then learns decoded digits' maps
         # alone) or one for both (the authors' code). RWS has no kernels: one network.
         own = not share_where_net and architecture == "apg"
-        self.initial_where_net = WhereNet(side * side, read_coordinates=read_coordinates) if own else None
+        # The encoder's position scale has a floor of about a pixel (``encoder_min_scale``,
+        # model units; 0.03 is 1.02 px). Without it the scale fell to 0.2 px while the
+        # encoder was still 3-6 px off, its wake-phi gradient (~1/scale^2) grew a
+        # hundredfold, and in 2 of 5 seeds (600 steps of the CPU default) its mean ran into
+        # a corner of the frame, where the final tanh saturates and it never came back.
+        # With the floor all 5 ended at 1.8-2.2 px (bench/RESULTS.md, session 29).
+        floor = {"min_scale": encoder_min_scale}
+        self.where_net = WhereNet(side * side, read_coordinates=read_coordinates, **({} if own else floor))
+        self.initial_where_net = WhereNet(side * side, read_coordinates=read_coordinates, **floor) if own else None
         self.what_net = WhatNet(cfg.digit_size, cfg.z_what_dim)
         self.register_buffer("mean_template", _mean_digit_blob(cfg.digit_size))
 
@@ -1165,8 +1184,9 @@ def build_proposals(
     num_digits: int = 3,
     share_where_net: bool = False,
     read_coordinates: bool = True,
+    encoder_min_scale: float = 0.03,
 ) -> BMNISTProposals:
-    return BMNISTProposals(model, architecture, num_digits, share_where_net, read_coordinates)
+    return BMNISTProposals(model, architecture, num_digits, share_where_net, read_coordinates, encoder_min_scale)
 
 
 def reconstruct(model: BouncingMNIST, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
