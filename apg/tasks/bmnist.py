@@ -1067,12 +1067,15 @@ class BMNISTProposals(Proposals):
         # The encoder's position scale has a floor of about a pixel (``encoder_min_scale``,
         # model units; 0.03 is 1.02 px). Without it the scale fell to 0.2 px while the
         # encoder was still 3-6 px off, its wake-phi gradient (~1/scale^2) grew a
-        # hundredfold, and in 2 of 5 seeds (600 steps of the CPU default) its mean ran into
+        # hundredfold, and in 2 of 11 seeds (600 steps of the CPU default) its mean ran into
         # a corner of the frame, where the final tanh saturates and it never came back.
-        # With the floor all 5 ended at 1.8-2.2 px (bench/RESULTS.md, session 29).
-        floor = {"min_scale": encoder_min_scale}
-        self.where_net = WhereNet(side * side, read_coordinates=read_coordinates, **({} if own else floor))
-        self.initial_where_net = WhereNet(side * side, read_coordinates=read_coordinates, **floor) if own else None
+        # With the floor all 11 ended at 1.8-2.5 px (bench/RESULTS.md, session 29). The
+        # kernels' networks keep WhereNet's own floor; with one network it is the encoder's.
+        def where_net(min_scale: float) -> WhereNet:
+            return WhereNet(side * side, read_coordinates=read_coordinates, min_scale=min_scale)
+
+        self.where_net = where_net(1e-3 if own else encoder_min_scale)
+        self.initial_where_net = where_net(encoder_min_scale) if own else None
         self.what_net = WhatNet(cfg.digit_size, cfg.z_what_dim)
         self.register_buffer("mean_template", _mean_digit_blob(cfg.digit_size))
 
