@@ -188,8 +188,9 @@ def apg(args) -> None:
         print(
             f"{args.method} it {it}: log joint {out['log_joint']:.1f}, ESS/L {out['ess']:.2f}; held-out by sweep: "
             + ", ".join(
-                f"{k}: {lj:.0f} / {e:.2f} px ({b:.2f} box, {tr:.2f} tracked; {ef:.2f} px per frame, {sw:.2f} traded)"
-                for k, (lj, e, b, tr, ef, sw) in sweeps.items()
+                f"{k}: {lj:.0f} / {e:.2f} ± {se:.2f} px ({b:.2f} box, {tr:.2f} tracked; {ef:.2f} px per frame, "
+                f"{sw:.2f} traded)"
+                for k, (lj, e, se, b, tr, ef, sw) in sweeps.items()
             )
             + "; |grad| " + " ".join(f"{k} {v:.3g}" for k, v in grads.items())
             + f", {time.perf_counter() - start:.0f} s",
@@ -198,9 +199,9 @@ def apg(args) -> None:
 
 
 def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, ...]]:
-    """``{sweep: (mean log joint, position error, box error, tracked frames, error with each
-    frame matched alone, frames with traded digits)}`` of the highest-weight particle after
-    each sweep."""
+    """``{sweep: (mean log joint, position error, its standard error over videos, box error,
+    tracked frames, error with each frame matched alone, frames with traded digits)}`` of the
+    highest-weight particle after each sweep."""
     model = trainer.model
     found: dict[int, tuple[float, ...]] = {}
 
@@ -212,9 +213,12 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, .
         found_centres = bmnist.ink_centres(model.templates(chosen["z_what"][None])[0])
         err = bmnist.position_errors(truth, where, true_centres=centres, centres=found_centres)
         log_joint = model.log_joint(x, {n: v[None] for n, v in chosen.items()}).mean()
+        pos_err = torch.as_tensor(err["pos_err"])
         found[k] = (
             float(log_joint),
-            *(float(err[name].mean()) for name in ("pos_err", "box_err", "tracked", "pos_err_frame", "swapped")),
+            float(pos_err.mean()),
+            float(pos_err.std() / len(pos_err) ** 0.5),
+            *(float(err[name].mean()) for name in ("box_err", "tracked", "pos_err_frame", "swapped")),
         )
 
     with torch.no_grad():
