@@ -28,7 +28,9 @@ true digit positions are known (issue 18: gradients and objectives on small data
   training starts from a trained cell's networks (a pipeline ``model.pt``: a curriculum's
   next step, e.g. a one-digit cell trained on ``--digits 3``). Besides the position error
   (one matching of digits per video) it prints the error with each frame matched alone and
-  the frames whose boxes traded digits (``apg.tasks.bmnist.position_errors``).
+  the frames whose boxes traded digits (``apg.tasks.bmnist.position_errors``). With
+  ``--save``, a long run checkpoints at every print and resumes from there when started
+  again with the same arguments (the videos are drawn again from ``--seed``).
 - ``modes``: when boxes trade digits, does the model prefer the trade, or is the sampler
   stuck in it? A trained cell's APG (``--eval-sweeps``, ``--eval-particles``) runs on a
   held-out set (``--data``, a pipeline test set with the true positions); its
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -156,9 +159,13 @@ def apg(args) -> None:
                  "read_coordinates": not args.random_where_init},
     )
     trainer = Trainer(cfg, x)
-    if args.init:
-        from apg.checkpoint import load_checkpoint
+    from apg.checkpoint import load_checkpoint, save_checkpoint
 
+    if args.save and Path(args.save).is_file():  # a stopped run goes on where it was saved
+        _, state = load_checkpoint(args.save)
+        trainer.load_state_dict(state)
+        print(f"apg: resumed from {args.save} at step {trainer.iteration}", flush=True)
+    elif args.init:
         _, state = load_checkpoint(args.init)
         trainer.model.load_state_dict(state["model"])
         trainer.proposals.load_state_dict(state["proposals"])
@@ -197,6 +204,8 @@ def apg(args) -> None:
             + f", {time.perf_counter() - start:.0f} s",
             flush=True,
         )
+        if args.save:  # weights, optimizer and data order, written whole or not at all
+            save_checkpoint(args.save, cfg.to_dict(), trainer.state_dict())
 
 
 def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, ...]]:
@@ -339,6 +348,7 @@ def main() -> None:
     parser.add_argument("--share-where-net", action="store_true", help="apg: one where network for encoder and kernels")
     parser.add_argument("--data", help="modes: a pipeline test set (.npz with x, z_where, centres)")
     parser.add_argument("--init", help="apg: start from this trained cell's networks (a pipeline model.pt)")
+    parser.add_argument("--save", help="apg: the run's checkpoint, written at every print; if it exists, the run resumes from it")
     parser.add_argument("--eval-frames", type=int, help="apg --heldout: frames per held-out video (default --frames)")
     parser.add_argument("--eval-sweeps", type=int, help="apg: K of the held-out runs (default --sweeps)")
     parser.add_argument("--eval-particles", type=int, help="apg: L of the held-out runs (default --particles)")
