@@ -30,7 +30,8 @@ true digit positions are known (issue 18: gradients and objectives on small data
   (one matching of digits per video) it prints the error with each frame matched alone and
   the frames whose boxes traded digits (``apg.tasks.bmnist.position_errors``). With
   ``--save``, a long run checkpoints at every print and resumes from there when started
-  again with the same arguments (the videos are drawn again from ``--seed``).
+  again with the same arguments (the videos are drawn again from ``--seed``; the sampler's
+  draws after a resume are not those of an unbroken run).
 - ``modes``: when boxes trade digits, does the model prefer the trade, or is the sampler
   stuck in it? A trained cell's APG (``--eval-sweeps``, ``--eval-particles``) runs on a
   held-out set (``--data``, a pipeline test set with the true positions); its
@@ -52,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.tasks import bmnist
 from apg.training import TrainConfig, Trainer, make_method
 
@@ -159,8 +161,6 @@ def apg(args) -> None:
                  "read_coordinates": not args.random_where_init},
     )
     trainer = Trainer(cfg, x)
-    from apg.checkpoint import load_checkpoint, save_checkpoint
-
     if args.save and Path(args.save).is_file():  # a stopped run goes on where it was saved
         _, state = load_checkpoint(args.save)
         trainer.load_state_dict(state)
@@ -243,7 +243,6 @@ def modes(args) -> None:
 
     import numpy as np
 
-    from apg.checkpoint import load_checkpoint
     from apg.training import build
 
     data = np.load(args.data)
