@@ -30,8 +30,8 @@ true digit positions are known (issue 18: gradients and objectives on small data
   (one matching of digits per video) it prints the error with each frame matched alone and
   the frames whose boxes traded digits (``apg.tasks.bmnist.position_errors``). With
   ``--save``, a long run checkpoints at every print and resumes from there when started
-  again with the same arguments (the videos are drawn again from ``--seed``; the sampler's
-  draws after a resume are not those of an unbroken run).
+  again with the same arguments (the videos are drawn again from ``--seed``; a 2+2-step
+  resume logged the log joint of an unbroken 4-step run).
 - ``modes``: when boxes trade digits, does the model prefer the trade, or is the sampler
   stuck in it? A trained cell's APG (``--eval-sweeps``, ``--eval-particles``) runs on a
   held-out set (``--data``, a pipeline test set with the true positions); its
