@@ -149,10 +149,10 @@ class Cell:
     # The values this cell takes on its grid entry's ``axes``, in the entry's order:
     # ``(("network.hidden", 64), ...)``; empty for a cell of the task's own settings.
     axes: tuple[tuple[str, Any], ...] = ()
-    # Set by the sweep's plan: the id without the code, and the digest of the code that
-    # trains it (pipeline.provenance).
+    # Set by the sweep's plan: the id without the code, and the numerics fingerprint of the
+    # code that trains it (apg.fingerprint).
     config_key: str | None = None
-    code_digest: str | None = None
+    fingerprint: str | None = None
 
     @property
     def name(self) -> str:

@@ -1,9 +1,8 @@
 """What ``dvc.yaml`` says each stage reads, the digest of that code, and each stage's time.
 
-The sweep stage hashes :func:`code_digest` into every cell id, so this module is a dep of
-the sweep stage: an edit here may re-key every cell. It is kept apart from
-:mod:`pipeline.provenance` (the committed results' record and the stale line) so that work
-on that bookkeeping retrains nothing. Paths that are not code (``data/``, ``results/``) are
+The digests say which source made a result (:mod:`pipeline.provenance`, the recorded runs'
+manifests); they are not part of any cell id, which holds what the training code computes
+(:mod:`apg.fingerprint`) instead. Paths that are not code (``data/``, ``results/``) are
 left out of a stage's code.
 """
 

@@ -8,8 +8,9 @@ under ``<sweep.storage>/<task>/`` and persist between runs, which is how:
 
 - a finished cell (``cells/<cell_id>/done.json`` exists) is never trained again, so an
   interrupted sweep resumes with only the rest, and cells added to the grid later run
-  without rerunning old ones; a cell's id hashes its whole config and the training
-  data, so a changed option is a new cell;
+  without rerunning old ones; a cell's id hashes its whole config, the training data and
+  the numerics fingerprint of its training (``apg.fingerprint``), so a changed option or
+  a change in what the code computes is a new cell, and a refactor is not;
 - an unfinished cell restarts from its last checkpoint: Tune's (``FailureConfig``
   restarts, ``Tuner.restore``) or, when Tune's experiment state is gone, the cell's own
   ``resume.pt``.
@@ -51,11 +52,13 @@ import torch
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
+from apg.fingerprint import BATCH as FINGERPRINT_BATCH
+from apg.fingerprint import fingerprint, shrunk
 from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
-from pipeline.stages import code_digest, record_stage_time
+from pipeline.stages import record_stage_time
 
 DONE = "done.json"
 RESUME = "resume.pt"
@@ -76,26 +79,34 @@ class SweepError(ValueError):
 def plan(params: dict[str, Any], task: str, root: Path) -> tuple[dict[str, Cell], Path, Path]:
     """``({cell_id: cell}, training data path, sweep directory)`` for the current grid.
 
-    A cell's id hashes its config, the training data, its networks' shapes and the code its
-    training runs (``pipeline.stages.code_digest``), so a cell trained by other code is
-    never reused. ``sweep.reuse_across_code: true`` (development only) reuses the newest
-    finished cell of the same config whatever code trained it; the report names such cells
-    in bold.
+    A cell's id hashes its config, the training data, its networks' shapes and the numerics
+    fingerprint of its training (``apg.fingerprint``: what a few steps of its config compute
+    on the first training datasets, not the source text), so a cell is reused exactly when
+    the code still computes the same numbers. ``sweep.reuse_across_code: true`` (development
+    only) reuses the newest finished cell of the same config whatever code trained it; the
+    report names such cells in bold.
     """
     data = root / "data" / task / "train.npz"
     if not data.is_file():
         raise SweepError(f"training data {data} not found; run the generate stage first")
     digest = file_digest(data)
-    code = code_digest("sweep", task)
+    rows = training_rows(data)
+    first = rows[torch.arange(min(FINGERPRINT_BATCH, len(rows)))].to(torch.get_default_dtype())
     sweep_dir = (root / params["sweep"].get("storage", "results/sweeps") / task).resolve()
     reuse = params["sweep"].get("reuse_across_code", False)
-    cells = {}
+    cells, prints = {}, {}
     for cell in grid_cells(params, task):
         config_key = cell.cell_id(digest + architecture_digest(cell))
-        cell_id = cell.cell_id(config_key + code)
+        # Cells that differ only in what the fingerprint cuts (seed, steps, sweeps beyond its
+        # few) share one.
+        shrunk_key = json.dumps(shrunk(cell.train).to_dict(), sort_keys=True)
+        if shrunk_key not in prints:
+            prints[shrunk_key] = fingerprint(cell.train, first)
+        numerics = prints[shrunk_key]
+        cell_id = cell.cell_id(config_key + numerics)
         if reuse and not is_done(sweep_dir, cell_id):
             cell_id = _done_by_other_code(sweep_dir, config_key) or cell_id
-        cells[cell_id] = dataclasses.replace(cell, config_key=config_key, code_digest=code)
+        cells[cell_id] = dataclasses.replace(cell, config_key=config_key, fingerprint=numerics)
     return cells, data.resolve(), sweep_dir
 
 
@@ -279,7 +290,7 @@ def _finish_cell(
         "cell_id": config["cell_id"],
         "name": config["name"],
         "config_key": config.get("config_key"),
-        "code_digest": config.get("code_digest"),  # the code that trained it
+        "fingerprint": config.get("fingerprint"),  # what the code that trained it computes
         "iterations": trainer.iteration,
         "seconds_this_run": seconds,
         "mean_it_per_s": sum(rates) / len(rates) if rates else None,
@@ -401,7 +412,7 @@ def trial_configs(
             "cell_id": cell_id,
             "name": cell.name,
             "config_key": cell.config_key,
-            "code_digest": cell.code_digest,
+            "fingerprint": cell.fingerprint,
             "seed": cell.seed,
             "train": cell.train.to_dict(),
             "data": str(data),
@@ -574,9 +585,9 @@ def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) ->
                 "seed": cell.seed,
                 "axes": dict(cell.axes),  # the swept settings (grid entry axes), {} for none
                 "iterations": done["iterations"],
-                "code_digest": done.get("code_digest"),
+                "fingerprint": done.get("fingerprint"),
                 # Reused across code changes (sweep.reuse_across_code): not this code's result.
-                "trained_by_other_code": done.get("code_digest") != cell.code_digest,
+                "trained_by_other_code": done.get("fingerprint") != cell.fingerprint,
                 "mean_it_per_s": done["mean_it_per_s"],
                 "final": done["final"],
                 "checkpoint": os.path.relpath(cell_dir / MODEL, root),

@@ -46,7 +46,7 @@ def gmm_job(tmp_path: Path, iterations: int, deadline: float | None) -> dict:
         "cell_id": "c1",
         "name": "gmm/apg",
         "config_key": "k",
-        "code_digest": "d",
+        "fingerprint": "d",
         "train": cfg.to_dict(),
         "seed": 0,
         "data": str(data),

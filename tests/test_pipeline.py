@@ -527,18 +527,18 @@ def _planned(tmp_path, monkeypatch, code: str, reuse: bool = False):
         task = get_task("gmm")
         arrays = task.simulate(task.build_model(), 4, __import__("torch").Generator().manual_seed(0))
         save_dataset(data, {k: v.numpy() for k, v in arrays.items()})
-    monkeypatch.setattr(sweep, "code_digest", lambda *args, **kwargs: code)
+    monkeypatch.setattr(sweep, "fingerprint", lambda *args, **kwargs: code)
     return sweep.plan(tiny(**{"sweep.reuse_across_code": reuse}), "gmm", tmp_path)
 
 
 def test_cells_trained_by_other_code_are_new_cells_unless_reuse_is_asked_for(tmp_path, monkeypatch):
     cells, _, sweep_dir = _planned(tmp_path, monkeypatch, "code-1")
-    assert all(cell.code_digest == "code-1" for cell in cells.values())
+    assert all(cell.fingerprint == "code-1" for cell in cells.values())
     old_id = next(cid for cid, cell in cells.items() if cell.method == "apg")
     (sweep_dir / "cells" / old_id).mkdir(parents=True)
     key = cells[old_id].config_key
     (sweep_dir / "cells" / old_id / "done.json").write_text(
-        json.dumps({"config_key": key, "code_digest": "code-1"})
+        json.dumps({"config_key": key, "fingerprint": "code-1"})
     )
 
     changed, _, _ = _planned(tmp_path, monkeypatch, "code-2")
@@ -546,7 +546,7 @@ def test_cells_trained_by_other_code_are_new_cells_unless_reuse_is_asked_for(tmp
     assert {c.config_key for c in changed.values()} == {c.config_key for c in cells.values()}
 
     reused, _, _ = _planned(tmp_path, monkeypatch, "code-2", reuse=True)
-    assert old_id in reused and reused[old_id].code_digest == "code-2"  # flagged by summarize
+    assert old_id in reused and reused[old_id].fingerprint == "code-2"  # flagged by summarize
     assert len(reused) == len(cells)
 
 
