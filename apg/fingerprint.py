@@ -58,12 +58,12 @@ def shrunk(cfg: TrainConfig) -> TrainConfig:
 
 
 def numbers(cfg: TrainConfig, x: Tensor) -> list[tuple[str, float]]:
-    """The named numbers the fingerprint hashes, unrounded: per step the loss, the metrics
-    and every parameter's gradient norm.
+    """The named numbers the fingerprint hashes, unrounded: per step the loss, the step's
+    metrics (log joint, ESS, evidence, the method's diagnostics) and the norm of the whole
+    gradient. Few numbers on purpose: each is a chance for two machines' roundings to part.
 
-    ``x``: ``(M, ...)`` datasets, ``M >= 1``; the first ``BATCH`` are used. Torch's
-    random state and thread count are restored afterwards, so a caller's draws do not
-    change."""
+    ``x``: ``(M, ...)`` datasets, ``M >= 1``; the first ``BATCH`` are used. Torch's random
+    state and thread count are restored afterwards, so a caller's draws do not change."""
     if x.dim() == 0 or len(x) < 1:
         raise ValueError(f"a fingerprint needs at least one dataset, got x of shape {tuple(x.shape)}")
     small = shrunk(cfg)
@@ -74,38 +74,27 @@ def numbers(cfg: TrainConfig, x: Tensor) -> list[tuple[str, float]]:
         try:
             torch.manual_seed(SEED)
             trainer = Trainer(small, x[:BATCH].clone())
-            named = [
-                p
-                for module in (trainer.model, trainer.proposals)
-                for p in module.parameters()
-                if p.requires_grad
+            params = [
+                p for m in (trainer.model, trainer.proposals) for p in m.parameters() if p.requires_grad
             ]
             for step in range(STEPS):
                 metrics = trainer.step(log=True)
                 assert metrics is not None
                 metrics.pop("step_seconds")
+                grads = [p.grad.double().square().sum() for p in params if p.grad is not None]
+                metrics["grad_norm"] = float(torch.stack(grads).sum().sqrt()) if grads else 0.0
                 out += [(f"{step}/{k}", v) for k, v in sorted(metrics.items())]
-                # By value, not by name: renaming or reordering a network's layers moves no
-                # number. Each as a fraction of the step's largest: a gradient that is zero in
-                # exact arithmetic (a softmax's shift) is float noise of any relative size.
-                norms = sorted(float(p.grad.double().norm()) if p.grad is not None else 0.0 for p in named)
-                largest = norms[-1] if norms and norms[-1] > 0 else 1.0
-                out += [(f"{step}/grad_max", largest)]
-                out += [(f"{step}/grad_fraction/{i}", v / largest) for i, v in enumerate(norms)]
         finally:
             torch.set_num_threads(threads)
     return out
 
 
-def rounded(name: str, value: float, digits: int = DIGITS) -> str:
-    """``value`` as text: a gradient fraction (in [0, 1]) to ``digits`` decimal places,
-    anything else to ``digits`` significant digits (``nan`` and ``inf`` kept)."""
-    if "/grad_fraction/" in name:
-        return f"{value:.{digits}f}"
+def rounded(value: float, digits: int = DIGITS) -> str:
+    """``value`` to ``digits`` significant digits, as text (``nan`` and ``inf`` kept)."""
     return f"{value:.{digits - 1}e}"
 
 
 def fingerprint(cfg: TrainConfig, x: Tensor) -> str:
     """The numerics fingerprint of ``cfg`` on datasets ``x`` (12 hex digits)."""
-    payload: dict[str, Any] = {name: rounded(name, v) for name, v in numbers(cfg, x)}
+    payload: dict[str, Any] = {name: rounded(v) for name, v in numbers(cfg, x)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]

@@ -35,10 +35,7 @@ VARIANTS = {
 }
 
 
-def difference(key: str, u: float, v: float) -> float:
-    """Relative difference; absolute for a gradient fraction (rounded to decimal places)."""
-    if "/grad_fraction/" in key:
-        return abs(u - v)
+def difference(u: float, v: float) -> float:
     return abs(u - v) / max(abs(u), abs(v), 1e-30)
 
 
@@ -108,31 +105,29 @@ def main() -> int:
     print(
         f"{len(base)} configs; seconds per fingerprint: median {seconds[len(seconds) // 2]:.2f}, max {seconds[-1]:.2f}"
     )
+    digits = (3, 4, 5, 6, 7)
+    print(
+        "| variant | numbers | largest relative difference | configs whose fingerprint agrees at "
+        + " / ".join(f"{d}" for d in digits)
+        + " digits |"
+    )
+    print("| --- | ---: | ---: | --- |")
     for name, rows in results.items():
         if name == "default":
             continue
-        worst, above, total, agree = 0.0, {3: 0, 4: 0, 5: 0, 6: 0}, 0, 0
-        for b, r in zip(base, rows, strict=True):
-            same = True
-            for (key, u), (_, v) in zip(b["numbers"], r["numbers"], strict=True):
-                rel = difference(key, u, v)
-                worst = max(worst, rel)
-                total += 1
-                for digits in above:
-                    above[digits] += rel > 0.5 * 10 ** (1 - digits)
-                same &= rounded(key, u) == rounded(key, v)
-            agree += same
-        shown = ", ".join(f"{d} digits: {n}" for d, n in above.items())
+        pairs = [list(zip(b["numbers"], r["numbers"], strict=True)) for b, r in zip(base, rows, strict=True)]
+        diffs = [difference(u, v) for config in pairs for (_, u), (_, v) in config]
+        agree = [
+            sum(all(rounded(u, d) == rounded(v, d) for (_, u), (_, v) in config) for config in pairs)
+            for d in digits
+        ]
         print(
-            f"{name:15s} largest difference {worst:.2e} over {total} numbers; above half a "
-            f"unit of the last digit kept ({shown}); fingerprints equal for {agree} of {len(rows)} configs"
+            f"| {name} | {len(diffs)} | {max(diffs):.1e} | "
+            + " / ".join(str(a) for a in agree)
+            + f" of {len(rows)} |"
         )
-        for b, r in zip(base, rows, strict=True):
-            diffs = [
-                (difference(key, u, v), key)
-                for (key, u), (_, v) in zip(b["numbers"], r["numbers"], strict=True)
-            ]
-            rel, key = max(diffs)
+        for b, config in zip(base, pairs, strict=True):
+            rel, key = max((difference(u, v), key) for (key, u), (_, v) in config)
             print(
                 f"    {b['task']:6s} {b['cfg']['method']:16s} K{b['cfg']['sweeps']} L{b['cfg']['particles']}: "
                 f"max {rel:.1e} at {key}; {b['seconds']:.2f} s"
