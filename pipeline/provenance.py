@@ -2,9 +2,10 @@
 
 Two uses:
 
-- **Cell ids.** A sweep cell's id includes :func:`pipeline.stages.code_digest` of the code
-  its training runs (the ``sweep`` stage's code deps in ``dvc.yaml``), so a cell trained by
-  other code is never reused silently.
+- **Which numbers.** A sweep cell's id holds the numerics fingerprint of its training
+  (:mod:`apg.fingerprint`), not the source text. The record keeps every cell's fingerprint,
+  and when the code has changed since, ``check`` also says how many of the recorded cells
+  ``dvc repro`` would retrain (none after a refactor that kept the numbers).
 - **Committed results are HEAD's.** The report stage writes ``reports/provenance.json``:
   the digest of every code file and params key any stage reads, and the commit they were
   made at. ``python -m pipeline.provenance check`` compares that record with the working
@@ -15,7 +16,7 @@ Two uses:
   without regenerating either says so where the numbers are read, or does not pass CI.
 
 The code each stage reads is taken from ``dvc.yaml`` by :mod:`pipeline.stages` (one list,
-so the cell ids, the provenance record and DVC's own change detection agree).
+so the provenance record and DVC's own change detection agree).
 """
 
 from __future__ import annotations
@@ -91,8 +92,21 @@ def uncommitted(root: Path, paths: list[str]) -> list[str]:
     return [line[3:] for line in dirty.splitlines() if line]
 
 
+def cell_fingerprints(root: Path, tasks: list[str]) -> dict[str, dict[str, str]]:
+    """``{task: {cell name: numerics fingerprint}}`` of the trained cells the results were
+    made from (each task's ``results/<task>/sweep.json``; a task without one is left out)."""
+    out = {}
+    for task in tasks:
+        path = root / "results" / task / "sweep.json"
+        if path.is_file():
+            rows = json.loads(path.read_text())["cells"]
+            out[task] = {row["name"]: row.get("fingerprint") for row in rows}
+    return out
+
+
 def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
-    """What produced the results of ``params`` in ``root``: commit, code and params digests."""
+    """What produced the results of ``params`` in ``root``: commit, code and params digests,
+    and the numerics fingerprint each trained cell was trained under."""
     code, keys = _all_stage_inputs(root, params["tasks"])
     digests = file_digests(root, code)
     return {
@@ -101,7 +115,38 @@ def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
         "uncommitted": uncommitted(root, code),
         "code": digests,
         "params": params_digests(params, keys),
+        "fingerprints": cell_fingerprints(root, params["tasks"]),
     }
+
+
+def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> str:
+    """What ``dvc repro`` would retrain now: the recorded cells whose numerics fingerprint the
+    code in ``root`` no longer computes (one line). Recomputes the fingerprints, so it needs
+    each task's training data (``data/<task>/train.npz``)."""
+    from pipeline.sweep import SweepError, plan
+
+    old = recorded.get("fingerprints") or {}
+    if not old:
+        return "Training numerics: not recorded with these results."
+    changed, total, unchecked = [], 0, {}
+    for task, cells in sorted(old.items()):
+        if task not in params.get("tasks", []):
+            unchecked[task] = "not in params.yaml's tasks"
+            continue
+        try:
+            now = {cell.name: cell.fingerprint for cell in plan(params, task, root)[0].values()}
+        except SweepError:
+            unchecked[task] = "no training data: run the generate stage"
+            continue
+        total += len(cells)
+        changed += [name for name, print_ in sorted(cells.items()) if now.get(name) != print_]
+    line = (
+        f"Training numerics: {len(changed)} of {total} recorded cells would retrain"
+        + (f" ({', '.join(changed[:5])}{' and more' if len(changed) > 5 else ''})" if changed else "")
+        + ("; the rest keep their fingerprints" if changed else ": every fingerprint is unchanged")
+    )
+    line += "".join(f"; not checked for {task} ({why})" for task, why in unchecked.items())
+    return line + "."
 
 
 def write_record(params: dict[str, Any], root: Path, out: Path) -> Path:
@@ -192,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "mark":
         mark(root, None if current else message)
     print(message)
+    if not current and (root / "reports" / RECORD).is_file():
+        # Not part of the stale line: it depends on the data present here, the line must not.
+        recorded = json.loads((root / "reports" / RECORD).read_text())
+        print(retraining(root, yaml.safe_load((root / "params.yaml").read_text()), recorded))
     return 0 if current or args.action == "mark" else 1
 
 

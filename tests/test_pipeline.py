@@ -550,6 +550,24 @@ def test_cells_trained_by_other_code_are_new_cells_unless_reuse_is_asked_for(tmp
     assert len(reused) == len(cells)
 
 
+def test_provenance_says_which_recorded_cells_a_repro_would_retrain(tmp_path, monkeypatch):
+    from pipeline import provenance
+
+    cells, _, _ = _planned(tmp_path, monkeypatch, "numbers-1")
+    params = tiny()
+    recorded = {"fingerprints": {"gmm": {cell.name: cell.fingerprint for cell in cells.values()}}}
+    line = provenance.retraining(tmp_path, params, recorded)
+    assert line == f"Training numerics: 0 of {len(cells)} recorded cells would retrain: every fingerprint is unchanged."
+    one = next(iter(cells.values()))
+    recorded["fingerprints"]["gmm"][one.name] = "numbers-0"
+    line = provenance.retraining(tmp_path, params, recorded)
+    assert line.startswith(f"Training numerics: 1 of {len(cells)} recorded cells would retrain ({one.name})")
+    recorded["fingerprints"]["dgmm"] = {"dgmm/apg/K2/L3/seed0": "x"}
+    assert "; not checked for dgmm (not in params.yaml's tasks)." in provenance.retraining(tmp_path, params, recorded)
+    (tmp_path / "data" / "gmm" / "train.npz").unlink()
+    assert "not checked for gmm (no training data" in provenance.retraining(tmp_path, params, recorded)
+
+
 def test_sweep_progress_counts_cells_and_estimates_the_time_left(capsys):
     from pipeline.sweep import SweepProgress
 
