@@ -15,19 +15,35 @@ import subprocess
 import time
 from pathlib import Path
 
+from apg.data.mnist import ENV_VAR as MNIST_ENV
 from pipeline.stages import package_root, stage_times
 
 COPIED = ("apg", "pipeline", "dvc.yaml", ".dvcignore", ".gitignore")
+MARKER = ".apg-sandbox"  # in every sandbox: only a folder holding it is ever deleted
 
 
 def make_sandbox(directory: Path, params_file: Path, init_repo: bool = True) -> Path:
     """A fresh git + DVC repo at ``directory`` holding the code and ``params_file`` as
-    ``params.yaml`` (an existing sandbox is replaced; ``init_repo=False``: the files alone,
-    for stages run without DVC)."""
+    ``params.yaml`` (``init_repo=False``: the files alone, for stages run without DVC).
+
+    An existing sandbox there (a folder holding ``MARKER``) is replaced; any other existing
+    folder that is not empty raises ``ValueError`` and is left as it was, as is the project
+    itself or a folder holding it."""
     src = package_root()
+    directory = directory.resolve()
+    if src == directory or src.is_relative_to(directory):
+        raise ValueError(f"{directory} holds this project; a sandbox needs a folder of its own")
     if directory.exists():
+        if not directory.is_dir():
+            raise ValueError(f"{directory} is a file, not a folder for a sandbox")
+        if any(directory.iterdir()) and not (directory / MARKER).is_file():
+            raise ValueError(
+                f"{directory} is not empty and is not a sandbox made by apg-pipeline; "
+                "name a new or empty folder"
+            )
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
+    (directory / MARKER).write_text("made by apg-pipeline: deleted and remade by the next run here\n")
     for name in COPIED:
         path = src / name
         if path.is_dir():
@@ -65,6 +81,9 @@ def run_smoke(params_file: Path, directory: Path) -> tuple[dict[str, float], flo
     root = make_sandbox(directory.resolve(), params_file.resolve())
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("MLFLOW_TRACKING_URI", None)  # the sandbox's own ./mlflow.db
+    # The stages run inside the sandbox: a relative path meant from here must not move.
+    if env.get(MNIST_ENV):
+        env[MNIST_ENV] = str(Path(env[MNIST_ENV]).resolve())
     start = time.monotonic()
     proc = subprocess.run(["dvc", "repro"], cwd=root, env=env)
     total = time.monotonic() - start

@@ -599,6 +599,28 @@ def test_smoke_profile_mirrors_the_defaults():
         assert set(smoke[task]["evaluate"]) == set(full[task]["evaluate"]), task
 
 
+def test_a_sandbox_replaces_only_a_sandbox(tmp_path):
+    from pipeline.smoke import MARKER, make_sandbox
+
+    params = REPO / "params-smoke.yaml"
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("precious")
+    with pytest.raises(ValueError, match="is not empty and is not a sandbox"):
+        make_sandbox(kept, params, init_repo=False)
+    assert (kept / "notes.txt").read_text() == "precious"
+    for holder in (REPO, REPO.parent):
+        with pytest.raises(ValueError, match="holds this project"):
+            make_sandbox(holder, params, init_repo=False)
+    box = make_sandbox(tmp_path / "box", params, init_repo=False)  # new
+    (box / "left-over").write_text("x")
+    box = make_sandbox(box, params, init_repo=False)  # a sandbox: remade
+    assert (box / MARKER).is_file() and not (box / "left-over").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (make_sandbox(empty, params, init_repo=False) / "params.yaml").is_file()
+
+
 @pytest.mark.slow
 def test_smoke_profile_runs_every_stage_of_every_task_from_scratch(tmp_path):
     mnist = os.environ.get("APG_MNIST_DIR") or str(REPO.parent / "shared" / "data" / "mnist")
@@ -608,7 +630,8 @@ def test_smoke_profile_runs_every_stage_of_every_task_from_scratch(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pipeline.cli", "smoke", "--dir", str(box)],
         cwd=REPO,
-        env={**env(), "APG_MNIST_DIR": mnist},
+        # relative to where the command is typed, as the README writes it (the stages run in the sandbox)
+        env={**env(), "APG_MNIST_DIR": os.path.relpath(mnist, REPO)},
         capture_output=True,
         text=True,
         timeout=900,
