@@ -65,6 +65,14 @@ from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT  # noqa: E402
 from pipeline.impute import load_imputation, report_imputation  # noqa: E402
 from pipeline.present import number, pm, write_gif  # noqa: E402
 from pipeline.recorded import recorded_runs  # noqa: E402
+from pipeline.statistics import (  # noqa: E402
+    MIN_SEEDS,
+    Estimate,
+    detectable,
+    difference,
+    equivalent,
+    seed_interval,
+)
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 CURVE_METRICS = ("log_joint", "ess")
@@ -572,90 +580,30 @@ def comparison_markdown(table: pd.DataFrame) -> str:
 
 # --------------------------------------------------------------------------- claims
 
-# Claims need an interval over seeds; with fewer seeds the verdict rests on the mean alone.
-MIN_SEEDS = 3
-# Student-t 0.975 quantiles for 1..30 degrees of freedom (beyond: Cornish-Fisher, ``t975``).
-# fmt: off
-_T975 = (
-    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
-)
-# fmt: on
 CLAIM_KINDS = (
-    "threshold", "above", "below", "at_least", "within_noise", "increasing", "falls_over_sweeps",
+    "threshold", "above", "below", "at_least", "equivalent", "increasing", "falls_over_sweeps",
     "budget_above",
 )
+NOT_ENOUGH_SEEDS = "n/a ({n} seed{s})"
+AT_CEILING = "at ceiling: not testable here"
 VERDICT_RULES = (
     "Each number is a mean over seeds of the per-seed mean over the held-out datasets of the "
     "first test set (or of the set a claim names); [lo, hi] is a Student-t 95% interval over those "
-    f"seed means (needs ≥ {MIN_SEEDS} "
-    "seeds; with fewer it is n/a and the verdict, marked with the seed count, rests on the means). "
-    "Threshold claims (≥, ≤) use the mean. Comparisons of two methods (or of two "
+    f"seed means. A claim resting on fewer than {MIN_SEEDS} seeds gets no verdict ('n/a (k seeds)') "
+    "and is not counted. Threshold claims (≥, ≤) use the mean. Comparisons of two methods (or of two "
     "budgets' retrained cells) are about the difference of their means: 'A above B' ('below') needs "
-    "Welch's 95% interval of mean(A) − mean(B) above (below) zero, 'within noise' needs it to "
-    "contain zero (no verdict with fewer seeds), 'A ≥ B' compares the means. Claims about one cell "
-    "are paired (same cell, same held-out dataset): 'falls over sweeps' takes per seed the mean of "
-    "the last sweep's value minus the first sweep's and needs that change's 95% interval below "
+    "Welch's 95% interval of mean(A) − mean(B) above (below) zero, 'A ≥ B' compares the means, and "
+    "'equivalent within ±m' needs Welch's 90% interval inside (−m, m) (two one-sided tests at 5%; "
+    "the margins m are set in pipeline/paper_numbers.yaml with their reasons). Claims about one "
+    "cell are paired (same cell, same held-out dataset): 'falls over sweeps' takes per seed the mean "
+    "of the last sweep's value minus the first sweep's and needs that change's 95% interval below "
     "zero; 'increasing with K' takes the change from each K to the next the same way and needs "
-    "every change's interval above zero (with fewer seeds: the means of the changes). 'not run': "
-    "the method, budget or metric is absent from these results."
+    "every change's interval above zero, unless the metric already lies within the claim's stated "
+    f"margin of its ceiling at the smallest K ('{AT_CEILING}'). 'detectable': the smallest true "
+    "effect (difference, change, or distance from a target) a two-sided 95% test on these seeds "
+    "finds with 80% power, (t_0.975 + t_0.8)·SE. 'not run': the method, budget or metric is absent "
+    "from these results."
 )
-
-
-def t975(df: int) -> float:
-    """The 0.975 quantile of Student's t with ``df`` degrees of freedom (table up to 30,
-    then the Cornish-Fisher expansion about the normal quantile, within 1e-4 there)."""
-    if df < 1:
-        raise ValueError(f"df must be >= 1, got {df}")
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-class Estimate(NamedTuple):
-    """A mean over seeds with its Student-t 95% interval ``[lo, hi]`` (NaN with fewer than
-    ``MIN_SEEDS`` seeds); ``n``: seeds; ``cells``: the cell ids it averages; ``se``: the
-    mean's standard error, ``df``: its degrees of freedom (NaN without an interval)."""
-
-    mean: float
-    lo: float
-    hi: float
-    n: int
-    cells: tuple[str, ...] = ()
-    se: float = math.nan
-    df: float = math.nan
-
-
-def seed_interval(values: Any, cells: tuple[str, ...] = ()) -> Estimate:
-    """Mean and Student-t 95% interval of per-seed values (NaN ones dropped)."""
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    n = len(v)
-    if not n:
-        return Estimate(math.nan, math.nan, math.nan, 0, cells)
-    mean = float(v.mean())
-    if n < MIN_SEEDS:
-        return Estimate(mean, math.nan, math.nan, n, cells)
-    se = float(v.std(ddof=1)) / math.sqrt(n)
-    half = t975(n - 1) * se
-    return Estimate(mean, mean - half, mean + half, n, cells, se, n - 1)
-
-
-def difference(a: Estimate, b: Estimate) -> Estimate:
-    """``a - b`` for two independent sets of seeds (two methods' cells, or two budgets'):
-    Welch's 95% interval, with the Welch-Satterthwaite degrees of freedom rounded down (the
-    wider interval). ``n`` is the smaller seed count; no interval when either has none."""
-    mean, n, cells = a.mean - b.mean, min(a.n, b.n), a.cells + b.cells
-    if not (math.isfinite(a.se) and math.isfinite(b.se)):
-        return Estimate(mean, math.nan, math.nan, n, cells)
-    var = a.se**2 + b.se**2
-    if var == 0:
-        return Estimate(mean, mean, mean, n, cells, 0.0, a.df + b.df)
-    df = var**2 / (a.se**4 / a.df + b.se**4 / b.df)
-    half = t975(max(1, math.floor(df))) * math.sqrt(var)
-    return Estimate(mean, mean - half, mean + half, n, cells, math.sqrt(var), df)
 
 
 def _rows(frame: pd.DataFrame, method: str, metric: str, pair: tuple[int, int]) -> pd.DataFrame:
@@ -709,8 +657,9 @@ def retrained_estimates(retrained: pd.DataFrame, method: str, metric: str) -> di
 
 class ClaimResult(NamedTuple):
     """One checked claim: ``ours`` and ``target`` as printed; ``passed`` None when no verdict
-    can be given (not run, too few seeds for 'within noise'); ``note`` qualifies the
-    verdict (``1 seed``); ``value``/``lo``/``hi``/``target_value`` for metrics.json."""
+    can be given (not run, fewer than ``MIN_SEEDS`` seeds, at the metric's ceiling), and then
+    ``note`` says why; ``value``/``lo``/``hi``/``target_value`` for metrics.json;
+    ``detectable``: the smallest effect its seeds could detect (``statistics.detectable``)."""
 
     task: str
     id: str
@@ -725,6 +674,7 @@ class ClaimResult(NamedTuple):
     hi: Any
     target_value: Any
     cells: tuple[str, ...]
+    detectable: float = math.nan
 
 
 def _est(e: Estimate) -> str:
@@ -737,8 +687,9 @@ def _est(e: Estimate) -> str:
 
 
 def _seed_note(*estimates: Estimate) -> str:
+    """Why no verdict: too few seeds behind one of ``estimates`` ('' when there are enough)."""
     n = min(e.n for e in estimates)
-    return f"{n} seed{'s' if n > 1 else ''}" if n < MIN_SEEDS else ""
+    return NOT_ENOUGH_SEEDS.format(n=n, s="s" if n > 1 else "") if n < MIN_SEEDS else ""
 
 
 OPS = {">=": (lambda a, b: a >= b, "≥"), "<=": (lambda a, b: a <= b, "≤")}
@@ -756,8 +707,8 @@ def claim_target(spec: dict[str, Any]) -> str:
         return "last sweep below sweep 1 (paired change's 95% interval below 0)"
     if kind == "at_least":
         return f"≥ {spec['other']} (means)"
-    if kind == "within_noise":
-        return f"within noise of {spec['other']} (difference's 95% interval contains 0)"
+    if kind == "equivalent":
+        return f"within ±{spec['margin']} of {spec['other']} (difference's 90% interval inside the margin)"
     if kind == "increasing":
         steps = "→".join(str(k) for k, _ in spec["pairs"])
         return f"increasing at every step of K {steps} (each paired change's 95% interval above 0)"
@@ -802,10 +753,11 @@ def check_claim(
     head = (task, spec["id"], spec["claim"], spec.get("section", ""))
     target = claim_target(spec)
 
-    def result(ours, passed, note, value, lo, hi, target_value, cells) -> ClaimResult:
+    def result(ours, passed, note, value, lo, hi, target_value, cells, smallest=math.nan) -> ClaimResult:
         if "test_set" in spec and note != "not run":
             ours = f"{spec['test_set']}, {ours}"
-        return ClaimResult(*head, ours, target, passed, note, value, lo, hi, target_value, tuple(cells))
+        passed = None if note else passed
+        return ClaimResult(*head, ours, target, passed, note, value, lo, hi, target_value, tuple(cells), smallest)
 
     not_run = result("not run", None, "not run", None, None, None, None, ())
 
@@ -815,7 +767,7 @@ def check_claim(
             return not_run
         ok = OPS[spec["op"]][0](e.mean, spec["target"])
         ours = f"{who}: {_est(e)}"
-        return result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["target"], e.cells)
+        return result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["target"], e.cells, detectable(e))
 
     if kind == "falls_over_sweeps":
         rows = curves if curves is not None else fin
@@ -825,14 +777,14 @@ def check_claim(
         if not first.n or not last.n or not change.n:
             return not_run
         note = _seed_note(change)
-        ok = change.mean < 0 if note else change.hi < 0
         ours = (
             f"{method} K={pair[0]} L={pair[1]}: sweep 1 {_est(first)} → sweep {pair[0]} {_est(last)}; "
             f"change {_est(change)}"
         )
-        return result(ours, ok, note, last.mean, last.lo, last.hi, first.mean, last.cells)
+        ok = change.hi < 0
+        return result(ours, ok, note, last.mean, last.lo, last.hi, first.mean, last.cells, detectable(change))
 
-    if kind in ("above", "below", "at_least", "within_noise"):
+    if kind in ("above", "below", "at_least", "equivalent"):
         other = spec["other"]
         other_pair = tuple(spec.get("other_pair", pair))
         a, b = seed_estimate(mine, method, metric, pair), seed_estimate(fin, other, metric, other_pair)
@@ -841,13 +793,13 @@ def check_claim(
         note = _seed_note(a, b)
         d = difference(a, b)
         if kind == "above":
-            ok = d.mean > 0 if note else d.lo > 0
+            ok = d.lo > 0
         elif kind == "below":
-            ok = d.mean < 0 if note else d.hi < 0
+            ok = d.hi < 0
         elif kind == "at_least":
             ok = a.mean >= b.mean
         else:
-            ok = None if note else d.lo <= 0 <= d.hi
+            ok = equivalent(d, spec["margin"])
         if other_pair != pair or at_sweep is not None:
             ours = f"{who} {_est(a)} vs {other} K={other_pair[0]} L={other_pair[1]} {_est(b)}"
         else:
@@ -855,7 +807,7 @@ def check_claim(
         if kind != "at_least":
             ours += f"; difference {_est(d)}"
         ref = {"method": other, "value": b.mean, "lo": b.lo, "hi": b.hi, "difference": [d.mean, d.lo, d.hi]}
-        return result(ours, ok, note, a.mean, a.lo, a.hi, ref, a.cells + b.cells)
+        return result(ours, ok, note, a.mean, a.lo, a.hi, ref, a.cells + b.cells, detectable(d))
 
     if kind == "increasing":
         pairs = [tuple(p) for p in spec["pairs"]]
@@ -866,7 +818,10 @@ def check_claim(
         if any(not c.n for c in steps):
             return not_run
         note = _seed_note(*ests, *steps)
-        ok = all(c.mean > 0 if note else c.lo > 0 for c in steps)
+        # A metric already at its ceiling at the smallest K has no room to rise: not a test.
+        if not note and "ceiling" in spec and ests[0].mean >= spec["ceiling"] - spec["ceiling_margin"]:
+            note = AT_CEILING
+        ok = all(c.lo > 0 for c in steps)
         ours = f"{method}: " + "; ".join(f"K={k}: {_est(e)}" for (k, _), e in zip(pairs, ests, strict=True))
         ours += "; changes " + "; ".join(
             f"{p[0]}→{q[0]}: {_est(c)}" for p, q, c in zip(pairs, pairs[1:], steps, strict=False)
@@ -881,6 +836,7 @@ def check_claim(
             [e.hi for e in ests],
             "increasing",
             cells,
+            max(detectable(c) for c in steps),
         )
 
     # budget_above: Figure 2 from cells retrained at each (K, L = total // K)
@@ -891,7 +847,7 @@ def check_claim(
     low, high = ests[pairs[0]], ests[pairs[-1]]
     note = _seed_note(low, high)
     d = difference(high, low)
-    ok = d.mean > 0 if note else d.lo > 0
+    ok = d.lo > 0
     ours = f"{method} retrained, {label}: " + "; ".join(
         f"K={k} L={l}: {_est(ests[(k, l)])}" for k, l in pairs
     )
@@ -906,6 +862,7 @@ def check_claim(
         [ests[p].hi for p in pairs],
         "increasing in K",
         cells,
+        detectable(d),
     )
 
 
@@ -919,23 +876,23 @@ def claims_not_run(task: str, specs: list[dict[str, Any]], why: str) -> list[Cla
 
 
 def verdict(r: ClaimResult) -> str:
-    if r.note == "not run":
-        return "not run"
-    mark = {True: "✓", False: "✗", None: "–"}[r.passed]
-    return f"{mark} ({r.note})" if r.note else mark
+    if r.note:  # no verdict, and why: not run, too few seeds, at the ceiling
+        return r.note
+    return {True: "✓", False: "✗", None: "–"}[r.passed]
 
 
 def claims_markdown(results: list[ClaimResult], flags: dict[str, str], unclaimed: list[str]) -> str:
     """The claims table with its verdict rules; a claim whose numbers come from a cell that
     has not plateaued carries that cell's mark."""
-    header = ["task", "claim (paper section)", "ours (95% interval over seeds)", "target", "✓/✗"]
+    header = ["task", "claim (paper section)", "ours (95% interval over seeds)", "target", "detectable", "✓/✗"]
     rows = [header, ["---"] * len(header)]
     marks = ""
     for r in results:
         flag = row_flag(r.cells, flags)
         marks += flag
         section = f" ({r.section})" if r.section else ""
-        rows.append([r.task, f"{r.claim}{section}", _flagged(r.ours, flag), r.target, verdict(r)])
+        smallest = number(r.detectable) if math.isfinite(r.detectable) else "n/a"
+        rows.append([r.task, f"{r.claim}{section}", _flagged(r.ours, flag), r.target, smallest, verdict(r)])
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", f"Verdict rules: {VERDICT_RULES}"]
     if marks:
