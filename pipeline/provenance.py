@@ -66,6 +66,41 @@ def _all_stage_inputs(root: Path, tasks: list[str]) -> tuple[list[str], list[str
     return code, keys
 
 
+def machine() -> dict[str, Any]:
+    """The machine these results are being made on: CPU model, the vector extensions that
+    change float arithmetic (the native kernels are built for the host), cores, and the
+    versions of torch and Python. Results differ across CPUs, so every record names its own."""
+    import os
+    import platform
+
+    import torch
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    vector = [f for f in ("avx512f", "avx2", "fma", "amx_tile", "neon", "asimd") if f in flags]
+    return {
+        "cpu": model,
+        "vector": vector,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    """``machine()`` in one line, as the report prints it."""
+    vector = f" ({', '.join(m['vector'])})" if m.get("vector") else ""
+    return f"{m['cpu']}{vector}, {m['cores']} cores; torch {m['torch']}, Python {m['python']}"
+
+
 def utc_now() -> str:
     """Now, as the records of runs write it (``2026-11-27T09:30:00Z``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -116,6 +151,7 @@ def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
         "code": digests,
         "params": params_digests(params, keys),
         "fingerprints": cell_fingerprints(root, params["tasks"]),
+        "machine": machine(),
     }
 
 

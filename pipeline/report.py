@@ -1828,7 +1828,7 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
     claims_md = claims_markdown(claims, flags, unclaimed)
     text = index_markdown(parts, label, claims_md, recorded_markdown(root, out, paper_all, fmt))
     times = stages.stage_times(root)
-    lead = reused_cells_markdown(parts) + pipeline_time_markdown(times)
+    lead = reused_cells_markdown(parts) + pipeline_time_markdown(times, params["sweep"].get("torch_threads"))
     text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
     readme = root / "README.md"
@@ -1944,17 +1944,21 @@ def reused_cells_markdown(parts: list[dict[str, Any]]) -> str:
     )
 
 
-def pipeline_time_markdown(times: dict[str, float]) -> str:
-    """Wall time of each stage when it last ran (``results/timings``)."""
+def pipeline_time_markdown(times: dict[str, float], threads: int | None = None) -> str:
+    """Wall time of each stage when it last ran (``results/timings``), and the machine."""
     if not times:
         return ""
     rows = "\n".join(f"| `{name}` | {seconds / 60:.1f} |" for name, seconds in times.items())
     total = sum(times.values()) / 60
+    per_trial = f"; {threads} torch thread{'s' if threads != 1 else ''} per trial" if threads else ""
     return (
         "## Time\n\nWall time of each stage when it last ran (2 trials at once on a 2-core machine "
         "unless the params say otherwise; after a partial `dvc repro`, the stages it skipped keep "
         "the times of the run that made their outputs):\n\n| stage | minutes |\n| --- | ---: |\n"
         f"{rows}\n| **sum** | **{total:.1f}** |\n\n"
+        f"Machine that made this report (a from-scratch `dvc repro` trains and evaluates on the same "
+        f"one; trained numbers differ across CPUs): {provenance.machine_line(provenance.machine())}"
+        f"{per_trial}.\n\n"
     )
 
 

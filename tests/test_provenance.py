@@ -191,3 +191,12 @@ def test_each_stage_lists_the_code_it_imports():
                 others = {f"apg/tasks/{t}.py" for t in all_tasks if task and t != task}
                 missing = _imported_code(module) - others - listed
                 assert not missing, f"{dvc_file}: {stage} ({task or 'all tasks'}) does not list {sorted(missing)}"
+
+
+def test_the_record_names_the_machine_the_results_were_made_on(tmp_path):
+    root = make_project(tmp_path)
+    made = provenance.record(PARAMS, root)["machine"]
+    assert set(made) == {"cpu", "vector", "cores", "torch", "python"}
+    assert made["cores"] >= 1 and made["torch"] and made["cpu"]
+    line = provenance.machine_line({"cpu": "X", "vector": ["avx2"], "cores": 2, "torch": "2.13", "python": "3.11"})
+    assert line == "X (avx2), 2 cores; torch 2.13, Python 3.11"
