@@ -110,6 +110,9 @@ BUDGET_KEYS: dict[str, Any] = {"total": int, "sweeps": list}
 EVALUATE_KEYS: dict[str, Any] = {
     "batch_size": int,
     "resample_mode": str,
+    # Also run every cell resampling once per sweep, for the paper's overall ESS {all blocks}
+    # (Table 1's ESS column, section 5.3): the metric ``sweep_ess``.
+    "sweep_resampling": bool,
     "seed": int,
     "pairs": list,
     "budget": dict,

@@ -10,7 +10,10 @@
   ``data.test``, else its ``data.tests`` name; every cell runs on every set, with the
   set's ``network`` overrides), ``test_sizes`` its simulator sizes as JSON,
   ``dataset`` the index of the held-out dataset in its set, ``sweep`` 1..K for curves; metrics of
-  the final particles only (``kl_<block>``) have ``sweep = K``. Every cell is evaluated at
+  the final particles only (``kl_<block>``) have ``sweep = K``. ``ess`` is the ESS/L of the
+  weights since the last resampling under ``evaluate.resample_mode`` (``block``: the last
+  block's); with ``evaluate.sweep_resampling`` every cell also runs resampling once per sweep
+  and ``sweep_ess`` is that run's ESS/L of each whole sweep (the paper's overall ESS, Table 1). Every cell is evaluated at
   each test-time pair of ``<task>.evaluate.pairs`` (Table 1, convergence curves) and of
   ``<task>.evaluate.budget`` (Figure 2: ``L = total // K``, section 5.4). A cell that only
   a ``budget`` grid entry trains (Figure 2 retrained per budget) is evaluated at its own
@@ -374,6 +377,11 @@ def evaluate_task(
                 seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
                 run_args = (ev.get("batch_size", 20), ev.get("resample_mode", "block"))
                 metrics = evaluate_cell(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
+                if ev.get("sweep_resampling") and run_args[1] != "sweep":
+                    # The paper's overall ESS: the same sampler resampling once per sweep only.
+                    seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
+                    per_sweep = evaluate_cell(set_cfg, model, set_proposals, entry["x"], k, l, run_args[0], "sweep")
+                    metrics["sweep_ess"] = per_sweep["ess"]
                 if entry["true_c"] is not None:
                     pred = final_assignments(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
                     metrics["ari"] = ari_scores(entry["true_c"], pred)

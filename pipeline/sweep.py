@@ -744,7 +744,11 @@ def main(argv: list[str] | None = None) -> None:
         out = Path(args.out or root / "results" / args.task / "sweep.json")
         text = json.dumps(summary, indent=2)
         atomic_write(out, lambda tmp: tmp.write_text(text + "\n"))
-        record_stage_time(root, "sweep", args.task, time.monotonic() - start)
+        # A rerun that found every cell done (a refactor that kept every fingerprint) keeps the
+        # time of the run that trained them: the report's Time table is the training's.
+        last_run = root / params["sweep"].get("storage", "results/sweeps") / args.task / "last_run.json"
+        if args.fetch or not last_run.is_file() or json.loads(last_run.read_text())["trained"]:
+            record_stage_time(root, "sweep", args.task, time.monotonic() - start)
         print(f"wrote {out}")
 
     run_guarded(work)

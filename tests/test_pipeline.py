@@ -25,6 +25,7 @@ import yaml
 from pipeline import tracking
 from pipeline.config import ParamsError, grid_cells, validate_params
 from pipeline.smoke import no_recorded_runs
+from pipeline.stages import TIMINGS
 from pipeline.sweep import SweepError, check_ray_address
 
 REPO = Path(__file__).resolve().parents[1]
@@ -406,6 +407,17 @@ def test_dvc_repro_end_to_end(tmp_path):
     second = run(["dvc", "repro"], root)
     assert "Running stage" not in second.stdout
     assert "Data and pipelines are up to date" in second.stdout
+
+    # A refactor that keeps the numbers (here: a comment) reruns the stages that read the code
+    # and trains nothing: every cell keeps its id, and the Time table the training's wall time.
+    summary, timing = (root / "results" / "gmm" / "sweep.json").read_text(), root / TIMINGS / "sweep@gmm.json"
+    trained_in = timing.read_text()
+    with open(root / "apg" / "training.py", "a") as f:
+        f.write("# a comment: no number changes\n")
+    third = run(["dvc", "repro"], root)
+    assert "Running stage 'sweep@gmm'" in third.stdout and "0 to train" in third.stdout
+    assert (root / "results" / "gmm" / "sweep.json").read_text() == summary
+    assert timing.read_text() == trained_in
 
 
 @pytest.mark.slow

@@ -340,6 +340,25 @@ def test_comparisons_test_the_difference_not_overlap():
     )
 
 
+def test_a_metric_above_another_of_the_same_cells_is_paired():
+    # Seeds spread by 0.1 in every metric alike: the blocks' ESS 0.02 and 0.3 above the sweep's
+    # hold the claim although the unpaired intervals overlap; a block below it fails it.
+    frames = [
+        seeds_frame("apg", {(10, 10): mean}, metric=metric)[1]
+        for metric, mean in (("sweep_ess", 0.40), ("ess_globals", 0.42), ("ess_c", 0.70))
+    ]
+    fin = pd.concat(frames, ignore_index=True)
+    spec = {"id": "x", "claim": "c", "kind": "above_metric", "method": "apg", "pair": [10, 10],
+            "metrics": ["ess_globals", "ess_c"], "other_metric": "sweep_ess"}  # fmt: skip
+    a, b = (report.seed_estimate(fin, "apg", m, (10, 10)) for m in ("ess_globals", "sweep_ess"))
+    assert a.lo < b.hi
+    held = report.check_claim(spec, "gmm", fin, fin.iloc[:0])
+    assert held.passed is True and "ess_globals 0.420" in held.ours and held.target_value["value"] == pytest.approx(0.4)
+    lower = fin.assign(value=fin["value"] - np.where(fin["metric"] == "ess_c", 0.35, 0.0))
+    assert report.check_claim(spec, "gmm", lower, lower.iloc[:0]).passed is False
+    assert report.verdict(report.check_claim({**spec, "other_metric": "nothing"}, "gmm", fin, fin.iloc[:0])) == "not run"
+
+
 def test_claims_on_fewer_than_three_seeds_get_no_verdict():
     _, apg = seeds_frame("apg", {(10, 10): -275.0}, seeds=(0,))
     _, rws = seeds_frame("rws-mlp", {(10, 10): -290.0}, seeds=(0,))
@@ -609,6 +628,7 @@ def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path):
                 {"methods": ["apg", "rws-mlp"], "pairs": [[2, 3]], "seeds": [0]},
                 {"methods": ["apg"], "budget": {"total": 6, "sweeps": [2, 3]}, "seeds": [0]},
             ],
+            "gmm.evaluate.sweep_resampling": True,
         }
     )
     generate("gmm", params, tmp_path / "data" / "gmm")
@@ -635,11 +655,23 @@ def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path):
     # the ceiling depends on the data only: one value per dataset whatever the cell
     assert (ceiling.groupby("dataset")["value"].nunique() == 1).all()
     assert len(ceiling) == len(ari)
+    # The per-sweep-resampling run draws as the per-block one until it first resamples: the
+    # same ESS after sweep 1, and for RWS (one step, nothing to resample) at every sweep.
+    ess = frame[frame["metric"].isin(["ess", "sweep_ess"])].pivot_table(
+        index=["cell_id", "method", "K", "L", "dataset", "sweep"], columns="metric", values="value"
+    ).reset_index()
+    assert len(ess) and ess["sweep_ess"].notna().all()
+    first = ess[(ess["sweep"] == 1) | (ess["method"] == "rws-mlp")]
+    assert np.allclose(first["ess"], first["sweep_ess"], rtol=1e-5)
+    later = ess[(ess["sweep"] > 1) & (ess["method"] == "apg")]
+    assert not np.allclose(later["ess"], later["sweep_ess"])
 
     report.make_report(params, tmp_path)
     reports = tmp_path / "reports"
     table1 = pd.read_csv(reports / "tables" / "gmm_table1.csv")
     assert table1["ari"].map(math.isfinite).all() and table1["ari_ceiling"].map(math.isfinite).all()
+    # the paper's overall ESS stands beside the per-sweep one, none beside the last block's
+    assert "paper_sweep_ess" in table1 and "paper_ess" not in table1
     training = pd.read_csv(reports / "tables" / "gmm_training.csv")
     assert len(training) == 3 and set(training["plateaued"]) == {"not assessable"}  # 1 logged point each
     readme = (reports / "README.md").read_text()
