@@ -256,8 +256,8 @@ class Trainer:
         miss a parameter that the eager step on the same batch trains.
 
         torch 2.11's compile silently zeroed the gradient of an autograd.Function whose
-        output it had written in place: a GPU lease then trained a decoder that never moved
-        (session 27). The draws differ between the two steps, so what is compared is only
+        output it had written in place: a GPU run then trained a decoder that never moved
+        (docs/kernels.md). The draws differ between the two steps, so what is compared is only
         whether each parameter gets a gradient at all; any parameter the step uses gets one
         that is not exactly zero. One eager step and one host read, once per trainer; the
         random streams are left as they were, so the trial's draws do not change.

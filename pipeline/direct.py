@@ -199,7 +199,7 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
         # Each step timed on its own (not read back, as training runs them) and the median
         # kept: a compiled cell's first steps after its warm-up can still be recording CUDA
         # graphs. Their mean gave 0.283 s/step for Bouncing MNIST's APG on an H100, where its
-        # training then ran at 0.11-0.14 (session 29), so the lease was planned half full.
+        # training then ran at 0.11-0.14 s, so the run was planned half full.
         times = []
         for _ in range(CALIBRATION_STEPS):
             sync()

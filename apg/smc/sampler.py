@@ -277,9 +277,9 @@ def compiled_units(backend: str = "inductor", cuda_graphs: bool = False) -> _Uni
     # A step calls each graph several times (every sweep) while autograd still holds the
     # earlier calls' outputs, so CUDA graph trees record those calls as separate replays and
     # warn that they miss their fast path ("pending, uninvoked backwards"). They are still
-    # worth it: Bouncing MNIST's APG step at the paper's sizes took 0.316 s without them and
-    # 0.080 s with them on an H200, and the cell trained with them learnt as the eager one
-    # did (bench/RESULTS.md, sessions 27 and 29).
+    # worth it: Bouncing MNIST's APG step at the paper's sizes was 4.0 times slower without
+    # them on an H200, is 0.126 s with them on an H100, and the cell trained with them learnt
+    # as the eager one did (docs/benchmarks.md, "The compiled step on a GPU").
     mode = "reduce-overhead" if cuda_graphs else None
     compile_ = functools.partial(torch.compile, fullgraph=True, dynamic=False, backend=backend, mode=mode)
     update = functools.partial(update_in_window, compile_(block_update))

@@ -518,7 +518,7 @@ class BouncingMNIST(Model):
 
     blocks: dict[str, tuple[str, ...]] = {"what": ("z_what",)}  # where_1..where_T: see blocks_for
     # The step unrolls K sweeps of T + 1 block updates: traced whole at the paper's sizes it
-    # did not finish in 44 minutes (bench/RESULTS.md), so it compiles one unit at a time.
+    # did not finish in 44 minutes, so it compiles one unit at a time (docs/kernels.md).
     compile_per_block = True
 
     def __init__(self, cfg: BMNISTConfig = BMNISTConfig()):
@@ -1033,8 +1033,8 @@ class BMNISTProposals(Proposals):
     ``num_digits`` (D) is a property of the data, not of the networks: set it to evaluate
     on videos with another number of digits (the state dict is unchanged).
 
-    Three choices differ from the authors' code, each measured (bench/RESULTS.md, "Bouncing
-    MNIST learning diagnostics" and session 29): the encoder and the kernels have a position
+    Three choices differ from the authors' code, each measured (docs/decisions.md, "Model and
+    proposals"): the encoder and the kernels have a position
     network each (``share_where_net=False``; with one shared network, sweeps made the
     encoder's positions worse), both start as a soft-argmax of the map (``read_coordinates``,
     ``WhereNet._read_coordinates``; from random weights, reading positions took thousands
@@ -1069,7 +1069,7 @@ class BMNISTProposals(Proposals):
         # encoder was still 3-6 px off, its wake-phi gradient (~1/scale^2) grew a
         # hundredfold, and in 2 of 11 seeds (600 steps of the CPU default) its mean ran into
         # a corner of the frame, where the final tanh saturates and it never came back.
-        # With the floor all 11 ended at 1.8-2.5 px (bench/RESULTS.md, session 29). The
+        # With the floor all 11 ended at 1.8-2.5 px (docs/decisions.md). The
         # kernels' networks keep WhereNet's own floor; with one network it is the encoder's.
         def where_net(min_scale: float) -> WhereNet:
             return WhereNet(side * side, read_coordinates=read_coordinates, min_scale=min_scale)

@@ -564,7 +564,8 @@ class AssignmentProposal(nn.Module):
     sum_d (log tau_id - tau_id (x_nd - mu_id)^2) / 2, is a quadratic of bounded inputs. On
     raw offsets the network must form tau (x - mu)^2 itself, and datasets with a wide cluster
     (small tau, large offsets) fall outside what it learnt, which is where most of its
-    inclusive KL of {c} came from (bench/RESULTS.md, "The assignment network's inputs").
+    inclusive KL of {c} came from (docs/decisions.md, "GMM assignment network reads
+    standardized offsets").
     Same layers and width either way (Appendix E's).
 
     Local neural sufficient statistics (section 3): the logits are the prior's (uniform,
