@@ -127,15 +127,18 @@ def uncommitted(root: Path, paths: list[str]) -> list[str]:
     return [line[3:] for line in dirty.splitlines() if line]
 
 
-def cell_fingerprints(root: Path, tasks: list[str]) -> dict[str, dict[str, str]]:
-    """``{task: {cell name: numerics fingerprint}}`` of the trained cells the results were
+def cell_fingerprints(root: Path, tasks: list[str]) -> dict[str, dict[str, dict[str, str]]]:
+    """``{task: {cell name: {cell_id, fingerprint}}}`` of the trained cells the results were
     made from (each task's ``results/<task>/sweep.json``; a task without one is left out)."""
     out = {}
     for task in tasks:
         path = root / "results" / task / "sweep.json"
         if path.is_file():
             rows = json.loads(path.read_text())["cells"]
-            out[task] = {row["name"]: row.get("fingerprint") for row in rows}
+            out[task] = {
+                row["name"]: {"cell_id": row["cell_id"], "fingerprint": row.get("fingerprint")}
+                for row in rows
+            }
     return out
 
 
@@ -156,31 +159,39 @@ def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
 
 
 def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> str:
-    """What ``dvc repro`` would retrain now: the recorded cells whose numerics fingerprint the
-    code in ``root`` no longer computes (one line). Recomputes the fingerprints, so it needs
-    each task's training data (``data/<task>/train.npz``)."""
-    from pipeline.sweep import SweepError, plan
+    """What ``dvc repro`` would retrain now: the recorded cells whose id the code and params in
+    ``root`` no longer give, and of those how many for their numerics fingerprint (one line).
+    Recomputes the fingerprints, so it needs each task's training data."""
+    from pipeline.sweep import plan
 
     old = recorded.get("fingerprints") or {}
     if not old:
         return "Training numerics: not recorded with these results."
-    changed, total, unchecked = [], 0, {}
+    changed, numerics, total, unchecked = [], 0, 0, {}
     for task, cells in sorted(old.items()):
         if task not in params.get("tasks", []):
             unchecked[task] = "not in params.yaml's tasks"
             continue
-        try:
-            now = {cell.name: cell.fingerprint for cell in plan(params, task, root)[0].values()}
-        except SweepError:
+        if not (root / "data" / task / "train.npz").is_file():
             unchecked[task] = "no training data: run the generate stage"
             continue
+        try:
+            now = {cell.name: (cid, cell.fingerprint) for cid, cell in plan(params, task, root)[0].items()}
+        except Exception as err:  # noqa: BLE001 - one task's failure must not hide the others
+            unchecked[task] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            continue
         total += len(cells)
-        changed += [name for name, print_ in sorted(cells.items()) if now.get(name) != print_]
-    line = (
-        f"Training numerics: {len(changed)} of {total} recorded cells would retrain"
-        + (f" ({', '.join(changed[:5])}{' and more' if len(changed) > 5 else ''})" if changed else "")
-        + ("; the rest keep their fingerprints" if changed else ": every fingerprint is unchanged")
-    )
+        for name, was in sorted(cells.items()):
+            cell_id, print_ = now.get(name, (None, None))
+            if cell_id != was["cell_id"]:
+                changed.append(name)
+                numerics += print_ != was["fingerprint"]
+    line = f"Training: {len(changed)} of {total} recorded cells would retrain"
+    if changed:
+        shown = ", ".join(changed[:5]) + (" and more" if len(changed) > 5 else "")
+        line += f" ({shown}; {numerics} for their numerics fingerprint, the rest for their config or data)"
+    else:
+        line += ": every cell id, fingerprint included, is unchanged"
     line += "".join(f"; not checked for {task} ({why})" for task, why in unchecked.items())
     return line + "."
 

@@ -693,6 +693,13 @@ def _est(e: Estimate) -> str:
     return f"{number(e.mean)} [{number(e.lo)}, {number(e.hi)}]"
 
 
+def _largest(values) -> float:
+    """The largest of ``values``, NaN when any is NaN (a claim is as detectable as its least
+    detectable part)."""
+    values = list(values)
+    return math.nan if any(math.isnan(v) for v in values) else max(values)
+
+
 def _seed_note(*estimates: Estimate) -> str:
     """Why no verdict: too few seeds behind one of ``estimates`` ('' when there are enough)."""
     n = min(e.n for e in estimates)
@@ -845,7 +852,7 @@ def check_claim(
             [ests[m].hi for m in spec["metrics"]],
             {"metric": other_metric, "value": other.mean, "lo": other.lo, "hi": other.hi},
             cells,
-            max(detectable(d) for d in diffs.values()),
+            _largest(detectable(d) for d in diffs.values()),
         )
 
     if kind == "increasing":
@@ -857,8 +864,10 @@ def check_claim(
         if any(not c.n for c in steps):
             return not_run
         note = _seed_note(*ests, *steps)
-        # A metric already at its ceiling at the smallest K has no room to rise: not a test.
-        if not note and "ceiling" in spec and ests[0].mean >= spec["ceiling"] - spec["ceiling_margin"]:
+        # A metric already at its ceiling at the smallest K has no room to rise: not a test,
+        # unless it falls (a change's interval below 0 fails the claim wherever it starts).
+        near = "ceiling" in spec and ests[0].mean >= spec["ceiling"] - spec["ceiling_margin"]
+        if not note and near and not any(c.hi < 0 for c in steps):
             note = AT_CEILING
         ok = all(c.lo > 0 for c in steps)
         ours = f"{method}: " + "; ".join(f"K={k}: {_est(e)}" for (k, _), e in zip(pairs, ests, strict=True))
@@ -875,7 +884,7 @@ def check_claim(
             [e.hi for e in ests],
             "increasing",
             cells,
-            max(detectable(c) for c in steps),
+            _largest(detectable(c) for c in steps),
         )
 
     # budget_above: Figure 2 from cells retrained at each (K, L = total // K)
@@ -960,6 +969,8 @@ def claims_json(results: list[ClaimResult]) -> dict[str, Any]:
             "hi": clean(r.hi),
             "target": clean(r.target_value),
             "pass": r.passed,
+            "note": r.note,  # why there is no verdict: not run, too few seeds, at the ceiling
+            "detectable": clean(r.detectable),
         }
         for r in results
     }

@@ -567,17 +567,34 @@ def test_provenance_says_which_recorded_cells_a_repro_would_retrain(tmp_path, mo
 
     cells, _, _ = _planned(tmp_path, monkeypatch, "numbers-1")
     params = tiny()
-    recorded = {"fingerprints": {"gmm": {cell.name: cell.fingerprint for cell in cells.values()}}}
+    recorded = {
+        "fingerprints": {
+            "gmm": {cell.name: {"cell_id": cid, "fingerprint": cell.fingerprint} for cid, cell in cells.items()}
+        }
+    }
+    n = len(cells)
     line = provenance.retraining(tmp_path, params, recorded)
-    assert line == f"Training numerics: 0 of {len(cells)} recorded cells would retrain: every fingerprint is unchanged."
-    one = next(iter(cells.values()))
-    recorded["fingerprints"]["gmm"][one.name] = "numbers-0"
-    line = provenance.retraining(tmp_path, params, recorded)
-    assert line.startswith(f"Training numerics: 1 of {len(cells)} recorded cells would retrain ({one.name})")
-    recorded["fingerprints"]["dgmm"] = {"dgmm/apg/K2/L3/seed0": "x"}
+    assert line == f"Training: 0 of {n} recorded cells would retrain: every cell id, fingerprint included, is unchanged."
+    monkeypatch.setattr(sweep_module(), "fingerprint", lambda *args, **kwargs: "numbers-2")
+    assert provenance.retraining(tmp_path, params, recorded).startswith(
+        f"Training: {n} of {n} recorded cells would retrain"
+    )
+    assert f"; {n} for their numerics fingerprint" in provenance.retraining(tmp_path, params, recorded)
+    monkeypatch.setattr(sweep_module(), "fingerprint", lambda *args, **kwargs: "numbers-1")
+    longer = tiny(**{"gmm.train.iterations": 7})  # a params edit the fingerprint cannot see
+    assert "; 0 for their numerics fingerprint, the rest for their config" in provenance.retraining(
+        tmp_path, longer, recorded
+    )
+    recorded["fingerprints"]["dgmm"] = {"dgmm/apg/K2/L3/seed0": {"cell_id": "x", "fingerprint": "y"}}
     assert "; not checked for dgmm (not in params.yaml's tasks)." in provenance.retraining(tmp_path, params, recorded)
     (tmp_path / "data" / "gmm" / "train.npz").unlink()
     assert "not checked for gmm (no training data" in provenance.retraining(tmp_path, params, recorded)
+
+
+def sweep_module():
+    from pipeline import sweep
+
+    return sweep
 
 
 def test_sweep_progress_counts_cells_and_estimates_the_time_left(capsys):

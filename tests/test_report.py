@@ -277,6 +277,9 @@ def test_threshold_and_increasing_claims():
     assert report.check_claim({**inc, "ceiling": 1.0, "ceiling_margin": 0.02}, "gmm", fin, fin.iloc[:0]).passed
     at_ceiling = report.check_claim({**inc, "ceiling": 0.91, "ceiling_margin": 0.02}, "gmm", fin, fin.iloc[:0])
     assert at_ceiling.passed is None and report.verdict(at_ceiling) == "at ceiling: not testable here"
+    # near the ceiling but falling (0.96 -> 0.90): a failure, not an exemption
+    falling = report.check_claim({**dec, "ceiling": 1.0, "ceiling_margin": 0.05}, "gmm", fin, fin.iloc[:0])
+    assert falling.passed is False and falling.note == ""
 
 
 def test_increasing_pairs_each_cell_with_itself():
