@@ -10,7 +10,9 @@ The fingerprint of a training config is a few optimizer steps of that config, sh
 trains (its particles, networks, method options and learning rate), from a fixed seed, on
 the datasets given (the pipeline passes the first rows of the cell's own training set).
 What each step computes is read back: the loss, the step's metrics and the norm of the whole
-gradient. These numbers, rounded to ``DIGITS`` significant digits, are hashed.
+gradient, the last two steps on a trainer resumed from a checkpoint; with them the learning rate
+of the real schedule at five points and the optimizer's settings (:func:`numbers`). These
+numbers, rounded to ``DIGITS`` significant digits, are hashed.
 
 Why rounded, and to how many digits: the same code gives slightly different float32
 results on other CPUs (the native kernels are built with ``-march=native -ffast-math``;
@@ -33,11 +35,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import random
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from apg import training
+from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.training import TrainConfig, Trainer
 
 STEPS = 3
@@ -61,35 +70,71 @@ def shrunk(cfg: TrainConfig) -> TrainConfig:
     )
 
 
-def numbers(cfg: TrainConfig, x: Tensor) -> list[tuple[str, float]]:
-    """The named numbers the fingerprint hashes, unrounded: per step the loss, the step's
-    metrics (log joint, ESS, evidence, the method's diagnostics) and the norm of the whole
-    gradient. Few numbers on purpose: each is a chance for two machines' roundings to part.
+def numbers(
+    cfg: TrainConfig, x: Tensor, start: Callable[[int], None] | None = None
+) -> list[tuple[str, float]]:
+    """The named numbers the fingerprint hashes, unrounded.
 
-    ``x``: ``(M, ...)`` datasets, ``M >= 1``; the first ``BATCH`` are used. Torch's random
-    state and thread count are restored afterwards, so a caller's draws do not change."""
+    - Per step (``STEPS`` of them): the loss, the step's metrics (log joint, ESS, evidence,
+      the method's diagnostics) and the norm of the whole gradient. The last two steps run on
+      a trainer resumed from a checkpoint of the first (``apg.checkpoint``), as a restarted
+      trial does, so the resume path is part of what is fingerprinted.
+    - The learning rate of ``cfg``'s own schedule at five points of its real length (the
+      shrunk run sees only its first steps) and the optimizer's settings.
+
+    Few numbers on purpose: each is a chance for two machines' roundings to part.
+
+    ``x``: ``(M, ...)`` datasets, ``M >= 1``; the first ``BATCH`` are used. ``start(seed)``
+    seeds the run as the caller's entry point seeds a trial (default ``torch.manual_seed``);
+    torch's, numpy's and Python's random states and torch's thread count are restored
+    afterwards, so a caller's draws do not change."""
     if x.dim() == 0 or len(x) < 1:
         raise ValueError(f"a fingerprint needs at least one dataset, got x of shape {tuple(x.shape)}")
     small = shrunk(cfg)
-    threads = torch.get_num_threads()
+    threads, np_state, py_state = torch.get_num_threads(), np.random.get_state(), random.getstate()
     out: list[tuple[str, float]] = []
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), tempfile.TemporaryDirectory() as tmp:
         torch.set_num_threads(1)
         try:
-            torch.manual_seed(SEED)
+            (start or torch.manual_seed)(SEED)
             trainer = Trainer(small, x[:BATCH].clone())
-            params = [
-                p for m in (trainer.model, trainer.proposals) for p in m.parameters() if p.requires_grad
-            ]
             for step in range(STEPS):
+                # Resumed from a checkpoint, as a restarted trial is, one step before the last
+                # (whose forward pass then shows the resumed optimizer's update).
+                if step == STEPS - 2:
+                    saved = save_checkpoint(Path(tmp) / "resume.pt", small.to_dict(), trainer.state_dict())
+                    trainer = Trainer(small, x[:BATCH].clone())
+                    trainer.load_state_dict(load_checkpoint(saved)[1])
                 metrics = trainer.step(log=True)
                 assert metrics is not None
                 metrics.pop("step_seconds")
-                grads = [p.grad.double().square().sum() for p in params if p.grad is not None]
+                params = [
+                    p
+                    for m in (trainer.model, trainer.proposals)
+                    for p in m.parameters()
+                    if p.grad is not None
+                ]
+                grads = [p.grad.double().square().sum() for p in params]
                 metrics["grad_norm"] = float(torch.stack(grads).sum().sqrt()) if grads else 0.0
                 out += [(f"{step}/{k}", v) for k, v in sorted(metrics.items())]
+            last = max(cfg.iterations - 1, 0)
+            for where, i in (
+                ("0", 0),
+                ("1/4", last // 4),
+                ("1/2", last // 2),
+                ("3/4", 3 * last // 4),
+                ("end", last),
+            ):
+                out.append((f"lr/{where}", training.learning_rate(cfg, i)))
+            if trainer.optimizer is not None:
+                for key, value in sorted(trainer.optimizer.defaults.items()):
+                    for j, v in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+                        if isinstance(v, (bool, int, float)):
+                            out.append((f"optimizer/{key}/{j}", float(v)))
         finally:
             torch.set_num_threads(threads)
+            np.random.set_state(np_state)
+            random.setstate(py_state)
     return out
 
 
@@ -98,7 +143,8 @@ def rounded(value: float, digits: int = DIGITS) -> str:
     return f"{value:.{digits - 1}e}"
 
 
-def fingerprint(cfg: TrainConfig, x: Tensor) -> str:
-    """The numerics fingerprint of ``cfg`` on datasets ``x`` (12 hex digits)."""
-    payload: dict[str, Any] = {name: rounded(v) for name, v in numbers(cfg, x)}
+def fingerprint(cfg: TrainConfig, x: Tensor, start: Callable[[int], None] | None = None) -> str:
+    """The numerics fingerprint of ``cfg`` on datasets ``x`` (12 hex digits); ``start`` as
+    in :func:`numbers`."""
+    payload: dict[str, Any] = {name: rounded(v) for name, v in numbers(cfg, x, start)}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]

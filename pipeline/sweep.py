@@ -53,7 +53,7 @@ import torch
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.fingerprint import BATCH as FINGERPRINT_BATCH
-from apg.fingerprint import fingerprint, shrunk
+from apg.fingerprint import fingerprint
 from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
@@ -97,12 +97,12 @@ def plan(params: dict[str, Any], task: str, root: Path) -> tuple[dict[str, Cell]
     cells, prints = {}, {}
     for cell in grid_cells(params, task):
         config_key = cell.cell_id(digest + architecture_digest(cell))
-        # Cells that differ only in what the fingerprint cuts (seed, steps, sweeps beyond its
-        # few) share one.
-        shrunk_key = json.dumps(shrunk(cell.train).to_dict(), sort_keys=True)
-        if shrunk_key not in prints:
-            prints[shrunk_key] = fingerprint(cell.train, first)
-        numerics = prints[shrunk_key]
+        # Cells that differ only in their seed share one. Seeded as a trial is
+        # (``seed_everything``), so the entry point's seeding is part of the numbers.
+        key = json.dumps(cell.train.to_dict(), sort_keys=True)
+        if key not in prints:
+            prints[key] = fingerprint(cell.train, first, seed_everything)
+        numerics = prints[key]
         cell_id = cell.cell_id(config_key + numerics)
         if reuse and not is_done(sweep_dir, cell_id):
             cell_id = _done_by_other_code(sweep_dir, config_key) or cell_id

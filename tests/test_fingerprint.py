@@ -114,15 +114,40 @@ def test_the_numbers_are_each_steps_loss_metrics_and_gradient_norm_rounded():
     assert fp.rounded(1234.5678 * (1 + 1e-6)) == fp.rounded(1234.5678)
     assert fp.rounded(float("nan")) == "nan"
     got = fp.numbers(config(), data())
-    assert {name.split("/", 1)[1] for name, _ in got} == {
+    steps = [(name, v) for name, v in got if name[0].isdigit()]
+    assert {name.split("/", 1)[1] for name, _ in steps} == {
         "loss",
         "log_joint",
         "ess",
         "log_evidence",
         "grad_norm",
     }
-    assert len({name.split("/")[0] for name, _ in got}) == fp.STEPS
-    assert all(value != 0 for name, value in got if name.endswith("grad_norm"))
+    assert len({name.split("/")[0] for name, _ in steps}) == fp.STEPS
+    assert all(value != 0 for name, value in steps if name.endswith("grad_norm"))
+    named = dict(got)
+    assert named["lr/0"] == named["lr/end"] == 0.01 and named["optimizer/betas/1"] == 0.99
+
+
+def test_the_schedule_the_seeding_and_the_resume_path_are_part_of_the_numbers(monkeypatch):
+    import apg.training
+
+    x, cosine = data(), config(lr_schedule="cosine", iterations=1000)
+    base = fp.fingerprint(cosine, x)
+    assert fp.fingerprint(config(lr_schedule="cosine", iterations=2000), x) != base  # its real length
+    assert fp.fingerprint(cosine, x, start=lambda seed: torch.manual_seed(seed + 1)) != base
+    schedule = apg.training.learning_rate
+    monkeypatch.setattr(
+        apg.training, "learning_rate", lambda cfg, i: schedule(cfg, i) * (1.01 if i > 500 else 1)
+    )
+    assert fp.fingerprint(cosine, x) != base  # a change past the shrunk run's own steps
+    monkeypatch.undo()
+    restore = apg.training.Trainer.load_state_dict
+
+    def forgets_the_optimizer(self, state):
+        restore(self, {**state, "optimizer": self.optimizer.state_dict()})
+
+    monkeypatch.setattr(apg.training.Trainer, "load_state_dict", forgets_the_optimizer)
+    assert fp.fingerprint(cosine, x) != base  # a resume that loses Adam's moments
 
 
 def test_perturbing_one_network_changes_the_fingerprints_of_the_methods_that_use_it(monkeypatch):
@@ -146,10 +171,12 @@ def test_perturbing_one_network_changes_the_fingerprints_of_the_methods_that_use
 
 
 def rename_move_and_comment(root: Path) -> None:
-    """A refactor that computes the same: a function renamed everywhere, one moved within its
-    module, a comment added to every file."""
+    """A refactor that computes the same: two functions renamed everywhere (the sampler, used
+    across the package, and one of its helpers), one moved within its module, a comment added
+    to every file."""
     for path in root.rglob("*.py"):
         text = re.sub(r"\bblock_update\b", "update_one_block", path.read_text())
+        text = re.sub(r"\brun_apg\b", "run_population_gibbs", text)
         path.write_text(f"# a comment a refactor added\n{text}")
     resampling = root / "smc" / "resampling.py"
     text = resampling.read_text()
