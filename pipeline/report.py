@@ -1974,11 +1974,12 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
         for part in parts:
             lines += [f"Table 1, {part['task']} ({part['caption']}):", "", part["table_md"], ""]
         held = [c for c in claims if c.passed is not None]
-        lines += [
-            f"{sum(bool(c.passed) for c in held)} of its {len(held)} claims with a verdict hold "
-            f"([its report](recorded/{run_dir.name}/README.md)).",
-            "",
-        ]
+        verdicts = (
+            f"{sum(bool(c.passed) for c in held)} of its {len(held)} claims with a verdict hold"
+            if held
+            else f"None of its {len(claims)} claims has a verdict (each rests on fewer than {MIN_SEEDS} seeds)"
+        )
+        lines += [f"{verdicts} ([its report](recorded/{run_dir.name}/README.md)).", ""]
     return "\n".join(lines)
 
 
