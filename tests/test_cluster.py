@@ -541,7 +541,10 @@ def test_worker_node_killed_trials_restart_elsewhere(ray_cluster, mlflow_server,
 
 
 def test_mlflow_server_outage_loses_no_metrics(ray_cluster, mlflow_server, data_dir, tmp_path):
-    p = params(**{**LONG, "gmm.grid.0.seeds": [3], "gmm.grid.0.methods": ["rws-mlp", "rws-lstm"]})
+    # Long enough that the two trials' logging overlaps even when one starts late: at LONG's
+    # 150 steps the first RWS trial once finished before the second logged (a loaded machine).
+    longer = {**LONG, "gmm.train.iterations": 600}
+    p = params(**{**longer, "gmm.grid.0.seeds": [3], "gmm.grid.0.methods": ["rws-mlp", "rws-lstm"]})
     root = make_project(tmp_path, p, data_dir)
     log = tmp_path / "driver.log"
     proc = start_sweep(root, cluster_env(ray_cluster, mlflow_server), log)

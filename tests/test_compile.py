@@ -330,7 +330,10 @@ def test_a_per_block_step_traces_unit_by_unit(resample_mode, lengths, sweeps, mo
         pairs, grads = compiled_against_eager(num_frames, 3, resample_mode=resample_mode, sweeps=sweeps)
         assert counters["stats"]["unique_graphs"] == GRAPHS[resample_mode], num_frames
         assert not counters["graph_break"]
-        assert_same_steps(pairs, grads, rel=1e-4, grad_rel=1e-3)
+        # Three Adam steps carry the first step's reordered float32 sums into the next:
+        # without resampling the third step's loss differed by 1.3e-4 of itself on an Intel
+        # Xeon with AVX-512 (2026-11-28, torch 2.13.0+cpu), by less on other CPUs.
+        assert_same_steps(pairs, grads, rel=5e-4, grad_rel=1e-3)
 
 
 def test_the_per_block_graphs_take_cuda_graphs_on_a_gpu_and_not_on_a_cpu(monkeypatch):
