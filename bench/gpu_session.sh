@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lease of a GPU machine in one call (it has PyTorch, not Ray, MLflow or DVC):
+# One GPU machine's run in one call (it has PyTorch, not Ray, MLflow or DVC):
 #   1. every paper cell's training step on the GPU (bench/paper_scale.py --device cuda; with
 #      COMPILE=1 also compiled, --compile, within COMPILE_S seconds: COMPILE_TASKS x
 #      COMPILE_METHODS x COMPILE_PAIRS, compiling beside the eager work, timed after it;
@@ -19,7 +19,7 @@
 # With COMPILE_TRAIN=1, steps 2-4 derive the profile from params-paper.yaml with train.compile
 # on for every cell whose method compiles (Bouncing MNIST: per block; AVF stays eager); the
 # gpu-bmnist-compiled profile has it built in. On a GPU every compiled graph has CUDA graphs,
-# Bouncing MNIST's per-block ones included (4x faster on the H200, session 27; bench/RESULTS.md).
+# Bouncing MNIST's per-block ones included (4x faster on the H200; docs/benchmarks.md).
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
 # tarred and split under 15 MB (the device tool's file limit), and the timings.
 # Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.

@@ -143,7 +143,7 @@ def test_refinement_reaches_the_exact_step_posterior():
         error = (q.loc.detach() - loc).reshape(-1)
         var_error = (q.log_scale.detach().exp() ** 2 / var - 1).reshape(-1)
         # Every particle's q within a tenth of the posterior's sd (mean) and 10% (variance);
-        # seen (session 27, 3 seeds): at most 0.05 sd and 6%.
+        # seen (3 seeds): at most 0.05 sd and 6%.
         assert error.abs().max() < 0.1 * math.sqrt(var), (t, error.abs().max())
         assert var_error.abs().max() < 0.1, (t, var_error.abs().max())
         # What is left is the 64-sample gradients' noise, not a bias: over the 20 particles

@@ -124,7 +124,7 @@ def test_a_compiled_step_trains_and_compiles_once():
 def test_the_video_likelihood_keeps_its_gradients_when_compiled():
     """torch 2.11's torch.compile silently zeroed the gradients of an autograd.Function whose
     output it had written in place, on any backend: on the GPU, Bouncing MNIST's decoder then
-    never learnt (session 27). The likelihood's gradients, traced, are the eager ones."""
+    never learnt. The likelihood's gradients, traced, are the eager ones."""
     gen = torch.Generator().manual_seed(0)
     templates = torch.rand(2, 3, 2, 28, 28, generator=gen).requires_grad_()  # (L, B, D, S, S)
     where = (torch.rand(2, 3, 2, 2, 2, generator=gen) * 1.6 - 0.8).requires_grad_()  # (L, B, F, D, 2)
@@ -144,7 +144,7 @@ def test_the_video_likelihood_keeps_its_gradients_when_compiled():
 def test_a_compiled_step_that_loses_a_gradient_stops_before_its_update():
     """A compiled trainer's first step checks its gradients against an eager step's on the
     same batch. Here the "compiled" step is the eager one with the decoder cut off, as torch
-    2.11 ran Bouncing MNIST's (session 27): it stops there, naming the decoder, and no weight
+    2.11 ran Bouncing MNIST's: it stops there, naming the decoder, and no weight
     moves."""
     trainer = Trainer(config("bmnist", "rws-mlp", compile=True), videos(3))
     decoder = list(trainer.model.parameters())

@@ -223,7 +223,7 @@ def test_direct_options_need_direct():
 @pytest.mark.slow
 def test_direct_record_trains_to_the_clock_on_one_machine_and_evaluates_on_another(tmp_path):
     # paper-gmm derived from the smoke profile, trained in one call and evaluated in another
-    # (as a GPU lease trains and the CPU evaluates), with nothing but PyTorch in the way.
+    # (as a GPU machine trains and the CPU evaluates), with nothing but PyTorch in the way.
     env = {**os.environ, "APG_PROJECT_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1", "APG_COMMIT": "c0ffee1"}
     base = [sys.executable, "-m", "pipeline.cli", "record", "paper-gmm", "--params", str(SMOKE), "--direct"]
     proc = subprocess.run(

@@ -164,7 +164,7 @@ def test_evidence_estimate_is_unbiased(f64, mode):
 
 @pytest.mark.slow
 def test_short_training_lowers_inclusive_kl_and_raises_ess():
-    # About 30 s on an idle 2-core machine. Seen (session 27): KL {mu, tau} fell on 17 of the
+    # About 30 s on an idle 2-core machine. Seen: KL {mu, tau} fell on 17 of the
     # 20 held-out datasets (median 0.76 -> 0.09), KL {c} on 20 (7.5 -> 0.35); paired gains
     # ESS/L +0.36 (z 6.9), log joint +66 (z 9.5).
     model = GMM()
