@@ -643,12 +643,14 @@ def paired_change(
     metric: str,
     pair: tuple[int, int],
     after_pair: tuple[int, int] | None = None,
+    after_metric: str | None = None,
 ) -> Estimate:
     """``after - before`` of ``metric`` for the same cell and held-out dataset (two sweeps of
-    one run at ``pair``, or two test-time budgets ``pair`` → ``after_pair``): per seed the
+    one run at ``pair``, two test-time budgets ``pair`` → ``after_pair``, or two metrics
+    ``metric`` → ``after_metric`` of the same run): per seed the
     mean over datasets, then ``seed_interval``. Paired, so the spread between seeds and
     datasets that both share cancels."""
-    a, b = _rows(before, method, metric, pair), _rows(after, method, metric, after_pair or pair)
+    a, b = _rows(before, method, metric, pair), _rows(after, method, after_metric or metric, after_pair or pair)
     return _over_seeds(b["value"] - a["value"].reindex(b.index), b)
 
 
@@ -828,12 +830,8 @@ def check_claim(
     if kind == "above_metric":
         # several metrics of one method's cells against another metric of the same cells
         other_metric = spec["other_metric"]
-        base = _rows(fin, method, other_metric, pair)
-        ests, diffs = {}, {}
-        for m in spec["metrics"]:
-            rows = _rows(fin, method, m, pair)
-            ests[m] = seed_estimate(fin, method, m, pair)
-            diffs[m] = _over_seeds(rows["value"] - base["value"].reindex(rows.index), rows)
+        ests = {m: seed_estimate(fin, method, m, pair) for m in spec["metrics"]}
+        diffs = {m: paired_change(fin, fin, method, other_metric, pair, after_metric=m) for m in spec["metrics"]}
         other = seed_estimate(fin, method, other_metric, pair)
         if not other.n or any(not e.n for e in (*ests.values(), *diffs.values())):
             return not_run
