@@ -23,6 +23,11 @@
   true ``c`` (NaN for a method whose particles have no ``c``); tasks with a known
   Bayes-optimal assignment rule (the GMM: ``argmax_i p(c_n = i | x_n, mu, tau)`` at the
   true parameters) add ``ari_ceiling``, the ARI of that rule, the same for every cell.
+  The same particle's centres give ``centre_err``, the mean distance to the true centres
+  under the best matching (decoder-free), and for the rings ``log_joint_true``: its
+  ``log p(x, mu, c)`` under the simulator's true model, angles integrated out, one model
+  for every method (each cell learns its own ring shape, so ``log_joint`` scores each
+  method under a different model).
   Held-out videos that carry the simulator's digit positions (Bouncing MNIST) add the
   curves ``pos_err`` (pixels between inferred and true digits, at the centres of their ink,
   after the best matching of digits), ``box_err`` (the same for the boxes' corners),
@@ -59,7 +64,7 @@ import torch
 
 from apg.checkpoint import CheckpointError
 from apg.data import atomic_write, load_dataset
-from apg.metrics import adjusted_rand_index
+from apg.metrics import adjusted_rand_index, matched_centre_error
 from apg.tasks import get_task
 from apg.training import evaluate as evaluate_cell
 from apg.training import make_method
@@ -164,18 +169,19 @@ def _device(model, proposals, x: torch.Tensor) -> torch.device:
     return next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
 
 
-def final_assignments(
+def final_particle(
     cfg, model, proposals, x: torch.Tensor, sweeps: int, particles: int, batch_size: int, resample_mode: str
-) -> np.ndarray | None:
-    """Each dataset's highest-weight particle's assignments ``c`` after the method's last
-    sweep at budget ``(sweeps, particles)``, ``(M, N)``; ``None`` when the method's
-    particles have no ``c`` (nothing to score).
+) -> dict[str, np.ndarray] | None:
+    """Each dataset's highest-weight particle after the method's last sweep at budget
+    ``(sweeps, particles)``: its assignments ``c (M, N)`` and, when the particles have them,
+    its centres ``mu (M, I, D)``; ``None`` when the method's particles have no ``c``
+    (nothing to score).
 
     A run of its own: ``apg.training.evaluate`` does not hand out its final particles.
     """
     method = make_method(cfg)
     device = _device(model, proposals, x)
-    chunks = []
+    chunks: dict[str, list[np.ndarray]] = {}
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
@@ -183,8 +189,11 @@ def final_assignments(
             if "c" not in result.z:
                 return None
             best = result.log_weights.argmax(0)  # (B,)
-            chunks.append(result.z["c"][best, torch.arange(xb.shape[0], device=device)].cpu().numpy())
-    return np.concatenate(chunks)
+            rows = torch.arange(xb.shape[0], device=device)
+            for name in ("c", "mu"):
+                if name in result.z:
+                    chunks.setdefault(name, []).append(result.z[name][best, rows].cpu().numpy())
+    return {name: np.concatenate(parts) for name, parts in chunks.items()}
 
 
 def gmm_bayes_assignments(arrays: dict[str, np.ndarray]) -> np.ndarray:
@@ -203,6 +212,27 @@ def gmm_bayes_assignments(arrays: dict[str, np.ndarray]) -> np.ndarray:
 ASSIGNMENT_CEILINGS = {"gmm": gmm_bayes_assignments}
 
 
+def rings_common_log_joint(
+    arrays: dict[str, np.ndarray], particle: dict[str, np.ndarray], model_hparams: dict[str, Any], sizes: dict[str, Any]
+) -> np.ndarray:
+    """Per-dataset ``log p(x, mu, c)`` ``(M,)`` of a particle's centres and assignments under
+    the rings' true generative model (the simulator's circles of the set's ``radius``, the
+    model's noise and prior; angles integrated out: ``apg.tasks.dgmm.true_ring_log_joint``),
+    the same model for every method, whatever ring shape each learned."""
+    from apg.tasks.dgmm import DGMMConfig, true_ring_log_joint
+
+    cfg = DGMMConfig(**model_hparams)
+    x, mu = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (arrays["x"], particle["mu"]))
+    c = torch.from_numpy(particle["c"].astype(np.int64))
+    radius = float(sizes.get("radius", 2.0))
+    return true_ring_log_joint(x, mu, c, cfg.num_clusters, cfg.sigma0, radius, cfg.noise).numpy()
+
+
+# Tasks whose inferred latents are also scored under one model common to every method
+# (``log_joint_true``): the rings, whose ring shape each cell learns for itself.
+COMMON_MODEL_SCORES = {"dgmm": rings_common_log_joint}
+
+
 def ari_scores(true_c: np.ndarray, pred_c: np.ndarray | None) -> np.ndarray:
     """Per-dataset ARI ``(M,)`` of ``pred_c (M, N)`` against ``true_c (M, N)``; NaN when
     there are no predicted assignments."""
@@ -211,15 +241,41 @@ def ari_scores(true_c: np.ndarray, pred_c: np.ndarray | None) -> np.ndarray:
     return adjusted_rand_index(torch.from_numpy(true_c), torch.from_numpy(pred_c)).numpy()
 
 
-def assignment_truth(task: str, path: Path) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The true ``c (M, N)`` of a held-out file (None without one) and the ceiling's
-    per-dataset ARI ``(M,)`` (None for tasks without a ceiling rule)."""
+def latent_truth(task: str, path: Path) -> dict[str, Any] | None:
+    """What a held-out file holds of the truth for scoring a final particle: its arrays
+    (``x`` and the true ``c``, ``mu``) and the ceiling's per-dataset ARI ``ari_ceiling``
+    ``(M,)`` (None for tasks without a ceiling rule); None without true assignments."""
     arrays = load_dataset(path)
     if "c" not in arrays:
-        return None, None
+        return None
     true_c = arrays["c"].astype(np.int64)
     rule = ASSIGNMENT_CEILINGS.get(task)
-    return true_c, (ari_scores(true_c, rule(arrays)) if rule else None)
+    return {"arrays": arrays, "c": true_c, "ari_ceiling": ari_scores(true_c, rule(arrays)) if rule else None}
+
+
+def particle_scores(
+    task: str, truth: dict[str, Any], particle: dict[str, np.ndarray] | None, model_hparams: dict[str, Any],
+    sizes: dict[str, Any],
+) -> dict[str, np.ndarray]:
+    """Final metrics ``(M,)`` of the highest-weight particles (``final_particle``) against the
+    truth (``latent_truth``): ``ari``; ``centre_err`` (``apg.metrics.matched_centre_error``)
+    when both hold centres ``mu``; ``log_joint_true`` for the tasks of
+    ``COMMON_MODEL_SCORES``; ``ari_ceiling`` where the task has one. NaN where the
+    particles lack what a metric reads."""
+    size = len(truth["c"])
+    scores = {"ari": ari_scores(truth["c"], None if particle is None else particle["c"])}
+    if "mu" in truth["arrays"]:
+        scores["centre_err"] = np.full(size, np.nan)
+        if particle is not None and "mu" in particle:
+            true_mu, mu = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (truth["arrays"]["mu"], particle["mu"]))
+            scores["centre_err"] = matched_centre_error(true_mu, mu).numpy()
+    if task in COMMON_MODEL_SCORES:
+        scores["log_joint_true"] = np.full(size, np.nan)
+        if particle is not None and "mu" in particle:
+            scores["log_joint_true"] = COMMON_MODEL_SCORES[task](truth["arrays"], particle, model_hparams, sizes)
+    if truth["ari_ceiling"] is not None:
+        scores["ari_ceiling"] = truth["ari_ceiling"]
+    return scores
 
 
 # --------------------------------------------------------------------------- tracking
@@ -245,7 +301,7 @@ def tracking_errors(
     boxes' error, the motion error and the tracked-frame fraction of each video's
     highest-weight particle after each sweep, against the simulator's (``truth`` from
     ``position_truth``; ``apg.tasks.bmnist.position_errors``). A run of its own, like
-    ``final_assignments``."""
+    ``final_particle``."""
     from apg.tasks.bmnist import ink_centres, position_errors, stack_where
 
     device = _device(model, proposals, x)
@@ -322,7 +378,7 @@ def evaluate_task(
         entry["x"] = load_task_data(task, data_dir / f"{entry['stem']}.npz", model_hparams)
         entry["truth"] = position_truth(task, data_dir / f"{entry['stem']}.npz")
         if entry["kind"] == "test":
-            entry["true_c"], entry["ari_ceiling"] = assignment_truth(task, data_dir / f"{entry['stem']}.npz")
+            entry["latents"] = latent_truth(task, data_dir / f"{entry['stem']}.npz")
     test_sets = [e for e in sets if e["kind"] == "test"]
     figure_sets = [e for e in sets if e["kind"] == "figure"]
     figure_sweeps = ev.get("figure_sweeps", [1])
@@ -377,11 +433,11 @@ def evaluate_task(
                 seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
                 run_args = (ev.get("batch_size", 20), ev.get("resample_mode", "block"))
                 metrics = evaluate_cell(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
-                if entry["true_c"] is not None:
-                    pred = final_assignments(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
-                    metrics["ari"] = ari_scores(entry["true_c"], pred)
-                    if entry["ari_ceiling"] is not None:
-                        metrics["ari_ceiling"] = entry["ari_ceiling"]
+                if entry["latents"] is not None:
+                    particle = final_particle(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
+                    metrics.update(
+                        particle_scores(task, entry["latents"], particle, model_hparams, entry.get("sizes", {}))
+                    )
                 if entry["truth"] is not None:
                     metrics.update(
                         tracking_errors(set_cfg, model, set_proposals, entry["x"], entry["truth"], k, l, *run_args)

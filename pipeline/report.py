@@ -64,7 +64,7 @@ from pipeline.config import load_params  # noqa: E402
 from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT  # noqa: E402
 from pipeline.impute import load_imputation, report_imputation  # noqa: E402
 from pipeline.present import number, pm, write_gif  # noqa: E402
-from pipeline.recorded import recorded_runs  # noqa: E402
+from pipeline.recorded import GENERATIVE_ONLY, compress_samples, recorded_runs  # noqa: E402
 from pipeline.statistics import (  # noqa: E402
     MIN_SEEDS,
     Estimate,
@@ -376,6 +376,47 @@ def training_markdown(table: pd.DataFrame) -> str:
     return "\n".join("| " + " | ".join(r) + " |" for r in rows)
 
 
+def stalled_seeds(table: pd.DataFrame, margin: float) -> pd.DataFrame:
+    """Per training configuration (method, K, L) with more than one seed: how many seeds
+    stalled, i.e. ended training (``final_log_joint``, the mean over the last fifth) more
+    than ``margin`` below the best seed of the same configuration. A bistable method shows
+    here as a count, where the intervals over seeds only show a wide spread."""
+    rows = []
+    trained = table[np.isfinite(table["final_log_joint"].astype(float))] if len(table) else table
+    for (method, k, l), group in trained.groupby(["method", "K", "L"]) if len(trained) else []:
+        if len(group) < 2:
+            continue
+        best = group["final_log_joint"].max()
+        stalled = group[group["final_log_joint"] < best - margin]
+        rows.append(
+            {
+                "method": method,
+                "K": k,
+                "L": l,
+                "seeds": len(group),
+                "stalled": len(stalled),
+                "stalled_seeds": " ".join(str(seed) for seed in sorted(stalled["seed"])),
+                "best_final_log_joint": best,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def stalled_markdown(stalled: pd.DataFrame, margin: float) -> str:
+    """The stalled-seed counts as one paragraph under the training table."""
+    if stalled.empty:
+        return ""
+    counts = "; ".join(
+        f"{r.method} K={r.K} L={r.L}: {r.stalled} of {r.seeds}"
+        + (f" (seed{'s' if r.stalled > 1 else ''} {r.stalled_seeds.replace(' ', ', ')})" if r.stalled else "")
+        for r in stalled.itertuples(index=False)
+    )
+    return (
+        f"Stalled seeds (final training log joint more than {number(margin)} below the best seed's of the "
+        f"same method and budget; the margin is set in pipeline/paper_numbers.yaml): {counts}."
+    )
+
+
 # --------------------------------------------------------------------------- Table 1
 
 
@@ -439,7 +480,7 @@ def metric_order(metrics: list[str]) -> list[str]:
     head = [m for m in ("d_log_joint", "log_joint", "sweep_ess", "ess") if m in metrics]
     ess = [m for m in metrics if m.startswith("ess_")]
     kl = [m for m in metrics if m.startswith("kl_")]
-    ari = [m for m in ("ari", "ari_ceiling") if m in metrics]
+    ari = [m for m in ("log_joint_true", "ari", "ari_ceiling", "centre_err") if m in metrics]
     rest = [m for m in metrics if m not in head + ess + kl + ari]
     return head + ess + kl + ari + rest
 
@@ -459,7 +500,8 @@ def paper_column(paper: dict[str, Any] | None, index: pd.MultiIndex, metric: str
 def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) -> str:
     """Compact Markdown: ``mean ± std`` per metric, the paper's value in the next column.
 
-    ``labels`` renames block suffixes for readers (``globals`` -> ``{tau,mu}``)."""
+    ``labels`` renames block suffixes for readers (``globals`` -> ``{tau,mu}``) and whole
+    metrics (a task's ``metric_labels``)."""
     metrics = [
         c
         for c in table.columns
@@ -492,6 +534,8 @@ def _footnote(table: pd.DataFrame) -> str:
 
 
 def _label(metric: str, labels: dict[str, str] | None) -> str:
+    if labels and metric in labels:  # a task's own name for a metric (paper_numbers.yaml)
+        return labels[metric]
     if metric.startswith(("ess_", "kl_")) and metric.endswith("_t"):
         kind, block = metric[: metric.index("_")], metric[metric.index("_") + 1 :]
         return f"{kind} {block} (mean over t)"
@@ -511,12 +555,16 @@ METRIC_LABELS = {
     "ess": "ESS/L last block (per-block resampling)",
     "ari": "ARI",
     "ari_ceiling": "ARI ceiling",
+    "centre_err": "centre error",
+    "log_joint_true": "log p(x,μ,c) true model",
 }
 
 
 # --------------------------------------------------------------------------- method comparison
 
-COMPARISON_METRICS = ("log_joint", "sweep_ess", "ess", "log_evidence", "log_evidence_is", "ari", "accept")
+COMPARISON_METRICS = (
+    "log_joint", "log_joint_true", "sweep_ess", "ess", "log_evidence", "log_evidence_is", "ari", "centre_err", "accept",
+)
 
 
 def comparison_table(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
@@ -559,6 +607,8 @@ def comparison_markdown(table: pd.DataFrame) -> str:
         "log_evidence": "log p(x) SMC",
         "log_evidence_is": "log p(x) IS",
         "ari": "ARI",
+        "log_joint_true": "log p(x,μ,c) true model",
+        "centre_err": "centre error",
         "accept": "HMC accept",
     }
     metrics = [m for m in COMPARISON_METRICS if m in table]
@@ -587,7 +637,7 @@ def comparison_markdown(table: pd.DataFrame) -> str:
 
 CLAIM_KINDS = (
     "threshold", "above", "below", "at_least", "equivalent", "increasing", "falls_over_sweeps",
-    "budget_above", "above_metric",
+    "budget_above", "above_metric", "converges_within",
 )
 NOT_ENOUGH_SEEDS = "n/a ({n} seed{s})"
 AT_CEILING = "at ceiling: not testable here"
@@ -606,7 +656,10 @@ VERDICT_RULES = (
     "needs every such difference's interval above zero; "
     "'increasing with K' takes the change from each K to the next the same way and needs "
     "every change's interval above zero, unless the metric already lies within the claim's stated "
-    f"margin of its ceiling at the smallest K ('{AT_CEILING}'). 'detectable': the smallest true "
+    f"margin of its ceiling at the smallest K ('{AT_CEILING}'). 'converges within k sweeps' takes "
+    "per seed the first sweep whose value (mean over the datasets) lies within the stated tolerance "
+    "of the plateau, the mean of the run's last sweeps, and needs the upper end of the 95% interval "
+    "of that sweep's mean over seeds at or below k. 'detectable': the smallest true "
     "effect (difference, change, or distance from a target) a two-sided 95% test on these seeds "
     "finds with 80% power, (t_0.975 + t_0.8)·SE. 'not run': the method, budget or metric is absent "
     "from these results."
@@ -727,6 +780,11 @@ def claim_target(spec: dict[str, Any]) -> str:
         return f"≥ {spec['other']} (means)"
     if kind == "equivalent":
         return f"within ±{spec['margin']} of {spec['other']} (difference's 90% interval inside the margin)"
+    if kind == "converges_within":
+        return (
+            f"first sweep within {spec['tolerance']} of the plateau (mean of the last "
+            f"{spec['plateau_sweeps']} sweeps) ≤ {spec['sweeps']} (95% interval's upper end)"
+        )
     if kind == "increasing":
         steps = "→".join(str(k) for k, _ in spec["pairs"])
         return f"increasing at every step of K {steps} (each paired change's 95% interval above 0)"
@@ -853,6 +911,29 @@ def check_claim(
             _largest(detectable(d) for d in diffs.values()),
         )
 
+    if kind == "converges_within":
+        # Per seed: the dataset-mean curve over sweeps, its plateau (the mean of the last
+        # sweeps) and the first sweep whose value comes within the tolerance of it.
+        rows = curves if curves is not None and "sweep" in curves else fin.iloc[:0]
+        if "test_set" not in spec and "test_set" in rows and "test_set" in fin and len(fin):
+            rows = rows[rows["test_set"] == fin["test_set"].iloc[0]]
+        rows = _rows(rows, method, metric, pair).reset_index()
+        if rows.empty:
+            return not_run
+        firsts = {}
+        for cell_id, cell_rows in rows.groupby("cell_id"):
+            curve = cell_rows.groupby("sweep")["value"].mean().sort_index()
+            level = curve.iloc[-spec["plateau_sweeps"] :].mean()
+            reached = curve.index[curve.to_numpy() >= level - spec["tolerance"]]
+            firsts[cell_id] = (int(cell_rows["seed"].iloc[0]), float(reached[0]))
+        per_seed = pd.Series({seed: k for seed, k in firsts.values()}, dtype=float)
+        e = seed_interval(per_seed.to_numpy(), tuple(sorted(firsts)))
+        ours = f"{who}: first sweep within {spec['tolerance']} of the plateau {_est(e)} (per seed: " + ", ".join(
+            f"{int(k)}" for k in per_seed.sort_index()
+        ) + ")"
+        ok = e.hi <= spec["sweeps"]
+        return result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["sweeps"], e.cells, detectable(e))
+
     if kind == "increasing":
         pairs = [tuple(p) for p in spec["pairs"]]
         ests = [seed_estimate(fin, method, metric, p) for p in pairs]
@@ -910,6 +991,18 @@ def check_claim(
         cells,
         detectable(d),
     )
+
+
+def task_claims(task: str, results: dict[str, Any], paper: dict[str, Any] | None) -> list[ClaimResult]:
+    """Every claim of ``paper["claims"]`` checked on one task's evaluation rows (``load_results``)."""
+    meta, everything = results["meta"], results["metrics"]
+    all_sets = main_rows(everything, meta)
+    frame = primary_test_set(all_sets, meta)
+    retrained = retrained_rows(primary_test_set(everything, meta), meta)
+    return [
+        check_claim(spec, task, finals(frame), finals(retrained), all_sets)
+        for spec in (paper or {}).get("claims") or []
+    ]
 
 
 def claims_not_run(task: str, specs: list[dict[str, Any]], why: str) -> list[ClaimResult]:
@@ -1377,20 +1470,33 @@ def _draw_aspect(spec, panel: tuple[str, np.ndarray, dict[str, np.ndarray]]) -> 
         plt.close(fig)
 
 
+ANIMATION_FRAMES = "animation.npz"
+
+
 def animation(
-    task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], root: Path, path: Path
+    task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], root: Path, path: Path,
+    frames_file: Path | None = None,
 ) -> bool:
-    """A GIF of the last APG sweep's sample on the first figure set (tasks with ``animate``)."""
+    """A GIF of the last APG sweep's sample on the first figure set (tasks with ``animate``).
+
+    Drawn with the pictured cell's generative model, whose frames are then kept in
+    ``frames_file``; a report rebuilt from committed rows (no checkpoints) reads them back."""
     spec = get_task(task)
     if spec.animate is None or not meta["samples"]:
         return False
+    entry = max(meta["samples"], key=lambda e: (len(e["sweeps"]), -e["seed"]))
+    cell = next(c for c in meta["cells"] if c["cell_id"] == entry["cell_id"])
+    if frames_file is not None and not (root / cell["checkpoint"]).is_file():
+        if not frames_file.is_file():
+            return False
+        with np.load(frames_file) as archive:
+            write_gif(path, list(archive["frames"]), 200)
+        return True
     import torch
 
     from apg.checkpoint import load_checkpoint
     from apg.training import TrainConfig
 
-    entry = max(meta["samples"], key=lambda e: (len(e["sweeps"]), -e["seed"]))
-    cell = next(c for c in meta["cells"] if c["cell_id"] == entry["cell_id"])
     # The generative model alone draws the frames (a recorded run may keep no proposals).
     config, state = load_checkpoint(root / cell["checkpoint"])
     model = spec.build_model(**TrainConfig.from_dict(config).model)
@@ -1402,8 +1508,17 @@ def animation(
     x = torch.from_numpy(samples[f"x__{entry['figure_set']}"][0]).to(torch.get_default_dtype())
     if f"truth__{entry['figure_set']}__z_where" in samples:
         z["true_where"] = torch.from_numpy(samples[f"truth__{entry['figure_set']}__z_where"][0])
-    write_gif(path, list(np.asarray(spec.animate(model, x, z))), 200)
+    frames = np.asarray(spec.animate(model, x, z))
+    write_gif(path, list(frames), 200)
+    if frames_file is not None:
+        frames_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(frames_file, lambda tmp: _write_frames(tmp, frames))
     return True
+
+
+def _write_frames(tmp: Path, frames: np.ndarray) -> None:
+    with open(tmp, "wb") as f:  # a file object: numpy would append ".npz" to the temporary name
+        np.savez_compressed(f, frames=frames)
 
 
 def _save(fig, path: Path, caption: str) -> None:
@@ -1510,7 +1625,10 @@ def report_task(
     root: Path,
     label: str,
     fmt: str,
+    keep_frames: bool = False,
 ) -> dict[str, Any]:
+    """One task's tables, figures and claims; ``keep_frames``: keep the GIF's frames with the
+    committed rows (the default run's report, whose checkpoints a clone does not have)."""
     meta, everything = results["meta"], results["metrics"]
     all_sets = main_rows(everything, meta)
     frame = primary_test_set(all_sets, meta)
@@ -1521,10 +1639,15 @@ def report_task(
     flags = cell_flags(training)
     atomic_write(tables / f"{task}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
     training_md = training_markdown(training)
+    if (paper or {}).get("stalled_margin") is not None:
+        stalled = stalled_seeds(training, paper["stalled_margin"])
+        atomic_write(tables / f"{task}_stalled.csv", lambda tmp: stalled.to_csv(tmp, index=False))
+        if not stalled.empty:
+            training_md += "\n\n" + stalled_markdown(stalled, paper["stalled_margin"])
     atomic_write(tables / f"{task}_training.md", lambda tmp: tmp.write_text(training_md + "\n"))
     table = with_flags(table1(frame, meta, paper), frame, ["method", "K", "L"], flags)
     atomic_write(tables / f"{task}_table1.csv", lambda tmp: table.to_csv(tmp, index=False))
-    md = table_markdown(table, (paper or {}).get("block_labels"))
+    md = table_markdown(table, {**(paper or {}).get("block_labels", {}), **(paper or {}).get("metric_labels", {})})
     atomic_write(tables / f"{task}_table1.md", lambda tmp: tmp.write_text(md + "\n"))
     methods = comparison_table(frame, meta)
     methods = methods.assign(flag=[row_flag(ids.split(), flags) for ids in methods["cells"]])
@@ -1545,10 +1668,7 @@ def report_task(
         ) + _footnote(mse)
     tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking.csv")
     axes_md = axes_markdown(frame, meta, caption, out, task, fmt)
-    claims = [
-        check_claim(spec, task, finals(frame), finals(retrained), all_sets)
-        for spec in (paper or {}).get("claims") or []
-    ]
+    claims = task_claims(task, results, paper)
     made = {}
     for name, ok in (
         *(
@@ -1574,7 +1694,13 @@ def report_task(
             "samples",
             samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}"),
         ),
-        ("animation", animation(task, results["samples"], meta, root, figures / f"{task}_samples.gif")),
+        (
+            "animation",
+            animation(
+                task, results["samples"], meta, root, figures / f"{task}_samples.gif",
+                out / COMMITTED_DATA / task / ANIMATION_FRAMES if keep_frames else None,
+            ),
+        ),
     ):
         if ok:
             made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
@@ -1856,17 +1982,46 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def make_report(params: dict[str, Any], root: Path) -> Path:
+# The evaluation rows the report reads, kept beside it (``reports/data/<task>/``) so that a
+# clone rebuilds every table, figure and verdict without retraining (``--from-committed``).
+COMMITTED_DATA = "data"
+COMMITTED_FILES = ("meta.json", "metrics.parquet", "training.parquet", "imputation.parquet")
+COMMITTED_ARRAYS = ("samples.npz", "imputation_examples.npz")  # deflated: most of a video is empty canvas
+STAGE_TIMES = "stage_times.json"
+
+
+def commit_rows(eval_dir: Path, data_dir: Path) -> None:
+    """Copy one task's evaluation rows into the report's ``data/<task>/``; files the
+    evaluation no longer writes are removed there."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name in (*COMMITTED_FILES, *COMMITTED_ARRAYS):
+        source, target = eval_dir / name, data_dir / name
+        if not source.is_file():
+            target.unlink(missing_ok=True)
+        elif name in COMMITTED_ARRAYS:
+            atomic_write(target, lambda tmp, source=source: compress_samples(source, tmp))
+        else:
+            atomic_write(target, lambda tmp, source=source: tmp.write_bytes(source.read_bytes()))
+
+
+def make_report(params: dict[str, Any], root: Path, from_committed: bool = False) -> Path:
+    """Write ``reports/`` from ``results/eval/<task>`` (keeping those rows in
+    ``reports/data/``), or with ``from_committed`` from the rows kept there, by a clone
+    that has trained nothing: the same tables, figures and verdicts, provenance untouched."""
     cfg = params.get("report", {})
     out = root / cfg.get("out", "reports")
     fmt = cfg.get("figure_format", "png")
     label = cfg.get("scale", "CPU-sized")
     paper_all = yaml.safe_load(PAPER_NUMBERS.read_text())
     sns.set_theme(style="whitegrid", context="paper")
+    data = out / COMMITTED_DATA
     parts = []
     for task in params["tasks"]:
-        results = load_results(root / "results" / "eval" / task)
-        parts.append(report_task(task, results, paper_all.get(task), out, root, label, fmt))
+        eval_dir = data / task if from_committed else root / "results" / "eval" / task
+        results = load_results(eval_dir)
+        if not from_committed:
+            commit_rows(eval_dir, data / task)
+        parts.append(report_task(task, results, paper_all.get(task), out, root, label, fmt, keep_frames=True))
     claims = [c for p in parts for c in p["claims"]]
     for task, section in paper_all.items():
         if task not in params["tasks"] and (section or {}).get("claims"):
@@ -1875,7 +2030,11 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
     flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
     claims_md = claims_markdown(claims, flags, unclaimed)
     text = index_markdown(parts, label, claims_md, recorded_markdown(root, out, paper_all, fmt))
-    times = stages.stage_times(root)
+    if from_committed:
+        times = json.loads((data / STAGE_TIMES).read_text()) if (data / STAGE_TIMES).is_file() else {}
+    else:
+        times = stages.stage_times(root)
+        atomic_write(data / STAGE_TIMES, lambda tmp: tmp.write_text(json.dumps(times, indent=2) + "\n"))
     lead = reused_cells_markdown(parts) + pipeline_time_markdown(times, params.get("sweep", {}).get("torch_threads"))
     text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
@@ -1888,8 +2047,10 @@ def make_report(params: dict[str, Any], root: Path) -> Path:
     payload = json.dumps(metrics, indent=2, sort_keys=True)
     atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(payload + "\n"))
     # What produced these results (code and params digests, commit): the CI check that
-    # committed results are the checkout's own reads it (pipeline.provenance).
-    provenance.write_record(params, root, out)
+    # committed results are the checkout's own reads it (pipeline.provenance). A rebuild
+    # from the committed rows trained and evaluated nothing: the record stays as it was.
+    if not from_committed:
+        provenance.write_record(params, root, out)
     return out
 
 
@@ -1942,6 +2103,15 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
             f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
             f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
         )
+        partial = [
+            c["name"] for part in parts for c in part.get("cells", []) if Path(c["checkpoint"]).name == GENERATIVE_ONLY
+        ]
+        if partial:  # weights too large for git: the proposals were left out
+            about += (
+                f" Not re-checkable from a clone: {len(partial)} of its cells ({', '.join(f'`{n}`' for n in partial)}) "
+                "keep their generative model's weights alone (their proposals were over the size kept in git), "
+                "so their numbers are those their evaluation recorded and cannot be recomputed."
+            )
         start = manifest.get("starts_from")
         if start:  # a curriculum's later step: its training continues another run's
             about += (
@@ -2042,11 +2212,16 @@ def write_readme_results(readme: Path, block: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="apg-pipeline report", description="regenerate reports/ from recorded results")
     parser.add_argument("--params", default="params.yaml")
+    parser.add_argument(
+        "--from-committed",
+        action="store_true",
+        help="rebuild from the evaluation rows kept in reports/data/ (a clone: nothing trained or evaluated)",
+    )
     args = parser.parse_args(argv)
     from pipeline.cli import run_guarded
 
     def work() -> None:
-        out = make_report(load_params(args.params), project_root())
+        out = make_report(load_params(args.params), project_root(), from_committed=args.from_committed)
         print(f"wrote {out}/README.md")
 
     run_guarded(work)

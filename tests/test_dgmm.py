@@ -25,6 +25,7 @@ from apg.tasks.dgmm import (
     reconstruct,
     sample_von_mises,
     simulate,
+    simulate_rings,
     squared_residuals,
     squared_residuals_change,
     von_mises_log_prob,
@@ -87,6 +88,25 @@ def test_simulator_handles_test_set_sizes():
     model = build_model()
     for n in (100, 600):
         assert simulate(model, 2, torch.Generator().manual_seed(0), num_points=n)["x"].shape == (2, n, 2)
+
+
+def test_true_ring_log_joint_integrates_the_angle_out(f64):
+    # The closed form (Bessel I_0) against a 20,000-point quadrature over the angle, at the
+    # simulator's own radius and noise and at a wider noise (where the Bessel term matters less).
+    from apg.tasks.dgmm import true_ring_log_joint
+
+    data = simulate_rings(3, 7, torch.Generator().manual_seed(2))
+    angles = torch.linspace(0, 2 * math.pi, 20_001)[:-1]
+    for noise in (0.2, 0.7):
+        centres = data["mu"].gather(1, data["c"].unsqueeze(-1).expand(-1, -1, 2))
+        offsets = data["x"] - centres  # (M, N, 2)
+        ring = 2.0 * torch.stack([angles.cos(), angles.sin()], -1)  # (A, 2)
+        sq = ((offsets[:, :, None, :] - ring) ** 2).sum(-1)
+        per_point = torch.log(torch.exp(-sq / (2 * noise**2)).mean(-1) / (2 * math.pi * noise**2)) - math.log(4)
+        prior = Normal(0.0, 3.5).log_prob(data["mu"]).sum((-2, -1))
+        expected = prior + per_point.sum(-1)
+        got = true_ring_log_joint(data["x"], data["mu"], data["c"], 4, 3.5, 2.0, noise)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-8)
 
 
 # --------------------------------------------------------------------------- model

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -105,18 +106,45 @@ def test_gmm_ceiling_recovers_well_separated_clusters():
 
 
 @pytest.mark.parametrize("method", ["apg", "rws-mlp", "reparam"])
-def test_final_assignments_of_every_gmm_method(method):
+def test_final_particle_of_every_gmm_method(method):
     # The continuous-view baselines draw c from its exact conditional, so they have one too.
     from apg.tasks import get_task
     from apg.training import TrainConfig, build
-    from pipeline.evaluate import final_assignments
+    from pipeline.evaluate import final_particle
 
     torch.manual_seed(0)
     cfg = TrainConfig(task="gmm", method=method, sweeps=2, particles=3, network={"hidden": 8}).validate()
     model, proposals = build(cfg)
     x = get_task("gmm").simulate(model, 5, torch.Generator().manual_seed(0), num_points=12)["x"].float()
-    c = final_assignments(cfg, model, proposals, x, 2, 3, batch_size=2, resample_mode="block")
+    particle = final_particle(cfg, model, proposals, x, 2, 3, batch_size=2, resample_mode="block")
+    c = particle["c"]
     assert c.shape == (5, 12) and c.dtype == np.int64 and ((c >= 0) & (c < 3)).all()
+    assert particle["mu"].shape == (5, 3, 2)
+
+
+def test_particle_scores_of_the_true_rings_beat_shuffled_ones():
+    # The true latents score best on all three decoder-free measures; relabelling the rings
+    # changes none of them, moving the centres or the assignments worsens each.
+    from apg.tasks.dgmm import simulate_rings
+    from pipeline.evaluate import particle_scores
+
+    data = {k: v.numpy() for k, v in simulate_rings(4, 100, torch.Generator().manual_seed(1)).items()}
+    truth = {"arrays": data, "c": data["c"], "ari_ceiling": None}
+    sizes = {"radius": 2.0}
+    exact = particle_scores("dgmm", truth, {"c": data["c"], "mu": data["mu"]}, {}, sizes)
+    relabel = np.array([2, 0, 3, 1])
+    permuted = particle_scores("dgmm", truth, {"c": relabel[data["c"]], "mu": data["mu"][:, np.argsort(relabel)]}, {}, sizes)
+    for name in ("ari", "centre_err", "log_joint_true"):
+        np.testing.assert_allclose(permuted[name], exact[name], atol=1e-9)
+    np.testing.assert_allclose(exact["ari"], 1.0)
+    np.testing.assert_allclose(exact["centre_err"], 0.0, atol=1e-12)
+    moved = particle_scores("dgmm", truth, {"c": data["c"], "mu": data["mu"] + 0.5}, {}, sizes)
+    np.testing.assert_allclose(moved["centre_err"], 0.5 * np.sqrt(2), rtol=1e-9)
+    assert (moved["log_joint_true"] < exact["log_joint_true"] - 50).all()
+    scrambled = particle_scores("dgmm", truth, {"c": np.roll(data["c"], 1, axis=1), "mu": data["mu"]}, {}, sizes)
+    assert (scrambled["ari"] < 0.2).all() and (scrambled["log_joint_true"] < exact["log_joint_true"] - 100).all()
+    none = particle_scores("dgmm", truth, None, {}, sizes)
+    assert all(np.isnan(none[name]).all() for name in ("ari", "centre_err", "log_joint_true"))
 
 
 def test_cell_roles_split_pairs_from_budget_entries():
@@ -763,3 +791,73 @@ def test_falls_over_sweeps_pairs_each_cell_with_itself():
     one_seed = curves[curves["seed"] == 1]
     single = report.check_claim(spec, "bmnist", report.finals(one_seed), one_seed.iloc[:0], one_seed)
     assert single.passed is None and single.note == "n/a (1 seed)"
+
+
+def convergence_curves(first_sweeps, sweeps=20, level=-100.0):
+    """One APG cell per seed at (20, 10) whose dataset-mean log joint climbs from 30 nats
+    below ``level`` and reaches it to within 0.5 at its seed's ``first_sweeps`` entry."""
+    frames = []
+    for seed, reach in enumerate(first_sweeps):
+        c = cell("apg", 5, 10, seed)
+        for k in range(1, sweeps + 1):
+            gap = 30.0 * (reach - k) / reach + 0.5 if k < reach else -0.2 * ((k % 2) - 0.5)
+            m = level - gap
+            frames.append(metric_rows(c, 20, 10, {"log_joint": [m - 1.0, m, m + 1.0]}).assign(sweep=k))
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_converges_within_reads_each_seeds_first_sweep_at_the_plateau():
+    spec = {"id": "x", "claim": "c", "kind": "converges_within", "metric": "log_joint", "method": "apg",
+            "pair": [20, 10], "sweeps": 12, "tolerance": 1.0, "plateau_sweeps": 5}
+    curves = convergence_curves([6, 7, 8, 7, 6])
+    fin = report.finals(curves)
+    fast = report.check_claim(spec, "gmm", fin, fin.iloc[:0], curves)
+    assert fast.passed is True and fast.value == pytest.approx(6.8)
+    assert "(per seed: 6, 7, 8, 7, 6)" in fast.ours and fast.hi < 12
+    assert "≤ 12" in fast.target
+    slow = convergence_curves([10, 14, 12, 15, 11])
+    late = report.check_claim(spec, "gmm", report.finals(slow), slow.iloc[:0], slow)
+    assert late.passed is False and late.value == pytest.approx(12.4)
+    # with two seeds: no verdict
+    two = convergence_curves([6, 7])
+    assert report.verdict(report.check_claim(spec, "gmm", report.finals(two), two.iloc[:0], two)) == "n/a (2 seeds)"
+    assert report.verdict(report.check_claim({**spec, "method": "gibbs"}, "gmm", fin, fin.iloc[:0], curves)) == "not run"
+
+
+def test_stalled_seeds_count_the_runs_far_below_the_best():
+    table = pd.DataFrame(
+        {
+            "method": ["apg"] * 3 + ["rws-mlp"] * 3 + ["gibbs"],
+            "K": [5] * 7,
+            "L": [10] * 7,
+            "seed": [0, 1, 2, 0, 1, 2, 0],
+            "final_log_joint": [-850.0, -900.0, -949.0, -1216.0, -6492.0, -1416.0, np.nan],
+        }
+    )
+    stalled = report.stalled_seeds(table, 1000.0).set_index("method")
+    assert stalled.loc["apg", "stalled"] == 0 and stalled.loc["rws-mlp", "stalled"] == 1
+    assert stalled.loc["rws-mlp", "stalled_seeds"] == "1" and "gibbs" not in stalled.index
+    text = report.stalled_markdown(stalled.reset_index(), 1000.0)
+    assert "apg K=5 L=10: 0 of 3" in text and "rws-mlp K=5 L=10: 1 of 3 (seed 1)" in text
+    assert report.stalled_markdown(report.stalled_seeds(table.iloc[:0], 1000.0), 1000.0) == ""
+
+
+def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
+    # The report keeps the rows it read in reports/data/; with results/ gone (a clone that
+    # trained nothing) --from-committed writes the same verdicts, tables and README, and
+    # leaves the provenance record alone.
+    root = synthetic_report.parent
+    assert (synthetic_report / "data" / "gmm" / "metrics.parquet").is_file()
+    before = {name: (synthetic_report / name).read_text() for name in ("README.md", "metrics.json", "provenance.json")}
+    tables = {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")}
+    shutil.rmtree(root / "results")
+    (synthetic_report / "provenance.json").write_text("{}\n")
+    report.make_report(
+        {"tasks": ["gmm"], "report": {"out": "reports", "figure_format": "png", "scale": "synthetic"}},
+        root,
+        from_committed=True,
+    )
+    assert (synthetic_report / "metrics.json").read_text() == before["metrics.json"]
+    assert (synthetic_report / "README.md").read_text() == before["README.md"]
+    assert {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")} == tables
+    assert (synthetic_report / "provenance.json").read_text() == "{}\n"
