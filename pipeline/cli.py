@@ -110,11 +110,11 @@ def cmd_smoke(args: argparse.Namespace) -> None:
 
 
 def cmd_record(args: argparse.Namespace) -> None:
-    from pipeline.recorded import record
+    from pipeline.recorded import profile_base, record
 
     record(
         args.profile,
-        Path(args.params),
+        Path(args.params or profile_base(args.profile)),
         Path(args.dir) if args.dir else None,
         args.fresh,
         direct=args.direct,
@@ -334,8 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a profile of params-paper.yaml (paper-gmm: GMM Table 1 at paper scale) and keep "
         "its results in recorded/ for the report; resumes a stopped run (not with --direct)",
     )
-    rec.add_argument("profile", help="paper-gmm, paper-gmm-std, paper-check, gpu-gmm, gpu-bmnist or gpu-bmnist-3d (after gpu-bmnist)")
-    rec.add_argument("--params", default="params-paper.yaml", help="the params the profile derives from")
+    rec.add_argument(
+        "profile",
+        help="paper-gmm, paper-gmm-std, paper-check, gpu-gmm, gpu-bmnist, gpu-bmnist-3d (after gpu-bmnist), "
+        "gpu-bmnist-compiled or replicate (the default run with other seeds)",
+    )
+    rec.add_argument(
+        "--params", default=None, help="the params the profile derives from (default: params.yaml for "
+        "replicate, params-paper.yaml for the others)",
+    )
     rec.add_argument("--dir", default=None, help="the sandbox repo (default runs/<profile>)")
     rec.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     rec.add_argument(

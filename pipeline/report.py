@@ -1020,10 +1020,18 @@ def verdict(r: ClaimResult) -> str:
     return {True: "✓", False: "✗", None: "–"}[r.passed]
 
 
-def claims_markdown(results: list[ClaimResult], flags: dict[str, str], unclaimed: list[str]) -> str:
+def claims_markdown(
+    results: list[ClaimResult],
+    flags: dict[str, str],
+    unclaimed: list[str],
+    replication: dict[str, ClaimResult] | None = None,
+) -> str:
     """The claims table with its verdict rules; a claim whose numbers come from a cell that
-    has not plateaued carries that cell's mark."""
+    has not plateaued carries that cell's mark. ``replication``: the same claims checked on
+    the recorded second run (``{task/id: result}``), shown as a last column."""
     header = ["task", "claim (paper section)", "ours (95% interval over seeds)", "target", "detectable", "✓/✗"]
+    if replication is not None:
+        header.append(f"✓/✗ [`{REPLICATION}`](recorded/{REPLICATION}/README.md)")
     rows = [header, ["---"] * len(header)]
     marks = ""
     for r in results:
@@ -1031,9 +1039,15 @@ def claims_markdown(results: list[ClaimResult], flags: dict[str, str], unclaimed
         marks += flag
         section = f" ({r.section})" if r.section else ""
         smallest = number(r.detectable) if math.isfinite(r.detectable) else "n/a"
-        rows.append([r.task, f"{r.claim}{section}", _flagged(r.ours, flag), r.target, smallest, verdict(r)])
+        row = [r.task, f"{r.claim}{section}", _flagged(r.ours, flag), r.target, smallest, verdict(r)]
+        if replication is not None:
+            other = replication.get(f"{r.task}/{r.id}")
+            row.append(verdict(other) if other is not None else "not run")
+        rows.append(row)
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", f"Verdict rules: {VERDICT_RULES}"]
+    if replication is not None:
+        lines += ["", REPLICATION_NOTE]
     if marks:
         lines += ["", flag_notes(marks)]
     if unclaimed:
@@ -1982,6 +1996,31 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+# The recorded second run of the defaults (``apg-pipeline record replicate``: other training
+# seeds, ideally another CPU type): its verdicts stand beside the main run's.
+REPLICATION = "replicate"
+REPLICATION_NOTE = (
+    f"The last column: the same claims on the recorded run `{REPLICATION}` (the defaults again, "
+    "training seeds moved by 100; its machine is named in its report). The headline counts the "
+    "claims that hold in both runs."
+)
+
+
+def replication_claims(
+    root: Path, tasks: list[str], paper_all: dict[str, Any]
+) -> dict[str, ClaimResult] | None:
+    """``{task/id: result}`` of the main claims on the recorded replication, None without one."""
+    run = root / "recorded" / REPLICATION
+    if not run.is_dir():
+        return None
+    found: dict[str, ClaimResult] = {}
+    for task in tasks:
+        if (run / "eval" / task).is_dir():
+            results = load_results(run / "eval" / task)
+            found.update({f"{c.task}/{c.id}": c for c in task_claims(task, results, paper_all.get(task))})
+    return found
+
+
 # The evaluation rows the report reads, kept beside it (``reports/data/<task>/``) so that a
 # clone rebuilds every table, figure and verdict without retraining (``--from-committed``).
 COMMITTED_DATA = "data"
@@ -2028,7 +2067,8 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
             claims += claims_not_run(task, section["claims"], "not run (task not in this run)")
     unclaimed = [t for t in params["tasks"] if not (paper_all.get(t) or {}).get("claims")]
     flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
-    claims_md = claims_markdown(claims, flags, unclaimed)
+    replication = replication_claims(root, params["tasks"], paper_all)
+    claims_md = claims_markdown(claims, flags, unclaimed, replication)
     text = index_markdown(parts, label, claims_md, recorded_markdown(root, out, paper_all, fmt))
     if from_committed:
         times = json.loads((data / STAGE_TIMES).read_text()) if (data / STAGE_TIMES).is_file() else {}
@@ -2040,10 +2080,12 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
     readme = root / "README.md"
     if readme.is_file() and RESULTS_START in readme.read_text():
-        block = readme_results(claims, claims_md, times, label, out.relative_to(root).as_posix())
+        block = readme_results(claims, claims_md, times, label, out.relative_to(root).as_posix(), replication)
         write_readme_results(readme, block)
     metrics = {p["task"]: p["metrics"] for p in parts}
     metrics["claims"] = claims_json(claims)
+    if replication is not None:
+        metrics["replication_claims"] = claims_json(list(replication.values()))
     payload = json.dumps(metrics, indent=2, sort_keys=True)
     atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(payload + "\n"))
     # What produced these results (code and params digests, commit): the CI check that
@@ -2181,24 +2223,39 @@ def pipeline_time_markdown(times: dict[str, float], threads: int | None = None) 
     )
 
 
+def verdict_count(claims: list[ClaimResult], replication: dict[str, ClaimResult] | None = None) -> str:
+    """"k of the n claims with a verdict hold", or with a replication the claims that hold in
+    both runs, out of those with a verdict in both."""
+    if replication is None:
+        judged = [c for c in claims if c.passed is not None]
+        return f"{sum(bool(c.passed) for c in judged)} of the {len(judged)} claims with a verdict hold"
+    pairs = [(c, replication.get(f"{c.task}/{c.id}")) for c in claims]
+    both = [(c, o) for c, o in pairs if c.passed is not None and o is not None and o.passed is not None]
+    held = sum(bool(c.passed) and bool(o.passed) for c, o in both)
+    agree = sum(c.passed == o.passed for c, o in both)
+    return (
+        f"{held} of the {len(both)} claims with a verdict in both runs hold in both "
+        f"(the two runs' verdicts agree on {agree} of them)"
+    )
+
+
 def readme_results(
-    claims: list[Any], claims_md: str, times: dict[str, float], label: str, report_dir: str
+    claims: list[Any], claims_md: str, times: dict[str, float], label: str, report_dir: str,
+    replication: dict[str, ClaimResult] | None = None,
 ) -> str:
     """The project README's results section: what the main command gives, from this run."""
-    judged = [c for c in claims if c.passed is not None]
-    held = sum(bool(c.passed) for c in judged)
     total = sum(times.values()) / 60 if times else None
     took = (
         f" Its stages took {total:.0f} minutes in all (each stage's wall time when it last ran); the"
         if total is not None
         else " The"
     )
-    claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/")
+    claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/").replace("](recorded/", f"]({report_dir}/recorded/")
     return (
         f"Written by the report stage of the run that made the committed [`{report_dir}/`]"
         f"({report_dir}/README.md) ({label}).{took} report has "
         f"the per-stage times, every table and figure, and each cell's training curve and plateau "
-        f"check. {held} of the {len(judged)} claims with a verdict hold:\n\n{claims_md}\n"
+        f"check. {verdict_count(claims, replication)}:\n\n{claims_md}\n"
     )
 
 

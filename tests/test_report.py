@@ -861,3 +861,40 @@ def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
     assert (synthetic_report / "README.md").read_text() == before["README.md"]
     assert {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")} == tables
     assert (synthetic_report / "provenance.json").read_text() == "{}\n"
+
+
+def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_both(tmp_path):
+    # The replication here is the same rows with RWS-MLP's log joint raised above APG's:
+    # that claim holds in the main run and fails in the replication, so it drops out of the
+    # count of claims holding in both runs.
+    write_results(tmp_path, with_training_trend=False)
+    run = tmp_path / "recorded" / "replicate"
+    shutil.copytree(tmp_path / "results" / "eval" / "gmm", run / "eval" / "gmm")
+    metrics = pd.read_parquet(run / "eval" / "gmm" / "metrics.parquet")
+    raised = (metrics["method"] == "rws-mlp") & (metrics["metric"] == "log_joint")
+    metrics.loc[raised, "value"] += 100.0
+    metrics.to_parquet(run / "eval" / "gmm" / "metrics.parquet", index=False)
+    (run / "params.yaml").write_text(yaml.safe_dump({"tasks": ["gmm"], "report": {"scale": "synthetic replication"}}))
+    manifest = {
+        "commit": "abc", "started": "s", "finished": "f", "wall_minutes_last_run": 1.0, "machine": "m",
+        "code_digest": {}, "profile": "replicate", "base": "params.yaml", "scale": "synthetic replication",
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "README.md").write_text("# x\n\n## Results\n\n<!-- results:start -->\n<!-- results:end -->\n")
+    params = {"tasks": ["gmm"], "report": {"out": "reports", "figure_format": "png", "scale": "synthetic"}}
+    torch.set_num_threads(1)
+    report.make_report(params, tmp_path)
+    text = (tmp_path / "reports" / "README.md").read_text()
+    header = next(line for line in text.splitlines() if line.startswith("| task | claim"))
+    assert header.endswith("| ✓/✗ [`replicate`](recorded/replicate/README.md) |")
+    row = next(line for line in text.splitlines() if line.startswith("| gmm |") and "RWS MLP encoder at the same" in line)
+    assert row.endswith("| ✓ | ✗ |")
+    written = json.loads((tmp_path / "reports" / "metrics.json").read_text())
+    main, again = written["claims"], written["replication_claims"]
+    assert main["gmm/apg_log_joint_above_rws_mlp"]["pass"] is True
+    assert again["gmm/apg_log_joint_above_rws_mlp"]["pass"] is False
+    both = [k for k in main if main[k]["pass"] is not None and again.get(k, {}).get("pass") is not None]
+    held = sum(main[k]["pass"] and again[k]["pass"] for k in both)
+    readme = (tmp_path / "README.md").read_text()
+    assert f"{held} of the {len(both)} claims with a verdict in both runs hold in both" in readme
+    assert "](reports/recorded/replicate/README.md)" in readme
