@@ -62,6 +62,9 @@ def run_guarded(work: Callable[[], Any]) -> Any:
         # all carry a one-line message naming the problem.
         text = str(err).strip().splitlines()
         _fail(text[0] if text else type(err).__name__)
+    except OSError as err:  # a full disk, a directory where a file goes, no permission
+        where = f": {err.filename}" if err.filename else ""
+        _fail(f"{err.strerror or type(err).__name__}{where}")
     except KeyboardInterrupt:
         _fail("interrupted")
 
@@ -86,6 +89,7 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from pipeline.config import check_sizes
     from pipeline.generate import simulate_set
 
     if args.num_datasets < 1:
@@ -93,6 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     sizes = _key_values(args.size, "--size")
     if args.num_points is not None:
         sizes["num_points"] = args.num_points
+    check_sizes(sizes, "--size")
     arrays = simulate_set(args.task, _key_values(args.model, "--model"), args.num_datasets, args.seed, sizes)
     path = save_dataset(args.out, arrays)
     print(f"wrote {path}: " + ", ".join(f"{k} {v.shape}" for k, v in arrays.items()))

@@ -185,15 +185,45 @@ class Cell:
         return f"{self.method}-K{self.sweeps}-L{self.particles}-s{self.seed}-{digest}"
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the
+    last one silently; DVC rejects such a params file, so the two would disagree)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's contents; ``ParamsError`` naming the file and line for invalid YAML or a
+    key given twice in one mapping."""
+    try:
+        return yaml.load(path.read_text(), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" line {where.line + 1}:" if where is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ParamsError(f"{path} is not valid YAML ({line.strip()} {problem})".replace("( ", "(")) from None
+
+
 def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     """Read and validate a params file; raise ``ParamsError`` naming the bad key."""
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"params file not found: {path}")
-    try:
-        params = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ParamsError(f"{path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    params = read_yaml(path)
     if not isinstance(params, dict):
         raise ParamsError(f"{path} must hold a mapping of sections")
     validate_params(params)
@@ -587,6 +617,15 @@ def _check_data_set(entry: Any, where: str) -> None:
         raise ParamsError(f"{where}.num_datasets: must be an integer >= 1, got {entry.get('num_datasets')!r}")
     if "seed" not in entry:
         raise ParamsError(f"{where}.seed: missing (datasets are always seeded)")
+    check_sizes(entry.get("sizes") or {}, f"{where}.sizes")
+
+
+def check_sizes(sizes: dict[str, Any], where: str) -> None:
+    """Every numeric simulator size (points, frames, digits, a radius) is positive: a dataset
+    of no points would pass through training and evaluation with meaningless numbers."""
+    for key, value in sizes.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+            raise ParamsError(f"{where}.{key}: must be positive, got {value!r}")
 
 
 def _check_section(params: dict[str, Any], name: str, keys: dict[str, Any], required: bool) -> dict[str, Any]:

@@ -63,7 +63,7 @@ from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, build, evaluate
 from pipeline import provenance, stages, tracking
 from pipeline.common import project_root, seed_everything, training_rows
-from pipeline.config import ParamsError, apply_setting, load_params, setting_of
+from pipeline.config import ParamsError, apply_setting, load_params, read_yaml, setting_of
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint")
 SECTIONS = ("train", "network", "model")
@@ -87,7 +87,9 @@ def load_section(path: str | Path, task: str) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"{path}: no such tuning params file")
-    spec = yaml.safe_load(path.read_text()) or {}
+    spec = read_yaml(path) or {}
+    if not isinstance(spec, dict):
+        raise ParamsError(f"{path} must hold a mapping of task sections")
     if task not in spec:
         raise ParamsError(f"{path}: no section {task}: (sections: {sorted(spec)})")
     return spec[task]
@@ -809,7 +811,12 @@ def main(argv: list[str] | None = None) -> None:
         root = project_root()
         params = load_params(args.params)
         plan = check_section(params, args.task, load_section(args.tune_params, args.task))
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        from pipeline.sweep import ray_address
+
+        if not ray_address(params):
+            # The embedded instance listens on loopback only; attached to a cluster (RAY_ADDRESS
+            # or sweep.ray_address), token auth stays as the user set it.
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         out = Path(args.out or root / "results" / "tune" / args.task)
         summary = run_search(params, plan, root, out)
         path = write_report(plan, out, root / args.report)

@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -305,3 +306,35 @@ def test_impute_unreadable_mask_file(files, tmp_path, capsys, write, expected):
     err = run_error(["impute", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"),
                      "--mask", str(tmp_path / "mask.npz"), "--out", str(tmp_path / "o.npz")], capsys)
     assert "mask file" in err and expected in err
+
+
+def test_an_os_error_is_one_line_naming_the_path(files, tmp_path, capsys):
+    # --out naming a directory: the operating system's reason and the path, no traceback.
+    target = tmp_path / "a-directory"
+    target.mkdir()
+    line = run_error(
+        ["train", *TRAIN, "--data", str(files / "train.npz"), "--out", str(target)],
+        capsys,
+        progress=True,
+    )
+    assert "a-directory" in line and "Traceback" not in line
+
+
+def test_params_with_a_key_given_twice_are_refused(tmp_path):
+    from pipeline.config import ParamsError, load_params
+
+    text = Path("params-smoke.yaml").read_text()
+    doubled = text.replace("tasks:", "tasks: [gmm]\ntasks:", 1)
+    (tmp_path / "p.yaml").write_text(doubled)
+    with pytest.raises(ParamsError, match=r"key 'tasks' given twice \(lines \d+ and \d+\)"):
+        load_params(tmp_path / "p.yaml")
+    (tmp_path / "bad.yaml").write_text("tasks: [gmm\n")
+    with pytest.raises(ParamsError, match="bad.yaml is not valid YAML"):
+        load_params(tmp_path / "bad.yaml")
+
+
+def test_generate_refuses_a_dataset_of_no_points(tmp_path, capsys):
+    out = tmp_path / "x.npz"
+    line = run_error(["generate", "--task", "gmm", "--num-datasets", "2", "--num-points", "-3", "--out", str(out)], capsys)
+    assert line == "apg-pipeline: error: --size.num_points: must be positive, got -3"
+    assert not out.exists()

@@ -105,3 +105,19 @@ def test_generate_writes_large_sets_in_chunks(tmp_path, monkeypatch):
         assert all(i.compress_type == zipfile.ZIP_STORED for i in archive.infolist())
     rows = StoredRows(chunked["train.npz"])
     assert len(rows) == params["gmm"]["data"]["train"]["num_datasets"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_atomic_writes_take_the_users_umask(tmp_path, umask):
+    # mkstemp makes its temporary file 0600; the file in place has the mode open() gives.
+    import os
+
+    from apg.data import atomic_write
+
+    old = os.umask(umask)
+    try:
+        path = atomic_write(tmp_path / "out.txt", lambda tmp: tmp.write_text("x"))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]

@@ -247,6 +247,14 @@ def test_two_experiments_under_one_name_are_an_error():
             "gmm.evaluate.imputation.occlusions[0]: bad bounds",
         ),
         ({"gmm.evaluate.imputation": {"methods": ["apg"], "mask": 1}}, "gmm.evaluate.imputation.mask: unknown key"),
+        (
+            {"gmm.data.train": {"num_datasets": 4, "seed": 0, "sizes": {"num_points": -3}}},
+            "gmm.data.train.sizes.num_points: must be positive, got -3",
+        ),
+        (
+            {"gmm.data.test": {"num_datasets": 4, "seed": 0, "sizes": {"num_points": 0}}},
+            "gmm.data.test.sizes.num_points: must be positive, got 0",
+        ),
     ],
 )
 def test_bad_params_name_the_key(changes, expected):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -171,6 +172,31 @@ def test_cli_rejects_a_bad_space_before_anything_starts(tmp_path, monkeypatch, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "loguniform needs 0 < low" in err[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "tune.yaml"]  # nothing written
+
+
+def test_token_auth_is_left_alone_when_attached_to_a_cluster(tmp_path, monkeypatch, capsys):
+    # Only the embedded loopback instance runs without Ray's token auth; a search attached
+    # to a cluster (here one that is not there) must not switch it off for the user.
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny()))
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump({"gmm": section()}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:9")
+    with pytest.raises(SystemExit) as code:
+        main(["--task", "gmm"])
+    assert code.value.code == 2  # no training data here: the search stops before Ray starts
+    assert "RAY_AUTH_MODE" not in os.environ
+
+
+def test_a_tuning_file_with_a_key_given_twice_is_refused(tmp_path, monkeypatch, capsys):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny()))
+    (tmp_path / "tune.yaml").write_text("gmm: {}\ngmm: {}\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as code:
+        main(["--task", "gmm"])
+    assert code.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "key 'gmm' given twice" in err[0]
 
 
 def _trial_dirs(root: Path) -> list[Path]:

@@ -29,14 +29,23 @@ class DatasetError(ValueError):
     """A dataset file is missing, unreadable, or holds data of the wrong shape or values."""
 
 
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file under the process's umask (0644 under 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_path)`` and move the result to ``path`` atomically."""
+    """Call ``write(tmp_path)`` and move the result to ``path`` atomically, with the mode a
+    plain ``open()`` would have given it (the temporary file is created 0600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
