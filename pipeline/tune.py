@@ -277,11 +277,17 @@ def tune_space(space: dict[str, tuple[str, Any]]) -> dict[str, Any]:
     return {key: make[kind](args) for key, (kind, args) in space.items()}
 
 
+# How the report and best-params.yaml name the search (the command, the tuning file, where
+# the best settings went): not part of what the search computes.
+PRESENTATION = ("command", "source", "best_file", "method_flag")
+
+
 def plan_key(plan: dict[str, Any]) -> str:
     """Names the search's Ray experiment: the same section resumes, a changed one starts afresh."""
     import hashlib
 
-    text = json.dumps({k: v for k, v in plan.items() if k != "time_budget_s"}, sort_keys=True, default=str)
+    shown = {"time_budget_s", *PRESENTATION}
+    text = json.dumps({k: v for k, v in plan.items() if k not in shown}, sort_keys=True, default=str)
     return "search-" + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -454,15 +460,16 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
 
     # One snapshot per validation checkpoint is what resuming needs; Tune's warning about it is noise.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
+    train = (root / "data" / plan["task"] / "train.npz").resolve()
+    if not train.is_file():  # before anything is written
+        raise FileNotFoundError(f"{train}: run `dvc repro generate@{plan['task']}` first")
     out.mkdir(parents=True, exist_ok=True)
     (out / ATTEMPTS).mkdir(exist_ok=True)
     paths = {
-        "train": str((root / "data" / plan["task"] / "train.npz").resolve()),
+        "train": str(train),
         "validation": str(prepare_validation(params, plan, out).resolve()),
         "attempts": str((out / ATTEMPTS).resolve()),
     }
-    if not Path(paths["train"]).is_file():
-        raise FileNotFoundError(f"{paths['train']}: run `dvc repro generate@{plan['task']}` first")
     name = plan_key(plan)
     storage = (out / "ray").resolve()
     uri = tracking.tracking_uri(root)
@@ -596,11 +603,14 @@ def best_params(params: dict[str, Any], plan: dict[str, Any], setting: dict[str,
     for key, value in setting.items():
         part, _, name = key.partition(".")
         section[part][name] = value
+    # What the trials ran: a schedule's length belongs with the rate it was searched with.
+    section.setdefault("train", {})["iterations"] = plan["iterations"]
     head = (
-        f"# Best of a search by `apg-pipeline tune --task {task}` (tune.yaml): validation "
+        f"# Best of a search by `{plan.get('command', f'apg-pipeline tune --task {task}')}` "
+        f"({plan.get('source', 'tune.yaml')}): validation "
         f"{plan['metric']} {score:.6g} at K={plan['pair'][0]}, L={plan['pair'][1]}, method "
-        f"{plan['base']['method']}.\n# Searched: {', '.join(plan['space'])}. Copy these sections "
-        f"into params.yaml's {task}: to make them the sweep's starting point.\n"
+        f"{plan['base']['method']}, {plan['iterations']} iterations.\n# Searched: {', '.join(plan['space'])}. "
+        f"Copy these sections into params.yaml's {task}: to make them the sweep's starting point.\n"
     )
     return head + yaml.safe_dump({task: section}, sort_keys=False)
 
@@ -708,9 +718,16 @@ def defaults_line(summary: dict[str, Any]) -> str:
     )
 
 
-def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
-    """``reports/tune/<task>.md``: trials table, best settings, score against each
-    searched key (early-stopped trials as crosses), learning curves."""
+def report_path(report: str | Path, name: str) -> Path:
+    """Where the tuning report goes: ``report`` itself when it names a ``.md`` file, else
+    ``<report>/<name>.md`` (its figure beside it, ``<stem>.png``)."""
+    report = Path(report)
+    return report if report.suffix == ".md" else report / f"{name}.md"
+
+
+def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
+    """The tuning report at ``path`` (``report_path``): trials table, best settings, score
+    against each searched key (early-stopped trials as crosses), learning curves."""
     import matplotlib
     import matplotlib.ticker
 
@@ -721,7 +738,10 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
     task = plan["task"]
     frame = pd.read_csv(out / "trials.csv")
     summary = json.loads((out / "summary.json").read_text())
-    report_dir.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = plan.get("command", f"apg-pipeline tune --task {task}")
+    source = plan.get("source", "tune.yaml")
+    best_file = plan.get("best_file", f"results/tune/{task}/best-params.yaml")
     keys = list(plan["space"])
     fig, axes = plt.subplots(1, len(keys) + 1, figsize=(4.2 * (len(keys) + 1), 3.4), squeeze=False)
     for ax, key in zip(axes[0][:-1], keys, strict=True):
@@ -745,7 +765,7 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
     curves.set_title("every trial")
     fig.suptitle(f"{task}: search over {', '.join(keys)} ({plan['base']['method']}, K={plan['pair'][0]}, L={plan['pair'][1]})")
     fig.tight_layout()
-    figure = report_dir / f"{task}.png"
+    figure = path.with_suffix(".png")
     fig.savefig(figure, dpi=110)
     plt.close(fig)
     shown = frame.drop(columns=["history"])
@@ -757,9 +777,9 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
     best = summary["best"]
     text = "\n".join(
         [
-            f"# Hyperparameter search: {task}",
+            f"# Hyperparameter search: {task}" + (f", {plan['base']['method']}" if plan.get("method_flag") else ""),
             "",
-            f"`apg-pipeline tune --task {task}` with `tune.yaml`'s `{task}:` section: method "
+            f"`{command}` with `{source}`'s `{task}:` section: method "
             f"{plan['base']['method']} at K={plan['pair'][0]}, L={plan['pair'][1]}, up to "
             f"{plan['iterations']} iterations per trial, {plan['algorithm']} search over "
             f"{plan['num_samples']} trials, "
@@ -773,7 +793,7 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
             "",
             f"**Best** (the highest score among the longest-trained of the trials that finished with a "
             f"score, {best.get('iterations', plan['iterations'])} iterations): trial `{best['trial']}`, {_trial_name(best['setting'])}: {best['score']:.6g}. "
-            f"`results/tune/{task}/best-params.yaml` has the task's sections with these settings.",
+            f"`{best_file}` has the task's sections with these settings.",
             "",
             defaults_line(summary),
             "",
@@ -789,7 +809,6 @@ def write_report(plan: dict[str, Any], out: Path, report_dir: Path) -> Path:
             "",
         ]
     )
-    path = report_dir / f"{task}.md"
     atomic_write(path, lambda tmp: tmp.write_text(text))
     return path
 
@@ -802,24 +821,47 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", required=True)
     parser.add_argument("--tune-params", default="tune.yaml", help="the search's params (default tune.yaml)")
     parser.add_argument("--params", default="params.yaml", help="the task's other settings")
-    parser.add_argument("--out", default=None, help="default results/tune/<task>")
-    parser.add_argument("--report", default="reports/tune", help="where the tuning report goes")
+    parser.add_argument(
+        "--method", default=None, help="search for this method instead of the section's (a baseline tuned "
+        "with APG's budget); its outputs are named <task>-<method>",
+    )
+    parser.add_argument("--metric", default=None, help="score trials by this metric instead of the section's")
+    parser.add_argument("--out", default=None, help="default results/tune/<task> (<task>-<method> with --method)")
+    parser.add_argument(
+        "--report", default="reports/tune", help="a folder for <name>.md and its figure, or the report's .md file"
+    )
     args = parser.parse_args(argv)
     from pipeline.cli import run_guarded
 
     def work() -> None:
         root = project_root()
         params = load_params(args.params)
-        plan = check_section(params, args.task, load_section(args.tune_params, args.task))
+        section = load_section(args.tune_params, args.task)
+        name = args.task
+        command = f"apg-pipeline tune --task {args.task}"
+        if args.method is not None and args.method != section.get("method", "apg"):
+            section, name = {**section, "method": args.method}, f"{args.task}-{args.method}"
+            command += f" --method {args.method}"
+        if args.metric is not None:
+            section = {**section, "metric": args.metric}
+            command += f" --metric {args.metric}"
+        if args.tune_params != "tune.yaml":
+            command += f" --tune-params {args.tune_params}"
+        plan = check_section(params, args.task, section)
         from pipeline.sweep import ray_address
 
         if not ray_address(params):
             # The embedded instance listens on loopback only; attached to a cluster (RAY_ADDRESS
             # or sweep.ray_address), token auth stays as the user set it.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        out = Path(args.out or root / "results" / "tune" / args.task)
+        out = Path(args.out or root / "results" / "tune" / name)
+        shown = out.resolve().relative_to(root.resolve()) if out.resolve().is_relative_to(root.resolve()) else out
+        plan.update(
+            command=command, source=str(args.tune_params), best_file=f"{shown}/best-params.yaml",
+            method_flag=name != args.task,
+        )
         summary = run_search(params, plan, root, out)
-        path = write_report(plan, out, root / args.report)
+        path = write_report(plan, out, report_path(root / args.report, name))
         best = summary["best"]
         print(
             f"tune {args.task}: best {_trial_name(best['setting'])} ({plan['metric']} {best['score']:.6g}); "

@@ -199,6 +199,37 @@ def test_a_tuning_file_with_a_key_given_twice_is_refused(tmp_path, monkeypatch, 
     assert len(err) == 1 and "key 'gmm' given twice" in err[0]
 
 
+def test_a_baseline_search_is_named_for_its_method_and_writes_nothing_without_data(tmp_path, monkeypatch, capsys):
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny()))
+    (tmp_path / "tune.yaml").write_text(yaml.safe_dump({"gmm": section(metric="log_joint")}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as code:
+        main(["--task", "gmm", "--method", "rws-mlp"])
+    assert code.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run `dvc repro generate@gmm` first" in err[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "tune.yaml"]  # no validation set left
+
+
+def test_the_report_goes_to_a_file_when_one_is_named():
+    from pipeline.tune import report_path
+
+    assert report_path("reports/tune", "dgmm-rws-mlp") == Path("reports/tune/dgmm-rws-mlp.md")
+    assert report_path("elsewhere/search.md", "gmm") == Path("elsewhere/search.md")
+
+
+def test_best_params_carry_the_iterations_the_trials_ran():
+    from pipeline.tune import best_params
+
+    params = tiny()
+    plan = check_section(params, "gmm", section(iterations=600))
+    plan.update(command="apg-pipeline tune --task gmm --method rws-mlp", source="my-tune.yaml")
+    text = best_params(params, plan, {"train.lr": 0.01}, -280.0)
+    written = yaml.safe_load(text)["gmm"]["train"]
+    assert written["iterations"] == 600 and written["lr"] == 0.01
+    assert "--method rws-mlp" in text.splitlines()[0] and "(my-tune.yaml)" in text.splitlines()[0]
+
+
 def _trial_dirs(root: Path) -> list[Path]:
     return sorted((root / "results" / "tune" / "gmm" / "ray").glob("search-*/run_trial_*"))
 
