@@ -22,6 +22,7 @@ from test_pipeline import tiny
 from apg.metrics import adjusted_rand_index
 from pipeline import report
 from pipeline.evaluate import COLUMNS
+from pipeline.report.claims import _est
 
 # --------------------------------------------------------------------------- ARI
 
@@ -270,7 +271,7 @@ def seeds_frame(method, means_by_pair, metric="log_joint", seeds=(0, 1, 2), spre
 def test_an_estimate_from_one_seed_prints_without_an_interval():
     one = report.seed_interval([5.0, float("nan")])
     assert one.mean == 5.0 and one.n == 1 and math.isnan(one.lo)
-    assert report._est(one) == "5.000 (interval n/a, 1 seed)"
+    assert _est(one) == "5.000 (interval n/a, 1 seed)"
 
 
 def test_threshold_and_increasing_claims():
@@ -898,3 +899,15 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
     readme = (tmp_path / "README.md").read_text()
     assert f"{held} of the {len(both)} claims with a verdict in both runs hold in both" in readme
     assert "](reports/recorded/replicate/README.md)" in readme
+
+
+def test_every_claim_written_has_a_known_kind_and_an_unknown_kind_raises():
+    # The claims of paper_numbers.yaml each name a registered kind with a rule and a target
+    # text; a misspelt kind is an error, not a silently skipped claim.
+    paper = yaml.safe_load(report.PAPER_NUMBERS.read_text())
+    specs = [s for section in paper.values() for key in ("claims", "paper_scale_claims") for s in section.get(key) or []]
+    assert specs and {s["kind"] for s in specs} <= set(report.CLAIM_KINDS)
+    assert all(report.claim_target(s) for s in specs)
+    cells, fin = seeds_frame("apg", {(10, 10): 0.9}, metric="ess_c")
+    with pytest.raises(ValueError, match="unknown kind 'treshold'"):
+        report.check_claim({"id": "x", "claim": "c", "kind": "treshold", "method": "apg"}, "gmm", fin, fin.iloc[:0])

@@ -1,0 +1,429 @@
+"""One task's part of the report (its tables, figures and claims) and the Markdown that
+puts the parts together: the index, the per-task sections, the README's results block."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from apg.data import atomic_write
+from pipeline import provenance
+from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
+from pipeline.impute import report_imputation
+from pipeline.present import pm
+from pipeline.report.axes import axes_markdown
+from pipeline.report.claims import ClaimResult, task_claims, verdict_count
+from pipeline.report.data import COMMITTED_DATA, main_rows, primary_test_set, retrained_rows, scale_caption
+from pipeline.report.figures import (
+    ANIMATION_FRAMES,
+    SET_CURVES,
+    _save,
+    animation,
+    budget_figure,
+    compute_figure,
+    kl_figure,
+    methods_sweeps_figure,
+    samples_figure,
+    set_curve_figure,
+    sweeps_figure,
+    training_figure,
+)
+from pipeline.report.tables import (
+    MSE_KEYS,
+    _flagged,
+    _footnote,
+    comparison_markdown,
+    comparison_table,
+    set_table,
+    table1,
+    table_markdown,
+    tracking_markdown,
+)
+from pipeline.report.training import (
+    NOT_ASSESSABLE,
+    NOT_PLATEAUED,
+    PLATEAU_MIN_POINTS,
+    PLATEAU_Z,
+    cell_flags,
+    row_flag,
+    stalled_markdown,
+    stalled_seeds,
+    training_markdown,
+    training_table,
+    with_flags,
+)
+
+
+def report_task(
+    task: str,
+    results: dict[str, Any],
+    paper: dict[str, Any] | None,
+    out: Path,
+    root: Path,
+    label: str,
+    fmt: str,
+    keep_frames: bool = False,
+) -> dict[str, Any]:
+    """One task's tables, figures and claims; ``keep_frames``: keep the GIF's frames with the
+    committed rows (the default run's report, whose checkpoints a clone does not have)."""
+    meta, everything = results["meta"], results["metrics"]
+    all_sets = main_rows(everything, meta)
+    frame = primary_test_set(all_sets, meta)
+    retrained = retrained_rows(primary_test_set(everything, meta), meta)
+    caption = scale_caption(meta, label)
+    tables, figures = out / "tables", out / "figures"
+    training = training_table(results["training"], meta)
+    flags = cell_flags(training)
+    atomic_write(tables / f"{task}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
+    training_md = training_markdown(training)
+    if (paper or {}).get("stalled_margin") is not None:
+        stalled = stalled_seeds(training, paper["stalled_margin"])
+        atomic_write(tables / f"{task}_stalled.csv", lambda tmp: stalled.to_csv(tmp, index=False))
+        if not stalled.empty:
+            training_md += "\n\n" + stalled_markdown(stalled, paper["stalled_margin"])
+    atomic_write(tables / f"{task}_training.md", lambda tmp: tmp.write_text(training_md + "\n"))
+    table = with_flags(table1(frame, meta, paper), frame, ["method", "K", "L"], flags)
+    atomic_write(tables / f"{task}_table1.csv", lambda tmp: table.to_csv(tmp, index=False))
+    md = table_markdown(table, {**(paper or {}).get("block_labels", {}), **(paper or {}).get("metric_labels", {})})
+    atomic_write(tables / f"{task}_table1.md", lambda tmp: tmp.write_text(md + "\n"))
+    methods = comparison_table(frame, meta)
+    methods = methods.assign(flag=[row_flag(ids.split(), flags) for ids in methods["cells"]])
+    atomic_write(tables / f"{task}_methods.csv", lambda tmp: methods.to_csv(tmp, index=False))
+    methods_md = comparison_markdown(methods)
+    atomic_write(tables / f"{task}_methods.md", lambda tmp: tmp.write_text(methods_md + "\n"))
+    mse = set_table(all_sets, meta)
+    mse_md = ""
+    if not mse.empty:
+        mse = with_flags(mse, all_sets.assign(test_set=all_sets.get("test_set", "test")), MSE_KEYS, flags)
+        atomic_write(tables / f"{task}_mse.csv", lambda tmp: mse.to_csv(tmp, index=False))
+        mse_md = "\n".join(
+            ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
+            + [
+                f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | {pm(r.mean, r.std)} |"
+                for r in mse.itertuples(index=False)
+            ]
+        ) + _footnote(mse)
+    tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking.csv")
+    axes_md = axes_markdown(frame, meta, caption, out, task, fmt)
+    claims = task_claims(task, results, paper)
+    made = {}
+    for name, ok in (
+        *(
+            (metric, set_curve_figure(all_sets, meta, caption, figures / f"{task}_{metric}.{fmt}", metric))
+            for metric in SET_CURVES
+        ),
+        ("compute", compute_figure(all_sets, meta, caption, figures / f"{task}_compute.{fmt}")),
+        (
+            "methods_sweeps",
+            methods_sweeps_figure(frame, meta, caption, figures / f"{task}_methods_sweeps.{fmt}"),
+        ),
+        (
+            "kl",
+            kl_figure(frame, meta, caption, figures / f"{task}_kl.{fmt}", (paper or {}).get("block_labels")),
+        ),
+        ("budget", budget_figure(frame, retrained, meta, caption, figures / f"{task}_budget.{fmt}")),
+        ("sweeps", sweeps_figure(frame, meta, caption, figures / f"{task}_sweeps.{fmt}")),
+        (
+            "training",
+            training_figure(results["training"], training, caption, figures / f"{task}_training.{fmt}"),
+        ),
+        (
+            "samples",
+            samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}"),
+        ),
+        (
+            "animation",
+            animation(
+                task, results["samples"], meta, root, figures / f"{task}_samples.gif",
+                out / COMMITTED_DATA / task / ANIMATION_FRAMES if keep_frames else None,
+            ),
+        ),
+    ):
+        if ok:
+            made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
+    imputation = report_imputation(
+        task, results.get("imputation"), out, fmt, lambda fig, path: _save(fig, path, caption)
+    )
+    if imputation is not None:
+        made.update(imputation["figures"])
+    headline = {
+        f"{row.method}/K{row.K}/L{row.L}": {
+            m: float(getattr(row, m))
+            for m in ("log_joint", "d_log_joint", "ess", "ari", "ari_ceiling")
+            if m in table and np.isfinite(getattr(row, m))
+        }
+        for row in table.itertuples(index=False)
+    }
+    for metric in ("mse", "pos_err", "tracked"):
+        for r in (mse if metric == "mse" else set_table(all_sets, meta, metric)).itertuples(index=False):
+            if np.isfinite(r.mean):
+                headline.setdefault(f"{r.method}/K{r.K}/L{r.L}", {})[f"{metric}_{r.test_set}"] = float(r.mean)
+    for key, values in (imputation or {}).get("headline", {}).items():
+        headline.setdefault(key, {}).update(values)
+    sets = meta.get("test_sets") or []
+    return {
+        "task": task,
+        "imputation_md": (imputation or {}).get("md", ""),
+        "imputation_set": (meta.get("imputation") or {}).get("test_set"),
+        "caption": caption,
+        "table_md": md,
+        "methods_md": methods_md,
+        "figures": made,
+        "metrics": headline,
+        "paper": paper,
+        "mse_md": mse_md,
+        "tracking_md": tracking_md,
+        "axes_md": axes_md,
+        "training_md": training_md,
+        "cell_flags": flags,
+        "claims": claims,
+        "cells": meta["cells"],
+        "primary": sets[0]["name"] if len(sets) > 1 else None,
+    }
+
+
+FIGURE_TEXT = {
+    "mse": "Figure 4: reconstruction MSE per pixel between held-out frames and the reconstructions of the weighted particles, versus sweep, one line per held-out set (e.g. per (T, D)); error bars: std over seeds x videos.",
+    "pos_err": "Position error of the highest-weight particle against the simulator's digits (pixels between the centres of the inferred and the true digits' ink, best matching of digits per video), versus sweep, one line per held-out set; error bars: std over seeds x videos.",
+    "tracked": "Fraction of frames whose every digit is within 3 px of its true position (highest-weight particle), versus sweep, one line per held-out set; error bars: std over seeds x videos.",
+    "compute": "Reconstruction MSE per pixel versus compute, per held-out set. Compute: likelihood evaluations per dataset, in units of one evaluation of log p(x | z) over the whole dataset for one particle (for a video: all T frames; a gradient counts 2, a block's Markov blanket its share of the data; the proposal networks' own cost is not counted). APG: L (1 + 4 (k - 1)) after sweep k (every block's blanket before and after its update), drawn as a line over its sweeps; RWS: K*L (one encoder pass); AVF: K*L (1 + 4 n) for n inference iterations per frame and for the codes. Error bars: std over seeds x videos.",
+    "methods_sweeps": "Held-out log joint versus sweep for every method at each test-time budget (K, L): APG, exact population Gibbs (gibbs), bootstrapped Gibbs, HMC-RWS (K-1 HMC transitions), and the one-step methods (RWS, reparam: K*L particles at once) as dashed levels; shaded: standard error of the mean over seeds x datasets (the same held-out datasets for every method; their spread is in Table 1).",
+    "kl": "Inclusive KL (eq. 4) of each method's block kernels to the exact Gibbs conditionals, per block, using the final particles of each test-time budget as samples of the other blocks (4 exact draws each); gibbs uses the exact kernels (0 by construction) and gibbs-bootstrap the prior for the global block. Error bars: std over seeds x datasets.",
+    "budget": "Figure 2: log joint and ESS/L of the final sweep versus K at a fixed budget K*L. Solid: APG retrained at each (K, L = total // K) and evaluated at that same (K, L); dashed: each method's main cell (trained at its grid pair) run at the test-time budgets, one model for every K, as the paper did. Shaded: std over seeds x datasets.",
+    "sweeps": "Log joint and ESS/L versus sweep at the largest evaluation budget; RWS (one step with K*L particles) as a dashed level; shaded: standard error of the mean over seeds x datasets (their spread is in Table 1).",
+    "training": "Training log joint of every cell (last sweep of each training batch; rolling mean over 1/50 of the logged points), one panel per method, one thin line per seed, coloured by the (K, L) it was trained at. Shaded: the last fifth of training, where the plateau test of the training table fits its trend; † / ‡ at a curve's end: not plateaued / not assessable.",
+    "samples": "Figure 1/3 style: each method's highest-weight sample after k sweeps, on held-out datasets of different sizes (the task's draw hook: for videos, frames with the inferred digit boxes).",
+    "animation": "Animated sample (the task's animate hook): for videos, each frame | its reconstruction, with the inferred boxes.",
+    **IMPUTATION_FIGURE_TEXT,
+}
+
+
+def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str, recorded_md: str = "") -> str:
+    lines = [
+        "# Reproduction report",
+        "",
+        f"**Scale: {label}.** Generated by `dvc repro` (stage `report`) from recorded results in "
+        "`results/eval/`; do not edit by hand. Paper: Wu et al., *Amortized Population Gibbs "
+        "Samplers with Neural Sufficient Statistics* (arXiv 1911.01382). Our numbers come from far "
+        "shorter training than the paper's and are not expected to match them; the paper's numbers "
+        "are shown beside ours (`paper` columns), never in place of them. Each task's section "
+        "states the iterations, datasets and seeds its numbers were made with.",
+        "",
+        "## Claims of the paper, checked",
+        "",
+        "Computed by the report stage from the evaluation metrics (claim definitions: "
+        "`pipeline/paper_numbers.yaml`, `claims`); ✓ holds, ✗ does not, – no verdict.",
+        "",
+        claims_md,
+        "",
+        "## Where the settings come from",
+        "",
+        "Every setting is `params.yaml`'s; its comments say how each was chosen (the learning-rate "
+        "schedules were measured per task). `apg-pipeline tune --task <task>` searches a task's "
+        "training settings (`tune.yaml`) with `params.yaml`'s own as its first trial; each search's "
+        "report, in [tune/](tune/), says whether the best beat them.",
+        "",
+        *([recorded_md] if recorded_md else []),
+    ]
+    return "\n".join(lines + task_sections(parts))
+
+
+def task_sections(parts: list[dict[str, Any]]) -> list[str]:
+    """Each task's tables and figures (links relative to the report holding them)."""
+    lines: list[str] = []
+    for part in parts:
+        task = part["task"]
+        lines += [f"## {task}", "", part["caption"] + ".", ""]
+        if part.get("primary"):
+            lines += [
+                f"Tables and the sweep/budget figures use the first held-out set, `{part['primary']}`; "
+                "Figure 4 and the MSE table cover every set.",
+                "",
+            ]
+        if (part["paper"] or {}).get("scale"):
+            lines += [f"Paper scale: {part['paper']['scale']}.", ""]
+        lines += [
+            f"### Table 1 ([csv](tables/{task}_table1.csv))",
+            "",
+            "Mean ± std over seeds and held-out datasets at each test-time budget (K, L); `paper`: the "
+            "paper's value for the column to its left (Table 1), where it reports one. Δ log p(x,z): "
+            "paired difference (same dataset) to the baseline method at the same budget; ESS/L: eq. 11; "
+            "`ess`/`kl` per block: ESS/L after the block update and inclusive KL (eq. 4); numbered "
+            "blocks (one per video frame) are averaged over t. ARI: adjusted Rand index of the "
+            "highest-weight particle's assignments c against the true c (1: the true clustering up to "
+            "relabeling, 0: chance); blank for a method whose particles carry no c. ARI ceiling: the "
+            "ARI of argmax_i p(c_n = i | x_n, true mu, true tau), the best any sampler can do, the same "
+            "for every row (GMM only). RWS rows "
+            "spend K*L particles in one step. Rows average the cells trained at each method's grid "
+            "pair (Figure 2's retrained cells appear only there). The CSV has every column unrounded.",
+            "",
+            part["table_md"],
+            "",
+            f"### Methods at equal sample budgets ([csv](tables/{task}_methods.csv))",
+            "",
+            "Every method at each test-time budget K×L: held-out log joint, ESS/L, the SMC estimate "
+            "of log p(x) and the importance-sampled one from the method's encoder with K×L samples "
+            "(Rezende et al. 2014, appendix E). Mean ± std over seeds (each seed first averaged over "
+            "the held-out datasets). RWS, reparam and AVF draw K×L samples in one step (AVF: K×L "
+            "independent variational filters); HMC-RWS runs L chains through K-1 HMC transitions "
+            "(extra gradient evaluations per transition; `HMC accept`: its mean Metropolis acceptance "
+            "probability, also logged per training step as `accept` in MLflow); gibbs uses the exact "
+            "conditionals. Each row names the sweep cells (and MLflow child runs, tag `apg.cell_id`) "
+            "it averages.",
+            "",
+            part["methods_md"],
+            "",
+        ]
+        if part.get("training_md"):
+            lines += [
+                f"### Training: has every cell plateaued? ([csv](tables/{task}_training.csv))",
+                "",
+                "Per cell, over the last fifth of its training iterations: the mean training log joint "
+                "(`final`), the change Δ an ordinary least-squares line through the logged values makes "
+                "across that window, its standard error, and z = Δ / se(Δ); the same for the training "
+                "ESS/L (the proposals' objective, an inclusive KL, shows there after the log joint is "
+                "flat). A cell has plateaued when "
+                f"|z| < {PLATEAU_Z:g} for both; with fewer than {PLATEAU_MIN_POINTS} logged points in the window "
+                "it is not assessable. Rows elsewhere whose numbers come from a cell that has not "
+                f"plateaued carry {NOT_PLATEAUED} (not assessable: {NOT_ASSESSABLE}). Where the rate "
+                "still falls in that window, the curves rise with it (less gradient noise) whether or "
+                "not more steps would help; where the schedule holds its floor rate there "
+                "(`lr_hold_fraction: 0.2`, as params.yaml's do), a trend is one that more steps would "
+                "extend.",
+                "",
+                part["training_md"],
+                "",
+            ]
+        if part.get("mse_md"):
+            lines += [
+                f"### Reconstruction MSE per held-out set ([csv](tables/{task}_mse.csv))",
+                "",
+                "Final-sweep MSE per pixel, mean ± std over seeds x videos (Figure 4's last points).",
+                "",
+                part["mse_md"],
+                "",
+            ]
+        if part.get("tracking_md"):
+            lines += [
+                f"### Tracking against the simulator's positions ([csv](tables/{task}_tracking.csv))",
+                "",
+                "The highest-weight particle after the last sweep, per video: pixels between each "
+                "inferred digit and its true digit after the best matching of digits (one "
+                "permutation per video: a digit keeps its identity), averaged over frames and digits; "
+                "and the fraction of frames whose every digit is within 3 px. Mean ± std over seeds x videos. "
+                "A digit is where its ink is: the position error compares the centres of the ink "
+                "(box corner plus the ink centre of the decoded template, against box corner plus "
+                "the ink centre of the MNIST digit). The boxes' error compares box corners alone; it "
+                "also counts where the learned decoder draws a digit inside its 28 x 28 box, which "
+                "the data cannot pin down (a digit drawn 2 px to the right in a box 2 px to the "
+                "left makes the same frame). Motion error: the position error after removing each "
+                "digit's mean offset over its video.",
+                "",
+                part["tracking_md"],
+                "",
+            ]
+        if part.get("imputation_md"):
+            lines += [
+                f"### Imputation of hidden entries ([csv](tables/{task}_imputation.csv))",
+                "",
+                "Missing data filled in by a Markov chain that alternates inference and generation "
+                "(Rezende et al. 2014, Appendix F; `apg.imputation`): each cell infers the latents of "
+                "the data with its hidden entries at their current values (its method at the budget "
+                "K, L; exact Gibbs uses the exact conditionals), picks one particle by its weight, and "
+                "redraws the hidden entries from p(x | z) (or sets them to its mean), from a start at "
+                "the dataset's mean, on held-out set "
+                f"`{part.get('imputation_set')}`. Numbers at the chain's last iteration, mean ± std over "
+                "seeds x datasets. GMM: RMSE of the hidden coordinates, for the mean of the chain's "
+                "draws (after burn-in), for the last draw alone, and for the Bayes predictor at the "
+                "simulator's true parameters (the best possible on average, which no method knows). "
+                "Bouncing MNIST: pixel MSE on the hidden pixels, and the position error and tracked "
+                "fraction of the digits the chain's last inference places on the occluded frames.",
+                "",
+                part["imputation_md"],
+                "",
+            ]
+        if part.get("axes_md"):
+            lines += [
+                "### Swept settings (grid entries' `axes`)",
+                "",
+                "Each point: the cells trained at one value of the key (the task's own cells at "
+                "theirs), evaluated at their training pair on the first held-out set after the last "
+                "sweep; mean over seeds of the per-seed mean over datasets, error bars the 95% "
+                "interval over seeds (with 3 or more). In the tables above such cells are rows "
+                "`method [key=value]`.",
+                "",
+                part["axes_md"],
+                "",
+            ]
+        for name, rel in part["figures"].items():
+            lines += [
+                f"### {name}",
+                "",
+                f"![{task} {name}]({rel})",
+                "",
+                f"{FIGURE_TEXT[name]} {part['caption']}.",
+                "",
+            ]
+    return lines
+
+
+RESULTS_START, RESULTS_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def reused_cells_markdown(parts: list[dict[str, Any]]) -> str:
+    """A bold warning naming cells trained by other code (``sweep.reuse_across_code``)."""
+    names = [c["name"] for p in parts for c in p.get("cells", []) if c.get("trained_by_other_code")]
+    if not names:
+        return ""
+    return (
+        f"**Reused across code changes: {len(names)} cell(s) were trained by other code than this "
+        f"report's ({', '.join(names)}; `sweep.reuse_across_code: true`). Their numbers are not "
+        "this code's results.**\n\n"
+    )
+
+
+def pipeline_time_markdown(times: dict[str, float], threads: int | None = None) -> str:
+    """Wall time of each stage when it last ran (``results/timings``), and the machine."""
+    if not times:
+        return ""
+    rows = "\n".join(f"| `{name}` | {seconds / 60:.1f} |" for name, seconds in times.items())
+    total = sum(times.values()) / 60
+    per_trial = f"; {threads} torch thread{'s' if threads != 1 else ''} per trial" if threads else ""
+    return (
+        "## Time\n\nWall time of each stage when it last ran (2 trials at once on a 2-core machine "
+        "unless the params say otherwise; after a partial `dvc repro`, the stages it skipped keep "
+        "the times of the run that made their outputs):\n\n| stage | minutes |\n| --- | ---: |\n"
+        f"{rows}\n| **sum** | **{total:.1f}** |\n\n"
+        f"Machine that made this report (a from-scratch `dvc repro` trains and evaluates on the same "
+        f"one; trained numbers differ across CPUs): {provenance.machine_line(provenance.machine())}"
+        f"{per_trial}.\n\n"
+    )
+
+
+def readme_results(
+    claims: list[Any], claims_md: str, times: dict[str, float], label: str, report_dir: str,
+    replication: dict[str, ClaimResult] | None = None,
+) -> str:
+    """The project README's results section: what the main command gives, from this run."""
+    total = sum(times.values()) / 60 if times else None
+    took = (
+        f" Its stages took {total:.0f} minutes in all (each stage's wall time when it last ran); the"
+        if total is not None
+        else " The"
+    )
+    claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/").replace("](recorded/", f"]({report_dir}/recorded/")
+    return (
+        f"Written by the report stage of the run that made the committed [`{report_dir}/`]"
+        f"({report_dir}/README.md) ({label}).{took} report has "
+        f"the per-stage times, every table and figure, and each cell's training curve and plateau "
+        f"check. {verdict_count(claims, replication)}:\n\n{claims_md}\n"
+    )
+
+
+def write_readme_results(readme: Path, block: str) -> None:
+    text = readme.read_text()
+    start, end = text.index(RESULTS_START), text.index(RESULTS_END)
+    new = text[: start + len(RESULTS_START)] + "\n" + block + text[end:]
+    atomic_write(readme, lambda tmp: tmp.write_text(new))

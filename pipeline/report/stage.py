@@ -1,0 +1,195 @@
+"""The stage itself: ``make_report`` writes ``reports/`` (from ``results/eval`` or from the
+committed rows), with every recorded run's own report; ``main`` is its command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import seaborn as sns
+import yaml
+
+from apg.data import atomic_write
+from pipeline import provenance, stages
+from pipeline.common import project_root
+from pipeline.config import load_params
+from pipeline.recorded import GENERATIVE_ONLY, recorded_runs
+from pipeline.report.claims import claims_json, claims_markdown, claims_not_run, replication_claims
+from pipeline.report.data import COMMITTED_DATA, PAPER_NUMBERS, STAGE_TIMES, commit_rows, load_results
+from pipeline.report.sections import (
+    RESULTS_START,
+    index_markdown,
+    pipeline_time_markdown,
+    readme_results,
+    report_task,
+    reused_cells_markdown,
+    task_sections,
+    write_readme_results,
+)
+from pipeline.statistics import (
+    MIN_SEEDS,
+)
+
+
+def make_report(params: dict[str, Any], root: Path, from_committed: bool = False) -> Path:
+    """Write ``reports/`` from ``results/eval/<task>`` (keeping those rows in
+    ``reports/data/``), or with ``from_committed`` from the rows kept there, by a clone
+    that has trained nothing: the same tables, figures and verdicts, provenance untouched."""
+    cfg = params.get("report", {})
+    out = root / cfg.get("out", "reports")
+    fmt = cfg.get("figure_format", "png")
+    label = cfg.get("scale", "CPU-sized")
+    paper_all = yaml.safe_load(PAPER_NUMBERS.read_text())
+    sns.set_theme(style="whitegrid", context="paper")
+    data = out / COMMITTED_DATA
+    parts = []
+    for task in params["tasks"]:
+        eval_dir = data / task if from_committed else root / "results" / "eval" / task
+        results = load_results(eval_dir)
+        if not from_committed:
+            commit_rows(eval_dir, data / task)
+        parts.append(report_task(task, results, paper_all.get(task), out, root, label, fmt, keep_frames=True))
+    claims = [c for p in parts for c in p["claims"]]
+    for task, section in paper_all.items():
+        if task not in params["tasks"] and (section or {}).get("claims"):
+            claims += claims_not_run(task, section["claims"], "not run (task not in this run)")
+    unclaimed = [t for t in params["tasks"] if not (paper_all.get(t) or {}).get("claims")]
+    flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
+    replication = replication_claims(root, params["tasks"], paper_all)
+    claims_md = claims_markdown(claims, flags, unclaimed, replication)
+    text = index_markdown(parts, label, claims_md, recorded_markdown(root, out, paper_all, fmt))
+    if from_committed:
+        times = json.loads((data / STAGE_TIMES).read_text()) if (data / STAGE_TIMES).is_file() else {}
+    else:
+        times = stages.stage_times(root)
+        atomic_write(data / STAGE_TIMES, lambda tmp: tmp.write_text(json.dumps(times, indent=2) + "\n"))
+    lead = reused_cells_markdown(parts) + pipeline_time_markdown(times, params.get("sweep", {}).get("torch_threads"))
+    text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
+    atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
+    readme = root / "README.md"
+    if readme.is_file() and RESULTS_START in readme.read_text():
+        block = readme_results(claims, claims_md, times, label, out.relative_to(root).as_posix(), replication)
+        write_readme_results(readme, block)
+    metrics = {p["task"]: p["metrics"] for p in parts}
+    metrics["claims"] = claims_json(claims)
+    if replication is not None:
+        metrics["replication_claims"] = claims_json(list(replication.values()))
+    payload = json.dumps(metrics, indent=2, sort_keys=True)
+    atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(payload + "\n"))
+    # What produced these results (code and params digests, commit): the CI check that
+    # committed results are the checkout's own reads it (pipeline.provenance). A rebuild
+    # from the committed rows trained and evaluated nothing: the record stays as it was.
+    if not from_committed:
+        provenance.write_record(params, root, out)
+    return out
+
+
+def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str) -> str:
+    """Each recorded run (``apg-pipeline record``, results kept in ``recorded/``): its own
+    report under ``reports/recorded/<name>/``, and here its Table 1 beside the paper's, labelled
+    with its scale and the commit that trained it. Nothing is retrained."""
+    runs = recorded_runs(root)
+    if not runs:
+        return ""
+    lines = [
+        "## Recorded runs at other scales",
+        "",
+        "Runs too long for `dvc repro` (`apg-pipeline record <profile>`, `pipeline/recorded.py`): "
+        "their evaluation results and trained weights are kept in `recorded/` and this stage "
+        "rebuilds their tables and figures from them. Each names the commit whose code trained it; "
+        "`training code today` says whether the training code (the sweep stage's code digest) is "
+        "still that code.",
+        "",
+    ]
+    for run_dir, manifest in runs:
+        sub = out / "recorded" / run_dir.name
+        params = yaml.safe_load((run_dir / "params.yaml").read_text())
+        label = manifest["scale"]
+        parts, claims = [], []
+        for task in params["tasks"]:
+            paper = paper_all.get(task) or {}
+            paper = {**paper, "claims": (paper.get("claims") or []) + (paper.get("paper_scale_claims") or [])}
+            part = report_task(task, load_results(run_dir / "eval" / task), paper, sub, root, label, fmt)
+            parts.append(part)
+            # A run at another scale has other held-out sets and budgets: the claims it cannot
+            # test (the CPU defaults' sets) are left out of its table, not listed as not run.
+            claims += [c for c in part["claims"] if c.note != "not run"]
+        flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
+        claims_md = claims_markdown(claims, flags, [])
+        same = all(
+            stages.code_digest("sweep", t, stages.package_root()) == d
+            for t, d in manifest["code_digest"].items()
+        )
+        about = (
+            f"Trained by commit `{manifest['commit']}` ({manifest.get('started', '?')} to "
+            f"{manifest['finished']}, last run {manifest['wall_minutes_last_run']} min wall; "
+            f"{manifest['machine']}). Training code today: {'the same' if same else '**changed since**'}. "
+            f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
+            f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
+        )
+        partial = [
+            c["name"] for part in parts for c in part.get("cells", []) if Path(c["checkpoint"]).name == GENERATIVE_ONLY
+        ]
+        if partial:  # weights too large for git: the proposals were left out
+            about += (
+                f" Not re-checkable from a clone: {len(partial)} of its cells ({', '.join(f'`{n}`' for n in partial)}) "
+                "keep their generative model's weights alone (their proposals were over the size kept in git), "
+                "so their numbers are those their evaluation recorded and cannot be recomputed."
+            )
+        start = manifest.get("starts_from")
+        if start:  # a curriculum's later step: its training continues another run's
+            about += (
+                f" A curriculum's later step: every cell started from the weights of the same method, K, L "
+                f"and seed in the recorded run [`{start['profile']}`]({{up}}reports/recorded/{start['profile']}/README.md) "
+                f"(commit `{start['commit']}`; checkpoints' sha256 in the manifest), so its training is "
+                f"on top of that run's."
+            )
+        body = [
+            f"# Recorded run `{run_dir.name}`: {label}",
+            "",
+            about.replace("{up}", "../../../"),
+            "",
+            "## Claims of the paper, checked at this scale",
+            "",
+            claims_md,
+            "",
+            *task_sections(parts),
+        ]
+        page = "\n".join(body) + "\n"
+        atomic_write(sub / "README.md", lambda tmp, page=page: tmp.write_text(page))
+        lines += [
+            f"### [`{run_dir.name}`](recorded/{run_dir.name}/README.md): {label}",
+            "",
+            about.replace("{up}", "../"),
+            "",
+        ]
+        for part in parts:
+            lines += [f"Table 1, {part['task']} ({part['caption']}):", "", part["table_md"], ""]
+        held = [c for c in claims if c.passed is not None]
+        verdicts = (
+            f"{sum(bool(c.passed) for c in held)} of its {len(held)} claims with a verdict hold"
+            if held
+            else f"None of its {len(claims)} claims has a verdict (each rests on fewer than {MIN_SEEDS} seeds)"
+        )
+        lines += [f"{verdicts} ([its report](recorded/{run_dir.name}/README.md)).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="apg-pipeline report", description="regenerate reports/ from recorded results")
+    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument(
+        "--from-committed",
+        action="store_true",
+        help="rebuild from the evaluation rows kept in reports/data/ (a clone: nothing trained or evaluated)",
+    )
+    args = parser.parse_args(argv)
+    from pipeline.cli import run_guarded
+
+    def work() -> None:
+        out = make_report(load_params(args.params), project_root(), from_committed=args.from_committed)
+        print(f"wrote {out}/README.md")
+
+    run_guarded(work)
