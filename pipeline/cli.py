@@ -45,33 +45,9 @@ import torch
 import yaml
 
 from apg.data import atomic_write, save_dataset
-from apg.training import TrainConfig, Trainer, TrainingDiverged, evaluate
+from apg.training import TrainConfig, Trainer, evaluate
 from pipeline.common import check_budget, load_task_data, load_trained, load_training_rows, seed_everything
-
-EXIT_BAD_INPUT = 2
-
-
-def run_guarded(work: Callable[[], Any]) -> Any:
-    """Run ``work``; turn expected failures into one line on stderr and exit status 2."""
-    try:
-        return work()
-    except TrainingDiverged as err:
-        _fail(f"training diverged: {err}")
-    except (ValueError, FileNotFoundError, KeyError) as err:
-        # ParamsError, DatasetError, CheckpointError and ValueErrors from the library
-        # all carry a one-line message naming the problem.
-        text = str(err).strip().splitlines()
-        _fail(text[0] if text else type(err).__name__)
-    except OSError as err:  # a full disk, a directory where a file goes, no permission
-        where = f": {err.filename}" if err.filename else ""
-        _fail(f"{err.strerror or type(err).__name__}{where}")
-    except KeyboardInterrupt:
-        _fail("interrupted")
-
-
-def _fail(message: str) -> None:
-    print(f"apg-pipeline: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_BAD_INPUT)
+from pipeline.errors import run_guarded
 
 
 def _key_values(items: list[str], flag: str) -> dict[str, Any]:

@@ -185,6 +185,12 @@ class Cell:
         return f"{self.method}-K{self.sweeps}-L{self.particles}-s{self.seed}-{digest}"
 
 
+def cell_key(method: str, sweeps: int, particles: int, seed: int) -> str:
+    """A trained cell by method, K, L and seed: how a curriculum's later step (a recorded
+    profile that starts from another's weights) finds the cell it starts from."""
+    return f"{method}/K{sweeps}/L{particles}/s{seed}"
+
+
 class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the
     last one silently; DVC rejects such a params file, so the two would disagree)."""

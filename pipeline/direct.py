@@ -36,6 +36,7 @@ from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write
 from apg.training import TrainConfig, Trainer
 from pipeline.common import file_digest, seed_everything, training_rows
+from pipeline.config import cell_key
 from pipeline.generate import generate
 from pipeline.stages import record_stage_time
 from pipeline.sweep import DONE, HISTORY, MODEL, plan, summarize, write_history
@@ -56,7 +57,7 @@ def run_direct(
     every cell (``stages`` "all" or "evaluate": a sandbox whose training is done). Its
     ``params.yaml`` is rewritten with the iterations when ``minutes`` sets them; a cell
     still training at ``deadline`` (``time.time()``) stops there and keeps what it has
-    (``done.json`` says so). With ``starts`` (per task, ``recorded.cell_key`` -> ``path``
+    (``done.json`` says so). With ``starts`` (per task, ``cell_key`` -> ``path``
     and ``sha256`` of a checkpoint), every cell starts from those weights instead of afresh.
     Each stage's time goes to ``results/timings`` as the DVC stages' does."""
     from pipeline.evaluate import evaluate_task
@@ -115,8 +116,6 @@ def _starting_checkpoints(cells, starts, task: str) -> dict[str, dict[str, str] 
     """Per cell id: the checkpoint it starts from (``None``: from scratch)."""
     if starts is None:
         return {cell_id: None for cell_id in cells}
-    from pipeline.recorded import cell_key
-
     by_key, out = starts.get(task, {}), {}
     for cell_id, cell in cells.items():
         key = cell_key(cell.train.method, cell.train.sweeps, cell.train.particles, cell.seed)

@@ -638,7 +638,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="output directory (default results/eval/<task>)")
     parser.add_argument("--device", default="cpu", help="where the networks run (cpu, cuda, cuda:1, ...)")
     args = parser.parse_args(argv)
-    from pipeline.cli import run_guarded
+    from pipeline.errors import run_guarded
 
     def work() -> None:
         params = load_params(args.params)

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="output directory (default data/<task>)")
     args = parser.parse_args(argv)
-    from pipeline.cli import run_guarded
+    from pipeline.errors import run_guarded
 
     def work() -> None:
         params = load_params(args.params)

@@ -45,7 +45,7 @@ import yaml
 
 from pipeline import provenance
 from pipeline.common import project_root
-from pipeline.config import load_params, validate_params
+from pipeline.config import cell_key, load_params, validate_params
 from pipeline.smoke import make_sandbox
 from pipeline.stages import code_digest, package_root, stage_times
 
@@ -326,10 +326,6 @@ def starting_weights(name: str, root: Path) -> dict[str, Any] | None:
             key = cell_key(cell["method"], cell["K"], cell["L"], cell["seed"])
             cells.setdefault(task, {})[key] = {"path": str(path), "sha256": cell["checkpoint_sha256"]}
     return {"profile": earlier, "commit": manifest["commit"], "cells": cells}
-
-
-def cell_key(method: str, sweeps: int, particles: int, seed: int) -> str:
-    return f"{method}/K{sweeps}/L{particles}/s{seed}"
 
 
 def derive(name: str, base: Path, check: bool = False) -> dict[str, Any]:

@@ -831,7 +831,7 @@ def main(argv: list[str] | None = None) -> None:
         "--report", default="reports/tune", help="a folder for <name>.md and its figure, or the report's .md file"
     )
     args = parser.parse_args(argv)
-    from pipeline.cli import run_guarded
+    from pipeline.errors import run_guarded
 
     def work() -> None:
         root = project_root()

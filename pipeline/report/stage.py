@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         help="rebuild from the evaluation rows kept in reports/data/ (a clone: nothing trained or evaluated)",
     )
     args = parser.parse_args(argv)
-    from pipeline.cli import run_guarded
+    from pipeline.errors import run_guarded
 
     def work() -> None:
         out = make_report(load_params(args.params), project_root(), from_committed=args.from_committed)
