@@ -124,7 +124,9 @@ def test_the_evidence_estimate_is_unbiased(data):
     # E[Z_hat] = p(x): the mean of Z_hat / p(x) over replicates is 1 within its error.
     torch.manual_seed(3)
     with torch.no_grad():
-        result = run_apg(CorrelatedPair(), GaussianKernels(data, 0.5, 1.6), data, 3, 50, resample_mode="block")
+        result = run_apg(
+            CorrelatedPair(), GaussianKernels(data, 0.5, 1.6), data, 3, 50, resample_mode="block"
+        )
     x = data[0]
     prior_cov = torch.tensor([[1.0, RHO], [RHO, 1.0]], dtype=torch.float64)
     marginal = torch.distributions.MultivariateNormal(

@@ -40,8 +40,18 @@ def axis_estimates(frame: pd.DataFrame, meta: dict[str, Any], key: str) -> pd.Da
         value = cells.get(cid, {}).get("settings", {}).get(key)
         if value is not None:
             cell = cells[cid]
-            rows.append((cell["base_method"], cell["K"], cell["L"], value, metric, cell["seed"], cid,
-                         float(part["value"].mean())))
+            rows.append(
+                (
+                    cell["base_method"],
+                    cell["K"],
+                    cell["L"],
+                    value,
+                    metric,
+                    cell["seed"],
+                    cid,
+                    float(part["value"].mean()),
+                )
+            )
     per_seed = pd.DataFrame(rows, columns=["method", "K", "L", "value", "metric", "seed", "cell_id", "mean"])
     out = []
     for (method, k, l), group in per_seed.groupby(["method", "K", "L"]):
@@ -64,8 +74,14 @@ def axis_figure(est: pd.DataFrame, key: str, caption: str, path: Path) -> None:
         for (method, k, l), part in est[est["metric"] == metric].groupby(["method", "K", "L"]):
             part = part.assign(x=part["value"].map(position)).sort_values("x")
             err = np.vstack([part["mean"] - part["lo"], part["hi"] - part["mean"]])
-            ax.errorbar(part["x"], part["mean"], yerr=None if np.isnan(err).all() else err, marker="o",
-                        capsize=3, label=f"{method} K={k} L={l}")
+            ax.errorbar(
+                part["x"],
+                part["mean"],
+                yerr=None if np.isnan(err).all() else err,
+                marker="o",
+                capsize=3,
+                label=f"{method} K={k} L={l}",
+            )
         if numeric and min(values) > 0 and max(values) / min(values) >= 8:
             ax.set_xscale("log")
         ax.set_xticks([position[v] for v in values], [str(v) for v in values])
@@ -76,7 +92,9 @@ def axis_figure(est: pd.DataFrame, key: str, caption: str, path: Path) -> None:
     _save(fig, path, caption)
 
 
-def axes_markdown(frame: pd.DataFrame, meta: dict[str, Any], caption: str, out: Path, task: str, fmt: str) -> str:
+def axes_markdown(
+    frame: pd.DataFrame, meta: dict[str, Any], caption: str, out: Path, task: str, fmt: str
+) -> str:
     """Per swept key: a figure of each metric against the key's values and a table (with
     the cells each point averages); '' when no key has two values for one method."""
     parts = []
@@ -88,14 +106,17 @@ def axes_markdown(frame: pd.DataFrame, meta: dict[str, Any], caption: str, out: 
         axis_figure(est, key, caption, out / "figures" / f"{stem}.{fmt}")
         atomic_write(out / "tables" / f"{stem}.csv", lambda tmp, est=est: est.to_csv(tmp, index=False))
         metrics = [m for m in AXIS_METRICS if m in set(est["metric"])]
-        wide = est.pivot_table(index=["method", "K", "L", "value"], columns="metric", values="mean", aggfunc="first")
+        wide = est.pivot_table(
+            index=["method", "K", "L", "value"], columns="metric", values="mean", aggfunc="first"
+        )
         seeds = est.groupby(["method", "K", "L", "value"])["seeds"].max()
         lines = [
             f"#### `{key}` ([csv](tables/{stem}.csv))",
             "",
             f"![{task} {key}](figures/{stem}.{fmt})",
             "",
-            f"| method | K | L | {key} | " + " | ".join(AXIS_LABELS.get(m, _label(m, None)) for m in metrics)
+            f"| method | K | L | {key} | "
+            + " | ".join(AXIS_LABELS.get(m, _label(m, None)) for m in metrics)
             + " | seeds |",
             "| --- | --- | --- | --- | " + " | ".join("---" for _ in metrics) + " | --- |",
         ]

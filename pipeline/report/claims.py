@@ -58,7 +58,9 @@ VERDICT_RULES = (
 def _rows(frame: pd.DataFrame, method: str, metric: str, pair: tuple[int, int]) -> pd.DataFrame:
     """``method``'s rows of ``metric`` at test-time ``pair``, indexed by (cell_id, dataset)."""
     k, l = pair
-    at = frame[(frame["method"] == method) & (frame["K"] == k) & (frame["L"] == l) & (frame["metric"] == metric)]
+    at = frame[
+        (frame["method"] == method) & (frame["K"] == k) & (frame["L"] == l) & (frame["metric"] == metric)
+    ]
     return at.set_index(["cell_id", "dataset"])
 
 
@@ -92,7 +94,10 @@ def paired_change(
     ``metric`` → ``after_metric`` of the same run): per seed the
     mean over datasets, then ``seed_interval``. Paired, so the spread between seeds and
     datasets that both share cancels."""
-    a, b = _rows(before, method, metric, pair), _rows(after, method, after_metric or metric, after_pair or pair)
+    a, b = (
+        _rows(before, method, metric, pair),
+        _rows(after, method, after_metric or metric, after_pair or pair),
+    )
     return _over_seeds(b["value"] - a["value"].reindex(b.index), b)
 
 
@@ -186,14 +191,18 @@ class Claim(NamedTuple):
             f" after sweep {at_sweep}" if at_sweep is not None else ""
         )
 
-    def result(self, ours, passed, note, value, lo, hi, target_value, cells, smallest=math.nan) -> ClaimResult:
+    def result(
+        self, ours, passed, note, value, lo, hi, target_value, cells, smallest=math.nan
+    ) -> ClaimResult:
         """The checked claim; no verdict when ``note`` says why (too few seeds, at the ceiling)."""
         spec = self.spec
         if "test_set" in spec and note != "not run":
             ours = f"{spec['test_set']}, {ours}"
         passed = None if note else passed
         head = (self.task, spec["id"], spec["claim"], spec.get("section", ""))
-        return ClaimResult(*head, ours, claim_target(spec), passed, note, value, lo, hi, target_value, tuple(cells), smallest)
+        return ClaimResult(
+            *head, ours, claim_target(spec), passed, note, value, lo, hi, target_value, tuple(cells), smallest
+        )
 
     def not_run(self) -> ClaimResult:
         return self.result("not run", None, "not run", None, None, None, None, ())
@@ -204,7 +213,17 @@ def _threshold(c: Claim) -> ClaimResult:
     if not e.n:
         return c.not_run()
     ok = OPS[c.spec["op"]][0](e.mean, c.spec["target"])
-    return c.result(f"{c.who}: {_est(e)}", bool(ok), _seed_note(e), e.mean, e.lo, e.hi, c.spec["target"], e.cells, detectable(e))
+    return c.result(
+        f"{c.who}: {_est(e)}",
+        bool(ok),
+        _seed_note(e),
+        e.mean,
+        e.lo,
+        e.hi,
+        c.spec["target"],
+        e.cells,
+        detectable(e),
+    )
 
 
 def _falls_over_sweeps(c: Claim) -> ClaimResult:
@@ -217,14 +236,19 @@ def _falls_over_sweeps(c: Claim) -> ClaimResult:
     k, l = c.pair
     ours = f"{c.method} K={k} L={l}: sweep 1 {_est(first)} → sweep {k} {_est(last)}; change {_est(change)}"
     ok = change.hi < 0
-    return c.result(ours, ok, _seed_note(change), last.mean, last.lo, last.hi, first.mean, last.cells, detectable(change))
+    return c.result(
+        ours, ok, _seed_note(change), last.mean, last.lo, last.hi, first.mean, last.cells, detectable(change)
+    )
 
 
 def _compare(c: Claim) -> ClaimResult:
     """above, below, at_least, equivalent: the claim's method against ``other``."""
     spec, kind, other = c.spec, c.spec["kind"], c.spec["other"]
     other_pair = tuple(spec.get("other_pair", c.pair))
-    a, b = seed_estimate(c.mine, c.method, c.metric, c.pair), seed_estimate(c.fin, other, c.metric, other_pair)
+    a, b = (
+        seed_estimate(c.mine, c.method, c.metric, c.pair),
+        seed_estimate(c.fin, other, c.metric, other_pair),
+    )
     if not a.n or not b.n:
         return c.not_run()
     d = difference(a, b)
@@ -287,9 +311,11 @@ def _converges_within(c: Claim) -> ClaimResult:
         firsts[cell_id] = (int(cell_rows["seed"].iloc[0]), float(reached[0]))
     per_seed = pd.Series({seed: k for seed, k in firsts.values()}, dtype=float)
     e = seed_interval(per_seed.to_numpy(), tuple(sorted(firsts)))
-    ours = f"{c.who}: first sweep within {spec['tolerance']} of the plateau {_est(e)} (per seed: " + ", ".join(
-        f"{int(k)}" for k in per_seed.sort_index()
-    ) + ")"
+    ours = (
+        f"{c.who}: first sweep within {spec['tolerance']} of the plateau {_est(e)} (per seed: "
+        + ", ".join(f"{int(k)}" for k in per_seed.sort_index())
+        + ")"
+    )
     ok = e.hi <= spec["sweeps"]
     return c.result(ours, bool(ok), _seed_note(e), e.mean, e.lo, e.hi, spec["sweeps"], e.cells, detectable(e))
 
@@ -300,7 +326,9 @@ def _increasing(c: Claim) -> ClaimResult:
     ests = [seed_estimate(c.fin, c.method, c.metric, p) for p in pairs]
     if any(not e.n for e in ests):
         return c.not_run()
-    steps = [paired_change(c.fin, c.fin, c.method, c.metric, p, q) for p, q in zip(pairs, pairs[1:], strict=False)]
+    steps = [
+        paired_change(c.fin, c.fin, c.method, c.metric, p, q) for p, q in zip(pairs, pairs[1:], strict=False)
+    ]
     if any(not s.n for s in steps):
         return c.not_run()
     note = _seed_note(*ests, *steps)
@@ -337,7 +365,9 @@ def _budget_above(c: Claim) -> ClaimResult:
     d = difference(high, low)
     ok = d.lo > 0
     label = METRIC_LABELS.get(c.metric, c.metric)
-    ours = f"{c.method} retrained, {label}: " + "; ".join(f"K={k} L={l}: {_est(ests[(k, l)])}" for k, l in pairs)
+    ours = f"{c.method} retrained, {label}: " + "; ".join(
+        f"K={k} L={l}: {_est(ests[(k, l)])}" for k, l in pairs
+    )
     ours += f"; difference K={pairs[-1][0]} − K={pairs[0][0]}: {_est(d)}"
     return c.result(
         ours,
@@ -370,26 +400,36 @@ class ClaimKind(NamedTuple):
 
 KINDS: dict[str, ClaimKind] = {
     "threshold": ClaimKind(_threshold, lambda s: f"{OPS[s['op']][1]} {s['target']}"),
-    "above": ClaimKind(_compare, lambda s: f"above {s['other']}{_other_at(s)} (difference's 95% interval above 0)"),
-    "below": ClaimKind(_compare, lambda s: f"below {s['other']}{_other_at(s)} (difference's 95% interval below 0)"),
+    "above": ClaimKind(
+        _compare, lambda s: f"above {s['other']}{_other_at(s)} (difference's 95% interval above 0)"
+    ),
+    "below": ClaimKind(
+        _compare, lambda s: f"below {s['other']}{_other_at(s)} (difference's 95% interval below 0)"
+    ),
     "at_least": ClaimKind(_compare, lambda s: f"≥ {s['other']} (means)"),
     "equivalent": ClaimKind(
-        _compare, lambda s: f"within ±{s['margin']} of {s['other']} (difference's 90% interval inside the margin)"
+        _compare,
+        lambda s: f"within ±{s['margin']} of {s['other']} (difference's 90% interval inside the margin)",
     ),
     "increasing": ClaimKind(
-        _increasing, lambda s: f"increasing at every step of K {_steps(s)} (each paired change's 95% interval above 0)"
+        _increasing,
+        lambda s: f"increasing at every step of K {_steps(s)} (each paired change's 95% interval above 0)",
     ),
     "falls_over_sweeps": ClaimKind(
         _falls_over_sweeps, lambda s: "last sweep below sweep 1 (paired change's 95% interval below 0)"
     ),
-    "budget_above": ClaimKind(_budget_above, lambda s: "largest K above smallest K (difference's 95% interval above 0)"),
+    "budget_above": ClaimKind(
+        _budget_above, lambda s: "largest K above smallest K (difference's 95% interval above 0)"
+    ),
     "above_metric": ClaimKind(
         _above_metric, lambda s: f"each above {s['other_metric']} (paired differences' 95% intervals above 0)"
     ),
     "converges_within": ClaimKind(
         _converges_within,
-        lambda s: f"first sweep within {s['tolerance']} of the plateau (mean of the last {s['plateau_sweeps']} "
-        f"sweeps) ≤ {s['sweeps']} (95% interval's upper end)",
+        lambda s: (
+            f"first sweep within {s['tolerance']} of the plateau (mean of the last {s['plateau_sweeps']} "
+            f"sweeps) ≤ {s['sweeps']} (95% interval's upper end)"
+        ),
     ),
 }
 CLAIM_KINDS = tuple(KINDS)
@@ -474,7 +514,14 @@ def claims_markdown(
     """The claims table with its verdict rules; a claim whose numbers come from a cell that
     has not plateaued carries that cell's mark. ``replication``: the same claims checked on
     the recorded second run (``{task/id: result}``), shown as a last column."""
-    header = ["task", "claim (paper section)", "ours (95% interval over seeds)", "target", "detectable", "✓/✗"]
+    header = [
+        "task",
+        "claim (paper section)",
+        "ours (95% interval over seeds)",
+        "target",
+        "detectable",
+        "✓/✗",
+    ]
     if replication is not None:
         header.append(f"✓/✗ [`{REPLICATION}`](recorded/{REPLICATION}/README.md)")
     rows = [header, ["---"] * len(header)]
@@ -554,7 +601,7 @@ def replication_claims(
 
 
 def verdict_count(claims: list[ClaimResult], replication: dict[str, ClaimResult] | None = None) -> str:
-    """"k of the n claims with a verdict hold", or with a replication the claims that hold in
+    """ "k of the n claims with a verdict hold", or with a replication the claims that hold in
     both runs, out of those with a verdict in both."""
     if replication is None:
         judged = [c for c in claims if c.passed is not None]

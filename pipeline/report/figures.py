@@ -90,7 +90,11 @@ def sweep_curves(ax, stats: pd.DataFrame, colors: dict[str, Any], at_once: str) 
         front = 3.0 if method == "apg" else 2.0
         ax.plot(group["sweep"], group["mean"], marker=".", color=colors[method], label=method, zorder=front)
         ax.fill_between(
-            group["sweep"], group["mean"] - group["sem"], group["mean"] + group["sem"], alpha=0.2, color=colors[method]
+            group["sweep"],
+            group["mean"] - group["sem"],
+            group["mean"] + group["sem"],
+            alpha=0.2,
+            color=colors[method],
         )
 
 
@@ -119,7 +123,10 @@ def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
 # Per-held-out-set curves over sweeps (Figure 4 and its tracking twins): metric -> (y label, title).
 SET_CURVES = {
     "mse": ("reconstruction MSE per pixel", "Reconstruction MSE versus sweeps, per held-out set (Figure 4"),
-    "pos_err": ("position error (px)", "Position error against the true digits versus sweeps, per held-out set ("),
+    "pos_err": (
+        "position error (px)",
+        "Position error against the true digits versus sweeps, per held-out set (",
+    ),
     "tracked": ("frames with every digit within 3 px", "Tracked frames versus sweeps, per held-out set ("),
 }
 
@@ -411,7 +418,11 @@ ANIMATION_FRAMES = "animation.npz"
 
 
 def animation(
-    task: str, samples: dict[str, np.ndarray], meta: dict[str, Any], root: Path, path: Path,
+    task: str,
+    samples: dict[str, np.ndarray],
+    meta: dict[str, Any],
+    root: Path,
+    path: Path,
     frames_file: Path | None = None,
 ) -> bool:
     """A GIF of the last APG sweep's sample on the first figure set (tasks with ``animate``).

@@ -86,7 +86,9 @@ def report_task(
     atomic_write(tables / f"{task}_training.md", lambda tmp: tmp.write_text(training_md + "\n"))
     table = with_flags(table1(frame, meta, paper), frame, ["method", "K", "L"], flags)
     atomic_write(tables / f"{task}_table1.csv", lambda tmp: table.to_csv(tmp, index=False))
-    md = table_markdown(table, {**(paper or {}).get("block_labels", {}), **(paper or {}).get("metric_labels", {})})
+    md = table_markdown(
+        table, {**(paper or {}).get("block_labels", {}), **(paper or {}).get("metric_labels", {})}
+    )
     atomic_write(tables / f"{task}_table1.md", lambda tmp: tmp.write_text(md + "\n"))
     methods = comparison_table(frame, meta)
     methods = methods.assign(flag=[row_flag(ids.split(), flags) for ids in methods["cells"]])
@@ -136,7 +138,11 @@ def report_task(
         (
             "animation",
             animation(
-                task, results["samples"], meta, root, figures / f"{task}_samples.gif",
+                task,
+                results["samples"],
+                meta,
+                root,
+                figures / f"{task}_samples.gif",
                 out / COMMITTED_DATA / task / ANIMATION_FRAMES if keep_frames else None,
             ),
         ),
@@ -403,7 +409,11 @@ def pipeline_time_markdown(times: dict[str, float], threads: int | None = None) 
 
 
 def readme_results(
-    claims: list[Any], claims_md: str, times: dict[str, float], label: str, report_dir: str,
+    claims: list[Any],
+    claims_md: str,
+    times: dict[str, float],
+    label: str,
+    report_dir: str,
     replication: dict[str, ClaimResult] | None = None,
 ) -> str:
     """The project README's results section: what the main command gives, from this run."""
@@ -413,7 +423,9 @@ def readme_results(
         if total is not None
         else " The"
     )
-    claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/").replace("](recorded/", f"]({report_dir}/recorded/")
+    claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/").replace(
+        "](recorded/", f"]({report_dir}/recorded/"
+    )
     return (
         f"Written by the report stage of the run that made the committed [`{report_dir}/`]"
         f"({report_dir}/README.md) ({label}).{took} report has "

@@ -65,7 +65,9 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
     else:
         times = stages.stage_times(root)
         atomic_write(data / STAGE_TIMES, lambda tmp: tmp.write_text(json.dumps(times, indent=2) + "\n"))
-    lead = reused_cells_markdown(parts) + pipeline_time_markdown(times, params.get("sweep", {}).get("torch_threads"))
+    lead = reused_cells_markdown(parts) + pipeline_time_markdown(
+        times, params.get("sweep", {}).get("torch_threads")
+    )
     text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
     readme = root / "README.md"
@@ -130,7 +132,10 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
             f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
         )
         partial = [
-            c["name"] for part in parts for c in part.get("cells", []) if Path(c["checkpoint"]).name == GENERATIVE_ONLY
+            c["name"]
+            for part in parts
+            for c in part.get("cells", [])
+            if Path(c["checkpoint"]).name == GENERATIVE_ONLY
         ]
         if partial:  # weights too large for git: the proposals were left out
             about += (
@@ -178,7 +183,9 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="apg-pipeline report", description="regenerate reports/ from recorded results")
+    parser = argparse.ArgumentParser(
+        prog="apg-pipeline report", description="regenerate reports/ from recorded results"
+    )
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument(
         "--from-committed",

@@ -158,7 +158,15 @@ METRIC_LABELS = {
 
 
 COMPARISON_METRICS = (
-    "log_joint", "log_joint_true", "sweep_ess", "ess", "log_evidence", "log_evidence_is", "ari", "centre_err", "accept",
+    "log_joint",
+    "log_joint_true",
+    "sweep_ess",
+    "ess",
+    "log_evidence",
+    "log_evidence_is",
+    "ari",
+    "centre_err",
+    "accept",
 )
 
 
