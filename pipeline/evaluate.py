@@ -213,7 +213,10 @@ ASSIGNMENT_CEILINGS = {"gmm": gmm_bayes_assignments}
 
 
 def rings_common_log_joint(
-    arrays: dict[str, np.ndarray], particle: dict[str, np.ndarray], model_hparams: dict[str, Any], sizes: dict[str, Any]
+    arrays: dict[str, np.ndarray],
+    particle: dict[str, np.ndarray],
+    model_hparams: dict[str, Any],
+    sizes: dict[str, Any],
 ) -> np.ndarray:
     """Per-dataset ``log p(x, mu, c)`` ``(M,)`` of a particle's centres and assignments under
     the rings' true generative model (the simulator's circles of the set's ``radius``, the
@@ -254,7 +257,10 @@ def latent_truth(task: str, path: Path) -> dict[str, Any] | None:
 
 
 def particle_scores(
-    task: str, truth: dict[str, Any], particle: dict[str, np.ndarray] | None, model_hparams: dict[str, Any],
+    task: str,
+    truth: dict[str, Any],
+    particle: dict[str, np.ndarray] | None,
+    model_hparams: dict[str, Any],
     sizes: dict[str, Any],
 ) -> dict[str, np.ndarray]:
     """Final metrics ``(M,)`` of the highest-weight particles (``final_particle``) against the
@@ -267,12 +273,17 @@ def particle_scores(
     if "mu" in truth["arrays"]:
         scores["centre_err"] = np.full(size, np.nan)
         if particle is not None and "mu" in particle:
-            true_mu, mu = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (truth["arrays"]["mu"], particle["mu"]))
+            true_mu, mu = (
+                torch.from_numpy(np.asarray(a, dtype=np.float64))
+                for a in (truth["arrays"]["mu"], particle["mu"])
+            )
             scores["centre_err"] = matched_centre_error(true_mu, mu).numpy()
     if task in COMMON_MODEL_SCORES:
         scores["log_joint_true"] = np.full(size, np.nan)
         if particle is not None and "mu" in particle:
-            scores["log_joint_true"] = COMMON_MODEL_SCORES[task](truth["arrays"], particle, model_hparams, sizes)
+            scores["log_joint_true"] = COMMON_MODEL_SCORES[task](
+                truth["arrays"], particle, model_hparams, sizes
+            )
     if truth["ari_ceiling"] is not None:
         scores["ari_ceiling"] = truth["ari_ceiling"]
     return scores
@@ -289,13 +300,22 @@ def position_truth(task: str, path: Path) -> dict[str, np.ndarray] | None:
         return None
     data = load_dataset(path)
     if "centres" not in data:
-        raise ValueError(f"{path} has no digit centres: it was made by an older generate; run `dvc repro generate@bmnist`")
+        raise ValueError(
+            f"{path} has no digit centres: it was made by an older generate; run `dvc repro generate@bmnist`"
+        )
     return {"z_where": data["z_where"], "centres": data["centres"]}
 
 
 def tracking_errors(
-    cfg, model, proposals, x: torch.Tensor, truth: dict[str, np.ndarray], sweeps: int, particles: int,
-    batch_size: int, resample_mode: str,
+    cfg,
+    model,
+    proposals,
+    x: torch.Tensor,
+    truth: dict[str, np.ndarray],
+    sweeps: int,
+    particles: int,
+    batch_size: int,
+    resample_mode: str,
 ) -> dict[str, np.ndarray]:
     """Curves ``(K, M)``: the position error (pixels, at the digits' ink centres), the
     boxes' error, the motion error and the tracked-frame fraction of each video's
@@ -318,7 +338,9 @@ def tracking_errors(
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
-            method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect])
+            method.run(
+                model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect]
+            )
     curves: dict[str, list[np.ndarray]] = {}
     for k in sorted(per_sweep):
         where, centres = (np.concatenate(part) for part in zip(*per_sweep[k], strict=True))
@@ -391,7 +413,9 @@ def evaluate_task(
             (e for e in test_sets if e["name"] == imputing.get("test_set", test_sets[0]["name"])), None
         )
         if impute_set is None:
-            raise ValueError(f"{task}.evaluate.imputation.test_set {imputing['test_set']!r} is not a test set")
+            raise ValueError(
+                f"{task}.evaluate.imputation.test_set {imputing['test_set']!r} is not a test set"
+            )
         check_imputation(task, imputing, section, impute_set)
         impute_arrays = load_dataset(data_dir / f"{impute_set['stem']}.npz")
     unique_pairs = sorted({tuple(p) for pairs in plan.values() for p in pairs})
@@ -436,24 +460,42 @@ def evaluate_task(
                 if entry["latents"] is not None:
                     particle = final_particle(set_cfg, model, set_proposals, entry["x"], k, l, *run_args)
                     metrics.update(
-                        particle_scores(task, entry["latents"], particle, model_hparams, entry.get("sizes", {}))
+                        particle_scores(
+                            task, entry["latents"], particle, model_hparams, entry.get("sizes", {})
+                        )
                     )
                 if entry["truth"] is not None:
                     metrics.update(
-                        tracking_errors(set_cfg, model, set_proposals, entry["x"], entry["truth"], k, l, *run_args)
+                        tracking_errors(
+                            set_cfg, model, set_proposals, entry["x"], entry["truth"], k, l, *run_args
+                        )
                     )
                 if ev.get("sweep_resampling") and run_args[1] != "sweep":
                     # The paper's overall ESS: the same sampler resampling once per sweep only.
                     # Last, and from the pair's seed, so the runs above draw as without it.
                     seed_everything(ev.get("seed", 0) + 1000 * cell["seed"])
-                    per_sweep = evaluate_cell(set_cfg, model, set_proposals, entry["x"], k, l, run_args[0], "sweep")
+                    per_sweep = evaluate_cell(
+                        set_cfg, model, set_proposals, entry["x"], k, l, run_args[0], "sweep"
+                    )
                     metrics["sweep_ess"] = per_sweep["ess"]
                 frames.append(tidy(metrics, {**set_ids, "K": k, "L": l}))
-        if imputing and "main" in cell_role and not cell.get("axes") and cell["method"] in imputing["methods"]:
+        if (
+            imputing
+            and "main" in cell_role
+            and not cell.get("axes")
+            and cell["method"] in imputing["methods"]
+        ):
             set_cfg, set_proposals = with_network(cfg, model, proposals, impute_set.get("network"), device)
             k, l = imputing.get("pair") or unique_pairs[0]
             rows, examples = imputation_frame(
-                task, set_cfg, model, set_proposals, imputing, impute_arrays, k, l,
+                task,
+                set_cfg,
+                model,
+                set_proposals,
+                imputing,
+                impute_arrays,
+                k,
+                l,
                 {key: ids[key] for key in ("method", "seed", "train_K", "train_L", "cell_id")},
                 ev.get("resample_mode", "block"),
             )
@@ -501,6 +543,11 @@ def evaluate_task(
             )
     metrics_frame = pd.concat(frames, ignore_index=True)
     run_ids = mlflow_run_ids(summary)
+    logged = log_evaluation(summary, run_ids, metrics_frame)
+    if logged:
+        print(
+            f"evaluate {task}: held-out numbers logged to {logged} MLflow runs (metrics eval.<set>.K<K>L<L>.<metric>)"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "metrics.parquet", lambda tmp: metrics_frame.to_parquet(tmp, index=False))
     atomic_write(out_dir / "metrics.csv", lambda tmp: metrics_frame.to_csv(tmp, index=False))
@@ -587,24 +634,40 @@ def evaluate_task(
     return meta
 
 
+def _sweep_client(summary: dict[str, Any]):
+    """The sweep's MLflow client, or None when the sweep logged nothing; the store is looked
+    up in this project when the sweep ran in a copy of it since moved or deleted."""
+    info = summary.get("mlflow") or {}
+    if not info.get("parent_run_id"):
+        return None
+    from pipeline import tracking
+
+    uri = info["tracking_uri"]
+    store = uri.removeprefix("sqlite:///") if urlparse(uri).scheme == "sqlite" else None
+    if store is not None and not Path(store).is_file():
+        # Opening the gone store would create an empty one there.
+        uri = tracking.tracking_uri(project_root())
+        print(
+            f"note: the sweep's MLflow store {store} is gone; looking its runs up in {tracking.redact(uri)}"
+        )
+    return tracking.client(uri)
+
+
+def _note(what: str, err: Exception) -> None:
+    print(f"note: {what} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+
+
 def mlflow_run_ids(summary: dict[str, Any]) -> dict[str, str]:
     """``{cell_id: MLflow child run id}`` for the sweep's cells, so that every reported
     number can be traced to its run; empty when the tracking store cannot be read (the
     cell id is also a tag, ``apg.cell_id``, on the child run)."""
-    info = summary.get("mlflow") or {}
-    if not info.get("parent_run_id"):
-        return {}
     try:
         from pipeline import tracking
 
-        uri = info["tracking_uri"]
-        store = uri.removeprefix("sqlite:///") if urlparse(uri).scheme == "sqlite" else None
-        if store is not None and not Path(store).is_file():
-            # The sweep ran in a copy of the project since moved or deleted: opening its
-            # store would create an empty one there. The runs are where this project keeps them.
-            uri = tracking.tracking_uri(project_root())
-            print(f"note: the sweep's MLflow store {store} is gone; looking its runs up in {tracking.redact(uri)}")
-        client = tracking.client(uri)
+        client = _sweep_client(summary)
+        if client is None:
+            return {}
+        info = summary["mlflow"]
         out = {}
         for cell in summary["cells"]:
             run = tracking.find_run(
@@ -620,10 +683,43 @@ def mlflow_run_ids(summary: dict[str, Any]) -> dict[str, str]:
                 out[cell["cell_id"]] = run.info.run_id
         return out
     except Exception as err:  # noqa: BLE001 - traceability is best effort; evaluation must not fail on it
-        print(
-            f"note: MLflow run ids not recorded ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-        )
+        _note("MLflow run ids not recorded", err)
         return {}
+
+
+def evaluation_metrics(frame: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Per cell id, its held-out numbers as MLflow metrics: the mean over the datasets of
+    each final metric, named ``eval.<test set>.K<K>L<L>.<metric>`` (one name per number of
+    Table 1 and the method tables, so the runs table can show and sort them)."""
+    last = frame.groupby(["cell_id", "test_set", "K", "L", "metric"])["sweep"].transform("max")
+    fin = frame[frame["sweep"] == last]
+    means = fin.groupby(["cell_id", "test_set", "K", "L", "metric"])["value"].mean().dropna()
+    out: dict[str, dict[str, float]] = {}
+    for (cell_id, test_set, k, l, metric), value in means.items():
+        out.setdefault(cell_id, {})[f"eval.{test_set}.K{k}L{l}.{metric}"] = float(value)
+    return out
+
+
+def log_evaluation(summary: dict[str, Any], run_ids: dict[str, str], frame: pd.DataFrame) -> int:
+    """Log every cell's held-out numbers (``evaluation_metrics``) to its MLflow run, beside
+    its training curves; the number of runs logged (best effort, like ``mlflow_run_ids``)."""
+    if not run_ids:
+        return 0
+    try:
+        from pipeline import tracking
+
+        client = _sweep_client(summary)
+        if client is None:
+            return 0
+        logged = 0
+        for cell_id, values in evaluation_metrics(frame).items():
+            if cell_id in run_ids:
+                tracking.log_metrics(client, run_ids[cell_id], [(0, values)])
+                logged += 1
+        return logged
+    except Exception as err:  # noqa: BLE001 - the evaluation's files are the record; MLflow is a view of them
+        _note("held-out numbers not logged to MLflow", err)
+        return 0
 
 
 def _savez(tmp: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -632,7 +728,9 @@ def _savez(tmp: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="apg-pipeline eval-sweep", description="evaluate every trained cell of a task's sweep")
+    parser = argparse.ArgumentParser(
+        prog="apg-pipeline eval-sweep", description="evaluate every trained cell of a task's sweep"
+    )
     parser.add_argument("--task", required=True)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="output directory (default results/eval/<task>)")

@@ -911,3 +911,30 @@ def test_every_claim_written_has_a_known_kind_and_an_unknown_kind_raises():
     cells, fin = seeds_frame("apg", {(10, 10): 0.9}, metric="ess_c")
     with pytest.raises(ValueError, match="unknown kind 'treshold'"):
         report.check_claim({"id": "x", "claim": "c", "kind": "treshold", "method": "apg"}, "gmm", fin, fin.iloc[:0])
+
+
+def test_the_evaluation_logs_each_cells_held_out_numbers_to_its_mlflow_run(tmp_path):
+    from pipeline import tracking
+    from pipeline.evaluate import log_evaluation
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = tracking.client(uri)
+    exp = client.create_experiment("apg")
+    parent = client.create_run(exp).info.run_id
+    child = client.create_run(exp).info.run_id
+    summary = {"mlflow": {"tracking_uri": uri, "experiment_id": exp, "parent_run_id": parent}}
+    frame = pd.DataFrame(
+        {
+            "cell_id": ["c1"] * 6 + ["c2"] * 2,
+            "test_set": ["test"] * 8,
+            "K": [5] * 8,
+            "L": [10] * 8,
+            "metric": ["log_joint"] * 4 + ["ari"] * 2 + ["ari"] * 2,
+            "sweep": [1, 1, 5, 5, 5, 5, 5, 5],
+            "value": [1.0, 2.0, 3.0, 5.0, 0.5, 0.7, 0.1, 0.2],
+        }
+    )
+    assert log_evaluation(summary, {"c1": child}, frame) == 1  # c2 has no run: skipped
+    logged = client.get_run(child).data.metrics
+    assert logged == {"eval.test.K5L10.log_joint": 4.0, "eval.test.K5L10.ari": pytest.approx(0.6)}
+    assert log_evaluation({}, {"c1": child}, frame) == 0  # a sweep that logged nothing
