@@ -187,6 +187,14 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
     num_samples = search.get("num_samples", 8)
     if not (isinstance(num_samples, int) and num_samples >= 1):
         raise _bad(f"{task}.search.num_samples", f"a positive integer, got {num_samples!r}")
+    # TPE learns from finished trials: a few in flight, not all (2 suits 2 cores; a cluster
+    # may run more). The random search runs as many as the resources allow.
+    max_concurrent = search.get("max_concurrent", 2)
+    if not (isinstance(max_concurrent, int) and max_concurrent >= 1):
+        raise _bad(f"{task}.search.max_concurrent", f"a positive integer, got {max_concurrent!r}")
+    unknown = sorted(set(search) - {"algorithm", "num_samples", "seed", "max_concurrent"})
+    if unknown:
+        raise _bad(f"{task}.search", f"unknown key(s) {unknown}; known: algorithm, num_samples, seed, max_concurrent")
     scheduler = section.get("scheduler", {"asha": {}})
     if not (isinstance(scheduler, dict) and len(scheduler) == 1 and next(iter(scheduler)) in ("asha", "fifo")):
         raise _bad(f"{task}.scheduler", f"{{asha: {{grace_period, reduction_factor}}}} or {{fifo: {{}}}}, got {scheduler!r}")
@@ -252,6 +260,7 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         "algorithm": algorithm,
         "num_samples": num_samples,
         "seed": search.get("seed", 0),
+        "max_concurrent": max_concurrent,
         "asha": asha,
         "time_budget_s": budget,
         "validation": validation,
@@ -432,8 +441,8 @@ def searcher(plan: dict[str, Any]):
     if plan["algorithm"] == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
-        # TPE learns from finished trials: keep a few in flight, not all of them.
-        return ConcurrencyLimiter(OptunaSearch(seed=plan["seed"], points_to_evaluate=first), max_concurrent=2)
+        search = OptunaSearch(seed=plan["seed"], points_to_evaluate=first)
+        return ConcurrencyLimiter(search, max_concurrent=plan.get("max_concurrent", 2))
     return BasicVariantGenerator(random_state=plan["seed"], points_to_evaluate=first)
 
 
@@ -501,7 +510,10 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     )
     start_ray(params)
     try:
-        trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan, paths=paths), {"cpu": 1})
+        # Each trial takes what a sweep's trial takes (params.yaml's sweep section).
+        sweep = params.get("sweep", {})
+        resources = {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)}
+        trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan, paths=paths), resources)
         callbacks = [mlflow_callback(uri, exp_id, parent_id, plan)]
         if resuming:
             print(f"tune {plan['task']}: resuming {storage / name}")
@@ -539,6 +551,7 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     statuses = [t.status for t in tune.ExperimentAnalysis(str(storage / name)).trials]
     ended = sum(status in ("TERMINATED", "ERROR") for status in statuses)
     if ended < len(statuses):
+        tracking.finish(client, parent_id, "KILLED")  # not left RUNNING; a resumed search reopens it
         print(
             f"tune {plan['task']}: interrupted with {ended} of {len(statuses)} trials ended; "
             "run the same command again to resume",

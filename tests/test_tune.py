@@ -151,6 +151,8 @@ def test_bad_search_spaces_are_one_line_errors(space, expected):
         ({"scheduler": {"hyperband": {}}}, "scheduler"),
         ({"scheduler": {"asha": {"grace_period": 500}}}, "grace_period"),
         ({"search": {"algorithm": "grid"}}, "algorithm"),
+        ({"search": {"algorithm": "optuna", "max_concurrent": 0}}, "max_concurrent: a positive integer"),
+        ({"search": {"algorithm": "optuna", "concurrency": 4}}, r"search: unknown key\(s\) \['concurrency'\]"),
         ({"validation": {"num_datasets": 4, "seed": 2}}, "seed of the training or a test set"),
         ({"budget": 3}, "unknown key"),
     ],
