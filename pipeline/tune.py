@@ -758,12 +758,24 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
     keys = list(plan["space"])
     fig, axes = plt.subplots(1, len(keys) + 1, figsize=(4.2 * (len(keys) + 1), 3.4), squeeze=False)
     for ax, key in zip(axes[0][:-1], keys, strict=True):
+        kind, args = plan["space"][key]
+        # A choice is a category: its values at evenly spaced positions, labelled as given.
+        where = {v: i for i, v in enumerate(args)} if kind == "choice" else None
+
+        def x_of(values, where=where):
+            return [where[v] for v in values] if where is not None else values
+
         for early, marker, label in ((False, "o", "ran to the end"), (True, "x", "stopped early (ASHA)")):
             part = frame[frame["stopped_early"] == early]
-            ax.scatter(part[key], part["score"], marker=marker, label=label)
+            ax.scatter(x_of(part[key]), part["score"], marker=marker, label=label)
         mine = frame[frame["defaults"]]
-        ax.scatter(mine[key], mine["score"], s=160, facecolors="none", edgecolors="k", label="params.yaml's settings")
-        if plan["space"][key][0] == "loguniform":
+        ax.scatter(
+            x_of(mine[key]), mine["score"], s=160, facecolors="none", edgecolors="k", label="params.yaml's settings"
+        )
+        if where is not None:
+            ax.set_xticks(range(len(args)), [str(v) for v in args])
+            ax.set_xlim(-0.5, len(args) - 0.5)
+        elif kind == "loguniform":
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # unreadable when crowded
         ax.set_xlabel(key)

@@ -75,9 +75,16 @@ def test_report_lines_name_the_code_and_compare_with_the_defaults():
     assert made_at_line({}) == "Made by code whose commit was not recorded."
     setting = {"train.lr": 0.01}
     ref = {"trial": "a", "setting": setting, "score": -10.0, "iterations": 40, "failed": False}
-    summary = {"defaults": ref, "max_iterations": 120, "best": {"trial": "b", "score": -7.5, "iterations": 120}}
+    summary = {
+        "defaults": ref,
+        "max_iterations": 120,
+        "best": {"trial": "b", "score": -7.5, "iterations": 120},
+    }
     line = defaults_line(summary)
-    assert "-10 after 40 iterations (stopped early); the best's score (after 120) differs from it by +2.5." in line
+    assert (
+        "-10 after 40 iterations (stopped early); the best's score (after 120) differs from it by +2.5."
+        in line
+    )
     assert "(failed)" in defaults_line({**summary, "defaults": {**ref, "failed": True}})
     assert defaults_line({**summary, "best": {**summary["best"], "trial": "a"}}).endswith("ranked best.")
 
@@ -107,13 +114,18 @@ def test_method_options_are_the_searched_methods_own():
 
 
 def test_extremes_touch_every_bound_and_apply_sets_nested_keys():
-    space = {"train.lr": ("loguniform", [1e-4, 1e-2]), "network.hidden": ("choice", [4, 8, 16]),
-             "train.batch_size": ("randint", [2, 6])}
+    space = {
+        "train.lr": ("loguniform", [1e-4, 1e-2]),
+        "network.hidden": ("choice", [4, 8, 16]),
+        "train.batch_size": ("randint", [2, 6]),
+    }
     settings = extremes(space)
     assert {s["train.lr"] for s in settings} == {1e-4, 1e-2}
     assert {s["network.hidden"] for s in settings} == {4, 8, 16}
     assert {s["train.batch_size"] for s in settings} == {2, 5}  # randint's high is exclusive
-    cfg = apply_setting({"lr": 1.0, "network": {"hidden": 8, "other": 1}}, {"train.lr": 0.5, "network.hidden": 4})
+    cfg = apply_setting(
+        {"lr": 1.0, "network": {"hidden": 8, "other": 1}}, {"train.lr": 0.5, "network.hidden": 4}
+    )
     assert cfg == {"lr": 0.5, "network": {"hidden": 4, "other": 1}}
 
 
@@ -152,7 +164,10 @@ def test_bad_search_spaces_are_one_line_errors(space, expected):
         ({"scheduler": {"asha": {"grace_period": 500}}}, "grace_period"),
         ({"search": {"algorithm": "grid"}}, "algorithm"),
         ({"search": {"algorithm": "optuna", "max_concurrent": 0}}, "max_concurrent: a positive integer"),
-        ({"search": {"algorithm": "optuna", "concurrency": 4}}, r"search: unknown key\(s\) \['concurrency'\]"),
+        (
+            {"search": {"algorithm": "optuna", "concurrency": 4}},
+            r"search: unknown key\(s\) \['concurrency'\]",
+        ),
         ({"validation": {"num_datasets": 4, "seed": 2}}, "seed of the training or a test set"),
         ({"budget": 3}, "unknown key"),
     ],
@@ -201,7 +216,9 @@ def test_a_tuning_file_with_a_key_given_twice_is_refused(tmp_path, monkeypatch, 
     assert len(err) == 1 and "key 'gmm' given twice" in err[0]
 
 
-def test_a_baseline_search_is_named_for_its_method_and_writes_nothing_without_data(tmp_path, monkeypatch, capsys):
+def test_a_baseline_search_is_named_for_its_method_and_writes_nothing_without_data(
+    tmp_path, monkeypatch, capsys
+):
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny()))
     (tmp_path / "tune.yaml").write_text(yaml.safe_dump({"gmm": section(metric="log_joint")}))
     monkeypatch.chdir(tmp_path)
@@ -210,7 +227,10 @@ def test_a_baseline_search_is_named_for_its_method_and_writes_nothing_without_da
     assert code.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "run `dvc repro generate@gmm` first" in err[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml", "tune.yaml"]  # no validation set left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "params.yaml",
+        "tune.yaml",
+    ]  # no validation set left
 
 
 def test_the_report_goes_to_a_file_when_one_is_named():
@@ -236,17 +256,19 @@ def _trial_dirs(root: Path) -> list[Path]:
     return sorted((root / "results" / "tune" / "gmm" / "ray").glob("search-*/run_trial_*"))
 
 
-
-
 @pytest.mark.slow
 def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     from ray.tune import ExperimentAnalysis
 
     root = make_repo(tmp_path, tiny())
     (root / "tune.yaml").write_text(yaml.safe_dump({"gmm": section()}))
-    subprocess.run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], cwd=root, env=env(), check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pipeline.generate", "--task", "gmm"], cwd=root, env=env(), check=True
+    )
     cmd = [sys.executable, "-m", "pipeline.tune", "--task", "gmm"]
-    proc = subprocess.Popen(cmd, cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         # Interrupt once a trial has reported twice: trials are then mid-way. Tune keeps only
         # a trial's last checkpoint, and a tiny trial reports several times between two polls,
@@ -288,9 +310,14 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
             # last (a report in flight at Ctrl+C); so at most eval_every steps run twice
             (resumed,) = [a["start_iteration"] for a in attempts[1:]]
             every = SECTION["eval_every"]
-            assert resumed % every == 0 and checkpointed[trial_id] - every <= resumed <= checkpointed[trial_id], (
-                trial_id, attempts, checkpointed[trial_id])
-    assert any(len(a) > 1 and a[1]["start_iteration"] > 0 for a in trials.values()), (trials, before, checkpointed)
+            assert (
+                resumed % every == 0 and checkpointed[trial_id] - every <= resumed <= checkpointed[trial_id]
+            ), (trial_id, attempts, checkpointed[trial_id])
+    assert any(len(a) > 1 and a[1]["start_iteration"] > 0 for a in trials.values()), (
+        trials,
+        before,
+        checkpointed,
+    )
 
     import pandas as pd
 
@@ -310,7 +337,9 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     report = (root / "reports" / "tune" / "gmm.md").read_text()
     assert "stopped early" in report and (root / "reports" / "tune" / "gmm.png").is_file()
     # the report names the code it measured: the throwaway repo's one commit, nothing uncommitted
-    head = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True)
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True
+    )
     assert f"Run at commit `{head.stdout.strip()}` (started " in report and "; resumed at commit" in report
 
     # MLflow: one parent, one child run per trial across the interruption, the best tagged
@@ -342,3 +371,61 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
     assert keys[1] == keys[0] + "@superseded-" + next(
         p.info.run_id[:8] for p in parents if p.data.tags["apg.sweep_key"] != keys[0]
     )
+
+
+def test_the_report_draws_a_choice_as_categories_and_goes_where_asked(tmp_path):
+    from pipeline.tune import write_report
+
+    plan = check_section(tiny(), "gmm", section())
+    plan.update(
+        command="apg-pipeline tune --task gmm --method rws-mlp",
+        source="tune.yaml",
+        best_file="x/best-params.yaml",
+    )
+    rows = [
+        {
+            "trial": f"t{i}",
+            "train.lr": lr,
+            "network.hidden": hidden,
+            "score": score,
+            "best_score": score,
+            "iterations": 120,
+            "stopped_early": early,
+            "defaults": i == 0,
+            "attempts": 1,
+            "history": json.dumps([[60, score - 1], [120, score]]),
+        }
+        for i, (lr, hidden, score, early) in enumerate(
+            [(0.01, 8, -10.0, False), (0.001, 4, -12.0, True), (0.05, 8, -9.0, False)]
+        )
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(out / "trials.csv", index=False)
+    best = {
+        "trial": "t2",
+        "setting": {"train.lr": 0.05, "network.hidden": 8},
+        "score": -9.0,
+        "iterations": 120,
+    }
+    summary = {
+        "best": best,
+        "trials": 3,
+        "stopped_early": 1,
+        "failed": 0,
+        "max_iterations": 120,
+        "finished": "now",
+        "defaults": {
+            "trial": "t0",
+            "setting": {"train.lr": 0.01, "network.hidden": 8},
+            "score": -10.0,
+            "iterations": 120,
+        },
+    }
+    (out / "summary.json").write_text(json.dumps(summary))
+    path = write_report(plan, out, tmp_path / "elsewhere" / "search.md")
+    assert path == tmp_path / "elsewhere" / "search.md" and (tmp_path / "elsewhere" / "search.png").is_file()
+    text = path.read_text()
+    assert "`apg-pipeline tune --task gmm --method rws-mlp`" in text and "`x/best-params.yaml`" in text

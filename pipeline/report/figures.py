@@ -3,6 +3,7 @@ curves, Figure-1-style samples and the GIF."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,37 @@ def mean_std(frame: pd.DataFrame, by: list[str], spread: str = "std") -> pd.Data
     return frame.groupby(by)["value"].agg(["mean", spread]).fillna(0.0).reset_index()
 
 
+# Where a metric's values can lie: a band of mean ± spread is cut there (an error bar below
+# zero on a KL or a pixel error shows a value that cannot occur).
+NONNEGATIVE = ("kl_", "mse", "pos_err", "box_err", "centre_err", "model_evals")
+FRACTIONS = ("ess", "sweep_ess", "tracked", "swapped")
+
+
+def support(metric: str) -> tuple[float, float]:
+    """The range a metric's values can take: ``[0, 1]`` for ESS/L and fractions of frames,
+    ``[0, inf)`` for divergences, errors and counts, else the real line."""
+    if metric.startswith(FRACTIONS):
+        return 0.0, 1.0
+    if metric.startswith(NONNEGATIVE):
+        return 0.0, math.inf
+    return -math.inf, math.inf
+
+
+def band(metric: str, mean: Any, spread: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``mean - spread`` and ``mean + spread`` cut to the metric's ``support`` (an estimate
+    outside it, such as a KL estimate just below zero, keeps its own end there)."""
+    lo, hi = support(metric)
+    mean, spread = np.asarray(mean, dtype=float), np.asarray(spread, dtype=float)
+    return np.maximum(mean - spread, np.minimum(mean, lo)), np.minimum(mean + spread, np.maximum(mean, hi))
+
+
+def yerr(metric: str, mean: Any, spread: Any) -> np.ndarray:
+    """Asymmetric error bars ``(2, n)`` for ``errorbar``: ``band`` as distances from the mean."""
+    low, high = band(metric, mean, spread)
+    mean = np.asarray(mean, dtype=float)
+    return np.vstack([mean - low, high - mean])
+
+
 def budget_figure(
     frame: pd.DataFrame, retrained: pd.DataFrame, meta: dict[str, Any], caption: str, path: Path
 ) -> bool:
@@ -43,7 +75,7 @@ def budget_figure(
     colors = dict(zip(methods, sns.color_palette("tab10", len(methods)), strict=False))
     totals = sorted({int(k * l) for k, l in zip(own["K"], own["L"], strict=False)})
     total = (meta.get("budget") or {}).get("total") or (totals[-1] if totals else None)
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12.5, 4))
     for ax, metric in zip(axes, CURVE_METRICS, strict=False):
         for part, style, what in (
             (own, "-", "retrained per budget"),
@@ -60,11 +92,7 @@ def budget_figure(
                     label=f"{method}: {what}",
                 )
                 ax.fill_between(
-                    group["K"],
-                    group["mean"] - group["std"],
-                    group["mean"] + group["std"],
-                    alpha=0.15,
-                    color=colors[method],
+                    group["K"], *band(metric, group["mean"], group["std"]), alpha=0.15, color=colors[method]
                 )
         ax.set_xscale("log")
         ks = sorted(set(test_time["K"]) | set(own["K"]))
@@ -72,13 +100,16 @@ def budget_figure(
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set_xlabel("K sweeps (L = total // K)")
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
-    axes[0].legend(fontsize=7)
+    # Beside the panels, not on them: inside, it hid the retrained curve.
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.suptitle(f"Fixed budget K*L = {total} (Figure 2)" if total else "Fixed budget K*L (Figure 2)")
     _save(fig, path, caption)
     return True
 
 
-def sweep_curves(ax, stats: pd.DataFrame, colors: dict[str, Any], at_once: str) -> None:
+def sweep_curves(
+    ax, stats: pd.DataFrame, colors: dict[str, Any], at_once: str, metric: str = "log_joint"
+) -> None:
     """Each method's mean over sweeps with its standard error shaded; a one-step method
     (RWS, reparam: K*L particles at once) as a dashed level labelled ``method (at_once)``.
     APG is drawn in front: a sampler whose curve coincides with it (HMC-RWS on the GMM)
@@ -90,11 +121,7 @@ def sweep_curves(ax, stats: pd.DataFrame, colors: dict[str, Any], at_once: str) 
         front = 3.0 if method == "apg" else 2.0
         ax.plot(group["sweep"], group["mean"], marker=".", color=colors[method], label=method, zorder=front)
         ax.fill_between(
-            group["sweep"],
-            group["mean"] - group["sem"],
-            group["mean"] + group["sem"],
-            alpha=0.2,
-            color=colors[method],
+            group["sweep"], *band(metric, group["mean"], group["sem"]), alpha=0.2, color=colors[method]
         )
 
 
@@ -110,7 +137,7 @@ def sweeps_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric in zip(axes, CURVE_METRICS, strict=False):
         stats = mean_std(sub[sub["metric"] == metric], ["method", "sweep"], "sem")
-        sweep_curves(ax, stats, colors, f"{k_max * l_at} particles")
+        sweep_curves(ax, stats, colors, f"{k_max * l_at} particles", metric)
         ax.set_xlabel("sweep k")
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_ylabel("log p(x, z)" if metric == "log_joint" else "ESS / L")
@@ -159,7 +186,7 @@ def set_curve_figure(
             ax.errorbar(
                 group["sweep"],
                 group["mean"],
-                yerr=group["std"],
+                yerr=yerr(metric, group["mean"], group["std"]),
                 label=name,
                 color=colors[name],
                 capsize=2,
@@ -225,7 +252,13 @@ def kl_figure(
                 j - (len(methods) - 1) / 2
             )
             ax.errorbar(
-                x, group["mean"], yerr=group["std"], marker="o", capsize=2, color=colors[method], label=method
+                x,
+                group["mean"],
+                yerr=yerr(block, group["mean"], group["std"]),
+                marker="o",
+                capsize=2,
+                color=colors[method],
+                label=method,
             )
         ax.axhline(0.0, color="grey", lw=0.8)
         ax.set_xticks(range(len(pairs)), [f"K={k}, L={l}" for k, l in pairs], fontsize=8)
@@ -273,7 +306,7 @@ def compute_figure(frame: pd.DataFrame, meta: dict[str, Any], caption: str, path
             ax.errorbar(
                 group["evals"],
                 group["mse"],
-                yerr=group["std"],
+                yerr=yerr("mse", group["mse"], group["std"]),
                 color=colors[method],
                 capsize=2,
                 label=label,
@@ -332,9 +365,12 @@ def training_figure(training: pd.DataFrame, table: pd.DataFrame, caption: str, p
         for lo_it, hi_it in windows:
             ax.axvspan(lo_it, hi_it, color="grey", alpha=0.12, lw=0)
         values = pd.concat(late)
-        if len(values) and np.isfinite(values).any():
-            lo, hi = float(values.min()), float(values.max())
-            pad = 0.05 * (hi - lo) or 1.0
+        values = values[np.isfinite(values)]
+        if len(values):
+            # The middle 99%: one seed's brief spike (an RWS encoder's) would
+            # otherwise flatten every other curve of the panel.
+            lo, hi = (float(q) for q in np.quantile(values, [0.005, 0.995]))
+            pad = 0.1 * (hi - lo) or 1.0
             ax.set_ylim(lo - pad, hi + pad)
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles, strict=False))  # one entry per (K, L), not per seed
@@ -349,6 +385,18 @@ def training_figure(training: pd.DataFrame, table: pd.DataFrame, caption: str, p
     )
     _save(fig, path, caption)
     return True
+
+
+SIZE_NAMES = {"num_points": "N", "num_frames": "T", "num_digits": "D", "radius": "radius"}
+
+
+def figure_set_title(meta: dict[str, Any], name: str) -> str:
+    """``figure set 2 (N=150)`` for ``figure_1``: the set's number and its simulator sizes."""
+    sets = [s for s in meta.get("figure_sets") or [] if s["name"] == name]
+    number = int(name.rsplit("_", 1)[-1]) + 1 if name.rsplit("_", 1)[-1].isdigit() else name
+    sizes = sets[0].get("sizes", {}) if sets else {}
+    shown = ", ".join(f"{SIZE_NAMES[k]}={v}" for k, v in sizes.items() if k in SIZE_NAMES)
+    return f"figure set {number}" + (f" ({shown})" if shown else "")
 
 
 def samples_figure(
@@ -373,7 +421,7 @@ def samples_figure(
                 x = samples[f"x__{fset}"]
                 if f"truth__{fset}__z_where" in samples:  # the simulator's paths (tracking)
                     z["true_where"] = samples[f"truth__{fset}__z_where"][0]
-                panels[i, j] = (f"{method}, sweep {sweep}\n{fset} (x {tuple(x.shape[1:])})", x[0], z)
+                panels[i, j] = (f"{method}, sweep {sweep}\n{figure_set_title(meta, fset)}", x[0], z)
     if not panels:
         return False
     aspect = _draw_aspect(spec, next(iter(panels.values())))
@@ -471,6 +519,9 @@ def _write_frames(tmp: Path, frames: np.ndarray) -> None:
 
 def _save(fig, path: Path, caption: str) -> None:
     fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, wrap=True)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    # A third of an inch at the top for the suptitle and ~0.4 at the bottom for the caption,
+    # whatever the figure's height (a fixed fraction overlapped the first row's titles).
+    height = fig.get_figheight()
+    fig.tight_layout(rect=(0, min(0.4 / height, 0.1), 1, 1 - (0.3 / height if fig._suptitle else 0)))
     atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip("."), dpi=110))
     plt.close(fig)
