@@ -289,9 +289,9 @@ def _correlate_all(frames: Tensor, templates: Tensor) -> tuple[Tensor, Tensor]:
     weight = templates.transpose(0, 1).reshape(batch * num_particles * digits, 1, size, size)
     corr = F.conv2d(frames[None], weight, groups=batch)[0]  # (B L D, H-S+1, H-S+1)
     ar = torch.arange
-    rows = (ar(batch, device=frames.device) * num_particles)[None, :, None] + ar(num_particles, device=frames.device)[
-        :, None, None
-    ]
+    rows = (ar(batch, device=frames.device) * num_particles)[None, :, None] + ar(
+        num_particles, device=frames.device
+    )[:, None, None]
     return corr, rows * digits + ar(digits, device=frames.device)
 
 
@@ -736,7 +736,13 @@ def simulate(
     x = torch.cat(frames) if frames else torch.zeros(0, num_frames, cfg.canvas_size, cfg.canvas_size)
     labels = torch.from_numpy(mnist.labels.astype(np.int64))[indices]
     centres = ink_centres(images[indices].to(torch.float64))
-    return {"x": x, "z_where": where.to(dtype), "centres": centres.to(dtype), "labels": labels, "indices": indices}
+    return {
+        "x": x,
+        "z_where": where.to(dtype),
+        "centres": centres.to(dtype),
+        "labels": labels,
+        "indices": indices,
+    }
 
 
 # --------------------------------------------------------------------------- tracking error
@@ -939,7 +945,9 @@ class WhereNet(nn.Module):
             rows = logits.reshape(-1, logits.shape[-1])
             pre = _SoftmaxLinear.apply(rows, first.weight, first.bias, 50.0)
             h = self.body[1:](pre).view(*logits.shape[:-1], -1)
-        return Normal(_run(self.loc, h), F.softplus(_run(self.scale, h)) + self.min_scale, validate_args=False)
+        return Normal(
+            _run(self.loc, h), F.softplus(_run(self.scale, h)) + self.min_scale, validate_args=False
+        )
 
 
 class WhatNet(nn.Module):
@@ -1064,6 +1072,7 @@ class BMNISTProposals(Proposals):
         # one network each (the default; the kernel's then learns decoded digits' maps
         # alone) or one for both (the authors' code). RWS has no kernels: one network.
         own = not share_where_net and architecture == "apg"
+
         # The encoder's position scale has a floor of about a pixel (``encoder_min_scale``,
         # model units; 0.03 is 1.02 px). Without it the scale fell to 0.2 px while the
         # encoder was still 3-6 px off, its wake-phi gradient (~1/scale^2) grew a
@@ -1171,7 +1180,9 @@ class BMNISTProposals(Proposals):
             q = self.where_net(corr)  # over (N distinct, 2)
             q = Normal(q.loc[rows], q.scale[rows], validate_args=False)
             return Factorized({where_key(t): (q, 2)})
-        return ExplainingAwayWhere(self.where_net, corr[rows], cross_correlations(templates), self.cfg, where_key(t))
+        return ExplainingAwayWhere(
+            self.where_net, corr[rows], cross_correlations(templates), self.cfg, where_key(t)
+        )
 
 
 # --------------------------------------------------------------------------- task spec
@@ -1189,7 +1200,9 @@ def build_proposals(
     read_coordinates: bool = True,
     encoder_min_scale: float = 0.03,
 ) -> BMNISTProposals:
-    return BMNISTProposals(model, architecture, num_digits, share_where_net, read_coordinates, encoder_min_scale)
+    return BMNISTProposals(
+        model, architecture, num_digits, share_where_net, read_coordinates, encoder_min_scale
+    )
 
 
 def reconstruct(model: BouncingMNIST, x: Tensor, z: Mapping[str, Tensor]) -> Tensor:
@@ -1268,6 +1281,28 @@ def draw(ax, x, z, max_frames: int = 10) -> None:
                     ax.plot(t * side + path[:, 0], path[:, 1], color="white", lw=0.8, ls=":")
                     ax.plot(t * side + path[-1, 0], path[-1, 1], "+", color="white", ms=4, mew=0.8)
     ax.set_axis_off()
+    # What the colours and lines are, beside the strip (on a dark ground: the true paths are white).
+    from matplotlib.lines import Line2D
+
+    handles = [
+        Rectangle(
+            (0, 0), 1, 1, fill=False, edgecolor=_COLORS[d % len(_COLORS)] / 255.0, label=f"digit {d + 1}"
+        )
+        for d in range(corners.shape[1])
+    ]
+    if true_corners is not None:
+        handles += [
+            Line2D([], [], color="0.85", lw=0.8, label="inferred path"),
+            Line2D([], [], color="white", lw=0.8, ls=":", marker="+", ms=4, label="true path, centre"),
+        ]
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize=6,
+        facecolor="0.25",
+        labelcolor="white",
+    )
 
 
 @torch.no_grad()
