@@ -77,7 +77,9 @@ def peak(args) -> None:
         offset = torch.stack([flat % side, flat // side], -1).to(corr.dtype)  # (column, row)
         placed.append(offset / (0.5 * (96 - 28)) - 1.0)
         shift = offset - (size - 1)
-        corr = corr - bmnist.render(auto.expand(len(corr), 1, 1, *auto.shape), shift[:, None, None], side)[:, 0]
+        corr = (
+            corr - bmnist.render(auto.expand(len(corr), 1, 1, *auto.shape), shift[:, None, None], side)[:, 0]
+        )
     where = torch.stack(placed, 1).reshape(args.videos, args.frames, args.digits, 2)
     err = bmnist.position_errors(truth, where)
     print(
@@ -98,7 +100,10 @@ def identity(args) -> None:
     offset = bmnist.pixel_offsets(data["z_where"].double(), cfg.canvas_size, cfg.digit_size)  # (column, row)
     digits = torch.from_numpy(load_mnist("train").images).double()[indices] / 255.0  # (M, D, S, S)
     p = digits.clamp(eps, 1 - eps)
-    maps = {"correlation": digits, "log-likelihood ratio": torch.log(p / eps) - torch.log((1 - p) / (1 - eps))}
+    maps = {
+        "correlation": digits,
+        "log-likelihood ratio": torch.log(p / eps) - torch.log((1 - p) / (1 - eps)),
+    }
     counts = {name: torch.zeros(3) for name in maps}  # own digit, another digit, neither
     for m in range(args.videos):
         for t in range(args.frames):
@@ -111,7 +116,12 @@ def identity(args) -> None:
                     near = dist <= bmnist.TRACK_TOLERANCE_PX
                     counts[name][0 if near[d] else 1 if near.any() else 2] += 1
                 # explain digit d away where it truly is, before the next digit's map
-                frame = frame - bmnist.render(digits[m, d][None, None], offset[m, t, d][None, None], cfg.canvas_size)[0, 0]
+                frame = (
+                    frame
+                    - bmnist.render(digits[m, d][None, None], offset[m, t, d][None, None], cfg.canvas_size)[
+                        0, 0
+                    ]
+                )
     for name, c in counts.items():
         own, other, neither = (c / c.sum()).tolist()
         print(
@@ -155,10 +165,18 @@ def apg(args) -> None:
     data = videos(args.videos, args.frames, args.digits, args.seed)
     x, truth, centres = data["x"], data["z_where"], data["centres"]
     cfg = TrainConfig(
-        task="bmnist", method=args.method, sweeps=args.sweeps, particles=args.particles,
-        batch_size=min(args.batch, args.videos), iterations=args.iterations, lr=args.lr,
-        network={"num_digits": args.digits, "share_where_net": args.share_where_net,
-                 "read_coordinates": not args.random_where_init},
+        task="bmnist",
+        method=args.method,
+        sweeps=args.sweeps,
+        particles=args.particles,
+        batch_size=min(args.batch, args.videos),
+        iterations=args.iterations,
+        lr=args.lr,
+        network={
+            "num_digits": args.digits,
+            "share_where_net": args.share_where_net,
+            "read_coordinates": not args.random_where_init,
+        },
     )
     trainer = Trainer(cfg, x)
     if args.save and Path(args.save).is_file():  # a stopped run goes on where it was saved
@@ -176,13 +194,21 @@ def apg(args) -> None:
     }
     if args.heldout:  # fresh videos of MNIST's test digits: does it generalize?
         held = bmnist.simulate(
-            trainer.model, args.eval_videos, torch.Generator().manual_seed(args.seed + 1),
-            args.eval_frames or args.frames, args.digits, "test",
+            trainer.model,
+            args.eval_videos,
+            torch.Generator().manual_seed(args.seed + 1),
+            args.eval_frames or args.frames,
+            args.digits,
+            "test",
         )
         x, truth, centres = held["x"], held["z_where"], held["centres"]
     start = time.perf_counter()
     eval_cfg = TrainConfig.from_dict(
-        {**cfg.to_dict(), "sweeps": args.eval_sweeps or cfg.sweeps, "particles": args.eval_particles or cfg.particles}
+        {
+            **cfg.to_dict(),
+            "sweeps": args.eval_sweeps or cfg.sweeps,
+            "particles": args.eval_particles or cfg.particles,
+        }
     )
     for out in trainer.run():
         it = trainer.iteration
@@ -192,7 +218,9 @@ def apg(args) -> None:
             name: sum(float(p.grad.norm()) ** 2 for p in net.parameters() if p.grad is not None) ** 0.5
             for name, net in nets.items()
         }
-        sweeps = evaluate_sweeps(trainer, eval_cfg, x[: args.eval_videos], truth[: args.eval_videos], centres[: args.eval_videos])
+        sweeps = evaluate_sweeps(
+            trainer, eval_cfg, x[: args.eval_videos], truth[: args.eval_videos], centres[: args.eval_videos]
+        )
         print(
             f"{args.method} it {it}: log joint {out['log_joint']:.1f}, ESS/L {out['ess']:.2f}; held-out by sweep: "
             + ", ".join(
@@ -200,7 +228,8 @@ def apg(args) -> None:
                 f"{sw:.2f} traded)"
                 for k, (lj, e, se, b, tr, ef, sw) in sweeps.items()
             )
-            + "; |grad| " + " ".join(f"{k} {v:.3g}" for k, v in grads.items())
+            + "; |grad| "
+            + " ".join(f"{k} {v:.3g}" for k, v in grads.items())
             + f", {time.perf_counter() - start:.0f} s",
             flush=True,
         )
@@ -233,7 +262,14 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, .
 
     with torch.no_grad():
         make_method(cfg).run(
-            model, trainer.proposals, x, cfg.sweeps, cfg.particles, "block", "systematic", collectors=[collect]
+            model,
+            trainer.proposals,
+            x,
+            cfg.sweeps,
+            cfg.particles,
+            "block",
+            "systematic",
+            collectors=[collect],
         )
     return found
 
@@ -252,7 +288,10 @@ def modes(args) -> None:
     true_centres = torch.as_tensor(data["centres"][:count]).float()
     num_frames, digits = truth.shape[1:3]
     cfg = TrainConfig(
-        task="bmnist", method="apg", sweeps=args.eval_sweeps or 5, particles=args.eval_particles or 10,
+        task="bmnist",
+        method="apg",
+        sweeps=args.eval_sweeps or 5,
+        particles=args.eval_particles or 10,
         network={"num_digits": digits},
     )
     model, proposals = build(cfg)
@@ -301,29 +340,39 @@ def modes(args) -> None:
             (-model.log_joint(x, {**latents, "z_what": z}).sum()).backward()
             opt.step()
         with torch.no_grad():
-            return (model.log_joint(x, {**latents, "z_what": start})[0],
-                    model.log_joint(x, {**latents, "z_what": z})[0])
+            return (
+                model.log_joint(x, {**latents, "z_what": start})[0],
+                model.log_joint(x, {**latents, "z_what": z})[0],
+            )
 
     with torch.no_grad():
         own = model.log_joint(x, {**positions(where), "z_what": z_what[None]})[0]
     configs = {"sampler's": fitted(where), "untraded": fitted(untraded), "true boxes": fitted(truth)}
     traded = torch.as_tensor(errors["pos_err"] - errors["pos_err_frame"]) > 1.0
-    print(f"modes: {count} videos T={num_frames} D={digits}, APG K={cfg.sweeps} L={cfg.particles}, "
-          f"z_what fitted by {args.iterations} Adam steps at lr {args.lr}; {int(traded.sum())} videos trade digits "
-          "(error per video - per frame > 1 px)")
-    print("video | px per video / per frame | log p(x,z): sampler's own | "
-          + " | ".join(f"{k} (q mean, fitted)" for k in configs))
+    print(
+        f"modes: {count} videos T={num_frames} D={digits}, APG K={cfg.sweeps} L={cfg.particles}, "
+        f"z_what fitted by {args.iterations} Adam steps at lr {args.lr}; {int(traded.sum())} videos trade digits "
+        "(error per video - per frame > 1 px)"
+    )
+    print(
+        "video | px per video / per frame | log p(x,z): sampler's own | "
+        + " | ".join(f"{k} (q mean, fitted)" for k in configs)
+    )
     for m in range(count):
-        print(f"{m} | {errors['pos_err'][m]:.2f} / {errors['pos_err_frame'][m]:.2f}{' traded' if traded[m] else ''} | "
-              f"{own[m]:.1f} | " + " | ".join(f"{a[m]:.1f}, {b[m]:.1f}" for a, b in configs.values()))
+        print(
+            f"{m} | {errors['pos_err'][m]:.2f} / {errors['pos_err_frame'][m]:.2f}{' traded' if traded[m] else ''} | "
+            f"{own[m]:.1f} | " + " | ".join(f"{a[m]:.1f}, {b[m]:.1f}" for a, b in configs.values())
+        )
     for name, group in (("trading", traded), ("not trading", ~traded)):
         if not group.any():
             continue
         gain = (configs["untraded"][1] - configs["sampler's"][1])[group]
         truth_gain = (configs["true boxes"][1] - configs["sampler's"][1])[group]
-        print(f"{name} videos ({int(group.sum())}): fitted log joint, untraded - sampler's: mean {gain.mean():.1f} "
-              f"(higher in {int((gain > 0).sum())}); true boxes - sampler's: mean {truth_gain.mean():.1f} "
-              f"(higher in {int((truth_gain > 0).sum())})")
+        print(
+            f"{name} videos ({int(group.sum())}): fitted log joint, untraded - sampler's: mean {gain.mean():.1f} "
+            f"(higher in {int((gain > 0).sum())}); true boxes - sampler's: mean {truth_gain.mean():.1f} "
+            f"(higher in {int((truth_gain > 0).sum())})"
+        )
 
 
 def main() -> None:
@@ -341,16 +390,31 @@ def main() -> None:
     parser.add_argument("--method", default="apg")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--heldout", action="store_true", help="apg: score held-out videos, not the training ones")
+    parser.add_argument(
+        "--heldout", action="store_true", help="apg: score held-out videos, not the training ones"
+    )
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--random-where-init", action="store_true", help="apg: where networks from random weights, not a soft-argmax")
-    parser.add_argument("--share-where-net", action="store_true", help="apg: one where network for encoder and kernels")
+    parser.add_argument(
+        "--random-where-init",
+        action="store_true",
+        help="apg: where networks from random weights, not a soft-argmax",
+    )
+    parser.add_argument(
+        "--share-where-net", action="store_true", help="apg: one where network for encoder and kernels"
+    )
     parser.add_argument("--data", help="modes: a pipeline test set (.npz with x, z_where, centres)")
     parser.add_argument("--init", help="apg: start from this trained cell's networks (a pipeline model.pt)")
-    parser.add_argument("--save", help="apg: the run's checkpoint, written at every print; if it exists, the run resumes from it")
-    parser.add_argument("--eval-frames", type=int, help="apg --heldout: frames per held-out video (default --frames)")
+    parser.add_argument(
+        "--save",
+        help="apg: the run's checkpoint, written at every print; if it exists, the run resumes from it",
+    )
+    parser.add_argument(
+        "--eval-frames", type=int, help="apg --heldout: frames per held-out video (default --frames)"
+    )
     parser.add_argument("--eval-sweeps", type=int, help="apg: K of the held-out runs (default --sweeps)")
-    parser.add_argument("--eval-particles", type=int, help="apg: L of the held-out runs (default --particles)")
+    parser.add_argument(
+        "--eval-particles", type=int, help="apg: L of the held-out runs (default --particles)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     {"peak": peak, "identity": identity, "decoder": decoder, "apg": apg, "modes": modes}[args.check](args)

@@ -71,7 +71,8 @@ def compare(row: dict, steps: int) -> dict:
                 trainer.step(log=False)
             times[arm].append(time.perf_counter() - start)
     ratio = {
-        arm: statistics.median(t / n for t, n in zip(times[arm], times["native"], strict=True)) for arm in times
+        arm: statistics.median(t / n for t, n in zip(times[arm], times["native"], strict=True))
+        for arm in times
     }
     return {
         "task": row["task"],
@@ -96,7 +97,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [r for r in plan(Path(args.params), args.tasks) if r["method"] in args.methods]
     seen, out = set(), []
-    print("| task | method | K | L | compile (s) | native (ms) | torch (ms) | compiled (ms) | torch / native | compiled / native |")
+    print(
+        "| task | method | K | L | compile (s) | native (ms) | torch (ms) | compiled (ms) | torch / native | compiled / native |"
+    )
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for row in rows:
         if (row["task"], row["method"]) in seen:  # the paper's training budget: the first pair

@@ -97,7 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--methods", nargs="*", default=["apg", "rws-mlp", "avf"])
     parser.add_argument(
-        "--readers", nargs="*", default=["rows", "whole"], help="rows: as a trial reads; whole: the file loaded"
+        "--readers",
+        nargs="*",
+        default=["rows", "whole"],
+        help="rows: as a trial reads; whole: the file loaded",
     )
     parser.add_argument("--out", default=None, help="folder for the training set (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the training set")
@@ -105,7 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.one is not None:
         kind, *rest = json.loads(args.one)
-        out = generate(rest[0], int(rest[1])) if kind == "generate" else train(rest[0], rest[1], int(rest[2]), rest[3] == "whole")
+        out = (
+            generate(rest[0], int(rest[1]))
+            if kind == "generate"
+            else train(rest[0], rest[1], int(rest[2]), rest[3] == "whole")
+        )
         print(json.dumps(out))
         return
     folder = Path(args.out or tempfile.mkdtemp(prefix="apg-data-scale-"))
@@ -114,15 +121,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print("| what | seconds | peak RSS (MB) | note |\n| --- | ---: | ---: | --- |", flush=True)
         g = in_subprocess("generate", str(path), str(args.videos))
-        print(f"| generate {args.videos:,} videos (T=10, D=3, float16) | {g['seconds']:.0f} | "
-              f"{g['peak_rss_mb']:.0f} | file {g['file_gb']:.2f} GB |", flush=True)
+        print(
+            f"| generate {args.videos:,} videos (T=10, D=3, float16) | {g['seconds']:.0f} | "
+            f"{g['peak_rss_mb']:.0f} | file {g['file_gb']:.2f} GB |",
+            flush=True,
+        )
         for method in args.methods:
             for reader in args.readers:
                 r = in_subprocess("train", str(path), method, str(args.steps), reader)
-                print(f"| train {method} K={r['K']} L={r['L']} B={r['B']}, {r['reader']} | "
-                      f"{r['seconds_per_step']:.2f} s/step | {r['peak_rss_mb']:.0f} | "
-                      f"{'batches read from disk' if r['reader'] == 'StoredRows' else 'whole file in memory'} |",
-                      flush=True)
+                print(
+                    f"| train {method} K={r['K']} L={r['L']} B={r['B']}, {r['reader']} | "
+                    f"{r['seconds_per_step']:.2f} s/step | {r['peak_rss_mb']:.0f} | "
+                    f"{'batches read from disk' if r['reader'] == 'StoredRows' else 'whole file in memory'} |",
+                    flush=True,
+                )
     finally:
         if not args.keep:
             path.unlink(missing_ok=True)

@@ -50,10 +50,22 @@ def child(row: dict, device: str, seconds: float, warmup: int) -> None:
 
 def shared(row: dict, procs: int, device: str, seconds: float, warmup: int) -> dict:
     """``procs`` trials at once on the device; their steps per second."""
-    cmd = [sys.executable, __file__, "--child", json.dumps(row), "--device", device,
-           "--seconds", str(seconds), "--warmup", str(warmup)]
-    children = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
-                for _ in range(procs)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        json.dumps(row),
+        "--device",
+        device,
+        "--seconds",
+        str(seconds),
+        "--warmup",
+        str(warmup),
+    ]
+    children = [
+        subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        for _ in range(procs)
+    ]
     for c in children:  # every trial built and warmed up before any is timed
         if c.stdout.readline().strip() != "ready":
             raise SystemExit(f"a trial failed to start (exit {c.wait()})")
@@ -98,8 +110,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             flush=True,
         )
         if args.json:
-            meta = {"task": args.task, "method": args.method, "pair": list(args.pair), "device": args.device,
-                    "seconds": args.seconds}
+            meta = {
+                "task": args.task,
+                "method": args.method,
+                "pair": list(args.pair),
+                "device": args.device,
+                "seconds": args.seconds,
+            }
             Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     return rows
 

@@ -25,7 +25,16 @@ os.environ["APG_NATIVE_KERNELS"] = "0"
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "repeat_interleave", "equal", "is_nonzero"}
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique2",
+    "repeat_interleave",
+    "equal",
+    "is_nonzero",
+}
 SIZES = {
     "gmm": {"num_points": 60},
     "dgmm": {"num_points": 200, "radius": 2.0},
@@ -43,11 +52,13 @@ class SyncRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         if name in SYNC_OPS:
-            frames = [f for f in traceback.extract_stack() if "/apg/" in f.filename or "/pipeline/" in f.filename]
+            frames = [
+                f for f in traceback.extract_stack() if "/apg/" in f.filename or "/pipeline/" in f.filename
+            ]
             where = "?"
             if frames:
                 f = frames[-1]
-                where = f"{f.filename[f.filename.rindex('/apg/') + 1 if '/apg/' in f.filename else f.filename.rindex('/pipeline/') + 1:]}:{f.lineno} {f.name}"
+                where = f"{f.filename[f.filename.rindex('/apg/') + 1 if '/apg/' in f.filename else f.filename.rindex('/pipeline/') + 1 :]}:{f.lineno} {f.name}"
             self.hits[(name, where)] += 1
         return func(*args, **(kwargs or {}))
 
@@ -58,7 +69,9 @@ def inventory(task: str, method: str) -> collections.Counter:
 
     x = torch.from_numpy(simulate_set(task, {}, 4, 0, SIZES[task])["x"])
     network = {"num_digits": 1} if task == "bmnist" else {}
-    cfg = TrainConfig(task=task, method=method, sweeps=3, particles=4, batch_size=2, iterations=2, network=network)
+    cfg = TrainConfig(
+        task=task, method=method, sweeps=3, particles=4, batch_size=2, iterations=2, network=network
+    )
     torch.manual_seed(0)
     trainer = Trainer(cfg.validate(), x)
     trainer.step()

@@ -55,7 +55,10 @@ def vm_hwm_mb() -> float:
 
 
 def plan(
-    params_file: Path, tasks: list[str] | None, methods: list[str] | None = None, pairs: list[str] | None = None
+    params_file: Path,
+    tasks: list[str] | None,
+    methods: list[str] | None = None,
+    pairs: list[str] | None = None,
 ) -> list[dict]:
     """One row per (task, method, K, L) of the grid: the cell's config and how many cells
     (seeds, roles) of the grid share it; only ``methods`` and ``pairs`` ("KxL") if given."""
@@ -66,7 +69,12 @@ def plan(
     for task in tasks or params["tasks"]:
         section = params[task]
         for cell in grid_cells(params, task):
-            if methods and cell.method not in methods or pairs and f"{cell.sweeps}x{cell.particles}" not in pairs:
+            if (
+                methods
+                and cell.method not in methods
+                or pairs
+                and f"{cell.sweeps}x{cell.particles}" not in pairs
+            ):
                 continue
             key = (task, cell.method, cell.sweeps, cell.particles)
             row = rows.setdefault(
@@ -109,7 +117,12 @@ def cell_trainer(row: dict, device: str = "cpu", compile_: bool = False) -> tupl
 
 
 def measure(
-    row: dict, steps: int, threads: int, device: str = "cpu", compile_: bool = False, wait_for: str | None = None
+    row: dict,
+    steps: int,
+    threads: int,
+    device: str = "cpu",
+    compile_: bool = False,
+    wait_for: str | None = None,
 ) -> dict:
     """Time one cell's training steps in this process (called in a fresh subprocess on a CPU).
     With ``compile_``, cells whose method compiles train with ``TrainConfig.compile``; their
@@ -178,7 +191,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
         f"| task | method | K | L | B | s/step |{' queued s/step |' if gpu else ''} "
         f"{'peak GPU memory' if gpu else 'peak RSS'} (MB) | train set (GB) "
         "| cells | full run: cells x iterations x s/step | hours |",
-        "| --- | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if gpu else "") + " ---: | ---: | ---: | --- | ---: |",
+        "| --- | --- | ---: | ---: | ---: | ---: |"
+        + (" ---: |" if gpu else "")
+        + " ---: | ---: | ---: | --- | ---: |",
     ]
     for r in rows:
         if r.get("error"):
@@ -212,7 +227,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
 
 def write(rows: list[dict], args: argparse.Namespace) -> str:
     """The rows measured so far as markdown (returned) and, where asked, files."""
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    machine = (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"
+    )
     if args.device != "cpu":
         import torch
 
@@ -248,12 +265,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--compile", action="store_true", help="train with TrainConfig.compile where the method allows it"
     )
     parser.add_argument(
-        "--wait-for", default=None, help="a file: time a cell only once it exists (warm-up and compilation go first)"
+        "--wait-for",
+        default=None,
+        help="a file: time a cell only once it exists (warm-up and compilation go first)",
     )
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a row as JSON: measure it here
     args = parser.parse_args(argv)
     if args.one is not None:
-        print(json.dumps(measure(json.loads(args.one), args.steps, args.threads, compile_=args.compile)), flush=True)
+        print(
+            json.dumps(measure(json.loads(args.one), args.steps, args.threads, compile_=args.compile)),
+            flush=True,
+        )
         return []
     rows = plan(Path(args.params), args.tasks, args.methods, args.pairs)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
@@ -265,10 +287,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row.update(measure(row, args.steps, args.threads, args.device, args.compile, args.wait_for))
             except Exception as err:  # noqa: BLE001 - one failing cell must not hide the others' numbers
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200]
-                print(f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} {row['error']}", flush=True)
+                print(
+                    f"{row['task']:7s} {row['method']:16s} K={row['K']:<3d} L={row['L']:<4d} {row['error']}",
+                    flush=True,
+                )
         else:
-            cmd = [sys.executable, __file__, "--one", json.dumps(row), "--steps", str(args.steps),
-                   "--threads", str(args.threads), *(["--compile"] if args.compile else [])]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                json.dumps(row),
+                "--steps",
+                str(args.steps),
+                "--threads",
+                str(args.threads),
+                *(["--compile"] if args.compile else []),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
             if proc.returncode != 0:
                 raise SystemExit(f"{row['task']}/{row['method']}: {proc.stderr.strip().splitlines()[-1]}")

@@ -252,7 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--lr-final-factor", type=float, default=0.01)
     train.add_argument(
-        "--lr-hold-fraction", type=float, default=0.0, help="cosine: the last fraction of steps at the floor rate"
+        "--lr-hold-fraction",
+        type=float,
+        default=0.0,
+        help="cosine: the last fraction of steps at the floor rate",
     )
     train.add_argument("--resample-mode", default="block")
     train.add_argument("--resampler", default="systematic")
@@ -321,22 +324,32 @@ def build_parser() -> argparse.ArgumentParser:
         "gpu-bmnist-compiled or replicate (the default run with other seeds)",
     )
     rec.add_argument(
-        "--params", default=None, help="the params the profile derives from (default: params.yaml for "
+        "--params",
+        default=None,
+        help="the params the profile derives from (default: params.yaml for "
         "replicate, params-paper.yaml for the others)",
     )
     rec.add_argument("--dir", default=None, help="the sandbox repo (default runs/<profile>)")
     rec.add_argument("--fresh", action="store_true", help="start over instead of resuming")
     rec.add_argument(
-        "--direct", action="store_true", help="run the stages in-process, without DVC, Ray or MLflow (one machine)"
+        "--direct",
+        action="store_true",
+        help="run the stages in-process, without DVC, Ray or MLflow (one machine)",
     )
-    rec.add_argument("--device", default="cpu", help="with --direct: where cells train and evaluate (cuda, cpu)")
+    rec.add_argument(
+        "--device", default="cpu", help="with --direct: where cells train and evaluate (cuda, cpu)"
+    )
     rec.add_argument("--minutes", type=float, default=None, help="with --direct: train as many steps as fit")
     rec.add_argument("--check", action="store_true", help="the profile under paper-check's caps: a few steps")
     rec.add_argument(
-        "--stages", default="all", choices=("all", "train", "evaluate"),
+        "--stages",
+        default="all",
+        choices=("all", "train", "evaluate"),
         help="with --direct: train only (keep the sandbox), or evaluate a trained sandbox and keep the run",
     )
-    rec.add_argument("--deadline", type=float, default=None, help="with --direct: stop training after this many minutes")
+    rec.add_argument(
+        "--deadline", type=float, default=None, help="with --direct: stop training after this many minutes"
+    )
     rec.set_defaults(func=cmd_record)
 
     for name, module, text in (

@@ -120,7 +120,9 @@ def _starting_checkpoints(cells, starts, task: str) -> dict[str, dict[str, str] 
     for cell_id, cell in cells.items():
         key = cell_key(cell.train.method, cell.train.sweeps, cell.train.particles, cell.seed)
         if key not in by_key:
-            raise ValueError(f"cell {cell.name} has no trained cell to start from (known: {', '.join(sorted(by_key))})")
+            raise ValueError(
+                f"cell {cell.name} has no trained cell to start from (known: {', '.join(sorted(by_key))})"
+            )
         out[cell_id] = by_key[key]
     return out
 
@@ -187,7 +189,9 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     init = job.get("init")
     if init is not None:  # a curriculum's later step: the trained networks, a fresh optimizer
         if file_digest(init["path"]) != init["sha256"]:
-            raise ValueError(f"{init['path']} is not the checkpoint {init['sha256'][:12]} this cell starts from")
+            raise ValueError(
+                f"{init['path']} is not the checkpoint {init['sha256'][:12]} this cell starts from"
+            )
         _, state = load_checkpoint(init["path"], map_location=job["device"])
         trainer.model.load_state_dict(state["model"])
         trainer.proposals.load_state_dict(state["proposals"])

@@ -107,9 +107,7 @@ def generate(task: str, params: dict[str, Any], out_dir: Path) -> list[Path]:
     return written
 
 
-def save_reproducible(
-    path: Path, arrays: dict[str, np.ndarray] | Iterator[dict[str, np.ndarray]]
-) -> Path:
+def save_reproducible(path: Path, arrays: dict[str, np.ndarray] | Iterator[dict[str, np.ndarray]]) -> Path:
     """Like ``apg.data.save_dataset`` (an uncompressed ``.npz``, written atomically), but the
     bytes depend only on the arrays: members in sorted order with a fixed timestamp.
 

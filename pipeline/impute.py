@@ -44,8 +44,19 @@ from apg.training import make_method
 from pipeline.present import pm, write_gif
 
 COLUMNS = [
-    "task", "method", "K", "L", "seed", "train_K", "train_L", "cell_id",
-    "setting", "dataset", "iteration", "metric", "value",
+    "task",
+    "method",
+    "K",
+    "L",
+    "seed",
+    "train_K",
+    "train_L",
+    "cell_id",
+    "setting",
+    "dataset",
+    "iteration",
+    "metric",
+    "value",
 ]
 
 
@@ -105,7 +116,9 @@ def gmm_oracle(x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, tau: torch
 # --------------------------------------------------------------------------- settings
 
 
-def check_settings(task: str, settings: dict[str, Any], section: dict[str, Any], test_set: dict[str, Any]) -> None:
+def check_settings(
+    task: str, settings: dict[str, Any], section: dict[str, Any], test_set: dict[str, Any]
+) -> None:
     """What ``pipeline.config`` cannot check without knowing the task: raise ``ValueError``
     (one line, naming the key) before the evaluate stage does any work."""
     where = f"{task}.evaluate.imputation"
@@ -114,7 +127,9 @@ def check_settings(task: str, settings: dict[str, Any], section: dict[str, Any],
     if task not in ("gmm", "bmnist"):
         raise ValueError(f"{where}: imputation is evaluated for gmm and bmnist only, not {task}")
     if (spec.sample_data if fill == "sample" else spec.reconstruct) is None:
-        raise ValueError(f"{where}.fill: task {task} cannot {'draw' if fill == 'sample' else 'reconstruct'} data")
+        raise ValueError(
+            f"{where}.fill: task {task} cannot {'draw' if fill == 'sample' else 'reconstruct'} data"
+        )
     if task == "bmnist":
         occlusions = settings.get("occlusions") or []
         if not occlusions:
@@ -123,9 +138,13 @@ def check_settings(task: str, settings: dict[str, Any], section: dict[str, Any],
         canvas = int(section.get("model", {}).get("canvas_size", 96))
         for j, occ in enumerate(occlusions):
             if "frames" in occ and int(occ.get("start", 2)) + int(occ["frames"]) - 1 > frames:
-                raise ValueError(f"{where}.occlusions[{j}]: {occ} does not fit the {frames}-frame videos of {test_set['name']}")
+                raise ValueError(
+                    f"{where}.occlusions[{j}]: {occ} does not fit the {frames}-frame videos of {test_set['name']}"
+                )
             if "rows" in occ and max(occ["rows"][1], occ["cols"][1]) > canvas:
-                raise ValueError(f"{where}.occlusions[{j}]: {occ} reaches outside the {canvas} x {canvas} frames")
+                raise ValueError(
+                    f"{where}.occlusions[{j}]: {occ} reaches outside the {canvas} x {canvas} frames"
+                )
 
 
 # --------------------------------------------------------------------------- per cell
@@ -170,7 +189,15 @@ def imputation_frame(
 
     def add(setting: str, metric: str, values: np.ndarray, iteration: int) -> None:
         for dataset, value in enumerate(np.asarray(values, dtype=np.float64)):
-            rows.append({"setting": setting, "dataset": dataset, "iteration": iteration, "metric": metric, "value": value})
+            rows.append(
+                {
+                    "setting": setting,
+                    "dataset": dataset,
+                    "iteration": iteration,
+                    "metric": metric,
+                    "value": value,
+                }
+            )
 
     if task == "gmm":
         mask = gmm_mask(x, float(settings.get("fraction", 0.25)), torch.Generator().manual_seed(seed))
@@ -180,7 +207,10 @@ def imputation_frame(
         owner = mask.nonzero()[:, 0]  # each hidden entry's dataset
         burn_in = int(settings.get("burn_in", 0))
         oracle = gmm_oracle(
-            x, mask, torch.from_numpy(arrays["mu"][:count]).to(dtype), torch.from_numpy(arrays["tau"][:count]).to(dtype)
+            x,
+            mask,
+            torch.from_numpy(arrays["mu"][:count]).to(dtype),
+            torch.from_numpy(arrays["tau"][:count]).to(dtype),
         )
         setting = f"one coordinate of {float(settings.get('fraction', 0.25)):.0%} of the points"
         keep(0, mask, result.x)
@@ -281,7 +311,18 @@ def impute_file(
     cfg, proposals = with_network(cfg, model, proposals, network)
     x = load_task_data(cfg.task, data, cfg.model)
     missing = check_mask(x, read_mask(mask_file))
-    result = impute(make_method(cfg), model, proposals, get_task(cfg.task), x, missing, iterations, sweeps, particles, fill)
+    result = impute(
+        make_method(cfg),
+        model,
+        proposals,
+        get_task(cfg.task),
+        x,
+        missing,
+        iterations,
+        sweeps,
+        particles,
+        fill,
+    )
     arrays = {"x": result.x.numpy(), "mask": missing.numpy(), "history": result.history.numpy()}
 
     def write(tmp: Path) -> None:
@@ -351,7 +392,9 @@ def imputation_table(frame: pd.DataFrame) -> pd.DataFrame:
 def imputation_markdown(table: pd.DataFrame) -> str:
     metrics = [m for m in REPORT_METRICS if f"mean_{m}" in table]
     head = [
-        "| hidden | method | trained at | K | L | seeds | " + " | ".join(REPORT_METRICS[m] for m in metrics) + " |",
+        "| hidden | method | trained at | K | L | seeds | "
+        + " | ".join(REPORT_METRICS[m] for m in metrics)
+        + " |",
         "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in metrics) + " |",
     ]
     rows = [
@@ -376,8 +419,15 @@ def imputation_figure(frame: pd.DataFrame, path: Path, save) -> bool:
         for i, method in enumerate(methods):
             sub = frame[(frame["method"] == method) & (frame["metric"] == "rmse")]
             stats = sub.groupby("iteration")["value"].agg(["mean", "std"]).reset_index()
-            ax.errorbar(stats["iteration"], stats["mean"], yerr=stats["std"], label=method, color=f"C{i}",
-                        capsize=2, marker=".")
+            ax.errorbar(
+                stats["iteration"],
+                stats["mean"],
+                yerr=stats["std"],
+                label=method,
+                color=f"C{i}",
+                capsize=2,
+                marker=".",
+            )
         oracle = frame[frame["metric"] == "rmse_oracle"]["value"]
         if len(oracle):
             ax.axhline(oracle.mean(), ls="--", color="k", lw=1, label="true-parameter predictor")
@@ -395,8 +445,15 @@ def imputation_figure(frame: pd.DataFrame, path: Path, save) -> bool:
             for i, method in enumerate(methods):
                 sub = last[(last["method"] == method) & (last["metric"] == metric)]
                 stats = sub.groupby("setting")["value"].agg(["mean", "std"]).reindex(order)
-                ax.errorbar(range(len(order)), stats["mean"], yerr=stats["std"], label=method, color=f"C{i}",
-                            capsize=2, marker="o")
+                ax.errorbar(
+                    range(len(order)),
+                    stats["mean"],
+                    yerr=stats["std"],
+                    label=method,
+                    color=f"C{i}",
+                    capsize=2,
+                    marker="o",
+                )
             ax.set_xticks(range(len(order)), order, rotation=20, fontsize=7)
             ax.set_ylabel(REPORT_METRICS[metric])
         axes[0, 0].legend(fontsize=7)
@@ -412,8 +469,10 @@ def imputation_gif(examples: dict[str, np.ndarray], frame: pd.DataFrame, path: P
     method = "apg" if "apg" in methods else methods[0] if methods else None
     if method is None or examples[f"{method}__0__truth"].ndim != 3:
         return False
-    counts = [int(examples[f"{method}__{j}__mask"].reshape(len(examples[f"{method}__{j}__mask"]), -1).all(1).sum())
-              for j in range(len(settings))]
+    counts = [
+        int(examples[f"{method}__{j}__mask"].reshape(len(examples[f"{method}__{j}__mask"]), -1).all(1).sum())
+        for j in range(len(settings))
+    ]
     j = int(np.argmax(counts))
     truth, mask, imputed = (examples[f"{method}__{j}__{n}"] for n in ("truth", "mask", "imputed"))
     observed = np.where(mask, 0.5, truth)

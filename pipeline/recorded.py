@@ -288,6 +288,8 @@ DEFAULT_BASE = "params-paper.yaml"
 
 def profile_base(name: str) -> str:
     return PROFILE_BASES.get(name, DEFAULT_BASE)
+
+
 # A curriculum's later step: the profile's cells start from the trained weights of the same
 # method, K, L and seed in another profile's run (its sandbox holds the full checkpoints).
 STARTS_FROM = {"gpu-bmnist-3d": "gpu-bmnist"}
@@ -314,9 +316,19 @@ def starting_weights(name: str, root: Path) -> dict[str, Any] | None:
         for cell in sweep["cells"]:
             candidates = [
                 run / "cells" / task / cell["cell_id"] / "model.pt",
-                root / "runs" / earlier / "results" / "sweeps" / task / "cells" / cell["cell_id"] / "model.pt",
+                root
+                / "runs"
+                / earlier
+                / "results"
+                / "sweeps"
+                / task
+                / "cells"
+                / cell["cell_id"]
+                / "model.pt",
             ]
-            path = next((p for p in candidates if p.is_file() and file_digest(p) == cell["checkpoint_sha256"]), None)
+            path = next(
+                (p for p in candidates if p.is_file() and file_digest(p) == cell["checkpoint_sha256"]), None
+            )
             if path is None:
                 raise ValueError(
                     f"profile {name} starts from {earlier}'s cell {cell['cell_id']}, whose checkpoint "
@@ -436,7 +448,9 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
             for key in ("checkpoint", "history"):
                 if cell.get(key):
                     name = keep_file(sandbox / cell[key], cell_dir, key)
-                    cell[key] = (Path(RECORDED) / dest.name / "cells" / task / cell["cell_id"] / name).as_posix()
+                    cell[key] = (
+                        Path(RECORDED) / dest.name / "cells" / task / cell["cell_id"] / name
+                    ).as_posix()
             kept[cell["cell_id"]] = cell["checkpoint"]
         (tmp / "eval" / task / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
         meta_path = tmp / "eval" / task / "meta.json"  # the report finds the weights through it
@@ -528,23 +542,36 @@ def record(
     if stages == "evaluate":
         marker = directory / SANDBOX_INFO
         if not marker.is_file():
-            raise ValueError(f"{directory} is not a recorded run's sandbox (no {SANDBOX_INFO}); train it first")
+            raise ValueError(
+                f"{directory} is not a recorded run's sandbox (no {SANDBOX_INFO}); train it first"
+            )
         sandbox, info = directory, json.loads(marker.read_text())
     else:
         sandbox, info = sandbox_for(name, base, directory, fresh or direct, check, direct)
     if direct:
         from pipeline.direct import run_direct
 
-        print(f"record {label}: {stages} stages in-process on {device} in {sandbox} (commit {info['commit']})", flush=True)
+        print(
+            f"record {label}: {stages} stages in-process on {device} in {sandbox} (commit {info['commit']})",
+            flush=True,
+        )
         params = yaml.safe_load((sandbox / "params.yaml").read_text())
         deadline = time.time() + 60 * deadline_minutes if deadline_minutes is not None else None
         starts = starting_weights(name, root) if stages != "evaluate" else None
         if starts is not None:
             cells = {t: {k: c["sha256"] for k, c in by_key.items()} for t, by_key in starts["cells"].items()}
             info["starts_from"] = {"profile": starts["profile"], "commit": starts["commit"], "cells": cells}
-            print(f"record {label}: every cell starts from {starts['profile']}'s (commit {starts['commit']})", flush=True)
+            print(
+                f"record {label}: every cell starts from {starts['profile']}'s (commit {starts['commit']})",
+                flush=True,
+            )
         run_direct(
-            sandbox, device, None if check else minutes, params["sweep"]["log_every"], stages, deadline,
+            sandbox,
+            device,
+            None if check else minutes,
+            params["sweep"]["log_every"],
+            stages,
+            deadline,
             starts["cells"] if starts is not None else None,
         )
         key = "eval_device" if stages == "evaluate" else "device"
@@ -555,7 +582,9 @@ def record(
         (sandbox / SANDBOX_INFO).write_text(json.dumps(info, indent=2) + "\n")
         wall = sum(stage_times(sandbox).values())
         if stages == "train":
-            print(f"record {label}: trained; evaluate with `apg-pipeline record {name} --direct --stages evaluate --dir {sandbox}`")
+            print(
+                f"record {label}: trained; evaluate with `apg-pipeline record {name} --direct --stages evaluate --dir {sandbox}`"
+            )
             return sandbox
     else:
         print(f"record {label}: dvc repro in {sandbox} (commit {info['commit']})", flush=True)

@@ -52,11 +52,15 @@ def make_sandbox(directory: Path, params_file: Path, init_repo: bool = True) -> 
             shutil.copy(path, directory / name)
     shutil.copy(params_file, directory / "params.yaml")
     no_recorded_runs(directory)
-    for cmd in () if not init_repo else (
-        ["git", "init", "-q"],
-        ["dvc", "init", "-q"],
-        ["git", "add", "-A"],
-        ["git", "-c", "user.name=smoke", "-c", "user.email=smoke@localhost", "commit", "-qm", "smoke"],
+    for cmd in (
+        ()
+        if not init_repo
+        else (
+            ["git", "init", "-q"],
+            ["dvc", "init", "-q"],
+            ["git", "add", "-A"],
+            ["git", "-c", "user.name=smoke", "-c", "user.email=smoke@localhost", "commit", "-qm", "smoke"],
+        )
     ):
         subprocess.run(cmd, cwd=directory, check=True, capture_output=True)
     return directory

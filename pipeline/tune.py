@@ -70,8 +70,16 @@ SECTIONS = ("train", "network", "model")
 METRICS = {"log_joint": "max", "ess": "max", "mse": "min"}  # and ess_<block> (max): one kernel's ESS
 ALGORITHMS = ("optuna", "random")
 KEYS = {
-    "method", "pair", "iterations", "space", "search", "scheduler", "metric", "eval_every",
-    "time_budget_s", "validation",
+    "method",
+    "pair",
+    "iterations",
+    "space",
+    "search",
+    "scheduler",
+    "metric",
+    "eval_every",
+    "time_budget_s",
+    "validation",
 }
 STATE = "trial.pt"
 ATTEMPTS = "attempts"  # results/tune/<task>/attempts/<trial id>.jsonl
@@ -109,8 +117,11 @@ def check_space(space: Any, where: str = "space") -> dict[str, tuple[str, Any]]:
         if section not in SECTIONS or not name:
             raise _bad(f"{where}.{key}", f"keys are <section>.<name> with section one of {list(SECTIONS)}")
         if not isinstance(dist, dict) or len(dist) != 1:
-            raise _bad(f"{where}.{key}", f"give one distribution, one of {list(DISTRIBUTIONS)}: {{uniform: [lo, hi]}}")
-        (kind, args), = dist.items()
+            raise _bad(
+                f"{where}.{key}",
+                f"give one distribution, one of {list(DISTRIBUTIONS)}: {{uniform: [lo, hi]}}",
+            )
+        ((kind, args),) = dist.items()
         if kind not in DISTRIBUTIONS:
             raise _bad(f"{where}.{key}", f"unknown distribution {kind!r}; one of {list(DISTRIBUTIONS)}")
         if kind == "choice":
@@ -145,6 +156,7 @@ def _is_number(value: Any) -> bool:
 def extremes(space: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
     """Settings that touch every bound of every key (each key's low, then each key's high /
     each choice, the others at their first value): what ``check_section`` builds."""
+
     def values(kind: str, args: Any) -> list[Any]:
         if kind == "choice":
             return list(args)
@@ -194,16 +206,25 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         raise _bad(f"{task}.search.max_concurrent", f"a positive integer, got {max_concurrent!r}")
     unknown = sorted(set(search) - {"algorithm", "num_samples", "seed", "max_concurrent"})
     if unknown:
-        raise _bad(f"{task}.search", f"unknown key(s) {unknown}; known: algorithm, num_samples, seed, max_concurrent")
+        raise _bad(
+            f"{task}.search", f"unknown key(s) {unknown}; known: algorithm, num_samples, seed, max_concurrent"
+        )
     scheduler = section.get("scheduler", {"asha": {}})
-    if not (isinstance(scheduler, dict) and len(scheduler) == 1 and next(iter(scheduler)) in ("asha", "fifo")):
-        raise _bad(f"{task}.scheduler", f"{{asha: {{grace_period, reduction_factor}}}} or {{fifo: {{}}}}, got {scheduler!r}")
+    if not (
+        isinstance(scheduler, dict) and len(scheduler) == 1 and next(iter(scheduler)) in ("asha", "fifo")
+    ):
+        raise _bad(
+            f"{task}.scheduler",
+            f"{{asha: {{grace_period, reduction_factor}}}} or {{fifo: {{}}}}, got {scheduler!r}",
+        )
     asha = scheduler.get("asha")
     if asha is not None:
         unknown = sorted(set(asha) - {"grace_period", "reduction_factor"})
         if unknown:
             raise _bad(f"{task}.scheduler.asha", f"unknown key(s) {unknown}")
-        if not (isinstance(asha.get("grace_period", 1), int) and 1 <= asha.get("grace_period", 1) <= iterations):
+        if not (
+            isinstance(asha.get("grace_period", 1), int) and 1 <= asha.get("grace_period", 1) <= iterations
+        ):
             raise _bad(f"{task}.scheduler.asha.grace_period", f"an integer in [1, iterations={iterations}]")
         if not (_is_number(asha.get("reduction_factor", 2)) and asha.get("reduction_factor", 2) > 1):
             raise _bad(f"{task}.scheduler.asha.reduction_factor", "a number > 1")
@@ -243,7 +264,9 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         if metric not in blocks:
             raise _bad(f"{task}.metric", f"a block's ESS is one of {blocks}, got {metric!r}")
         if not get_method(method).kernels or pair[0] < 2:  # block updates run from sweep 2 on
-            raise _bad(f"{task}.metric", f"{metric} needs block updates: method {method} at K={pair[0]} has none")
+            raise _bad(
+                f"{task}.metric", f"{metric} needs block updates: method {method} at K={pair[0]} has none"
+            )
     # params.yaml's own settings are the search's first trial when the space holds them: the
     # report then says how they did against the best.
     current = {key: setting_of(base, key) for key in space}
@@ -305,9 +328,13 @@ def plan_key(plan: dict[str, Any]) -> str:
 
 def validation_score(cfg: TrainConfig, trainer: Trainer, x_val: torch.Tensor, metric: str) -> float:
     """Mean over the validation datasets of ``metric`` after the last sweep."""
-    with torch.random.fork_rng():  # the same particles for every trial and checkpoint; training's stream untouched
+    with (
+        torch.random.fork_rng()
+    ):  # the same particles for every trial and checkpoint; training's stream untouched
         torch.manual_seed(0)
-        curves = evaluate(cfg, trainer.model, trainer.proposals, x_val, cfg.sweeps, cfg.particles, cfg.batch_size)
+        curves = evaluate(
+            cfg, trainer.model, trainer.proposals, x_val, cfg.sweeps, cfg.particles, cfg.batch_size
+        )
     if metric not in curves:
         raise ValueError(f"task {cfg.task} has no validation metric {metric!r}")
     return float(np.mean(curves[metric][-1]))
@@ -390,7 +417,9 @@ def mlflow_callback(uri: str, exp_id: str, parent_id: str, plan: dict[str, Any])
         def run_id(self, trial) -> str:
             client = self.client
             if trial.trial_id not in self.runs:
-                found = tracking.find_run(client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: trial.trial_id})
+                found = tracking.find_run(
+                    client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: trial.trial_id}
+                )
                 if found is not None:
                     self.runs[trial.trial_id] = found.info.run_id
                 else:
@@ -409,7 +438,9 @@ def mlflow_callback(uri: str, exp_id: str, parent_id: str, plan: dict[str, Any])
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             step = int(result["iteration"])
-            tracking.log_metrics(self.client, self.run_id(trial), [(step, {f"val_{plan['metric']}": result["score"]})])
+            tracking.log_metrics(
+                self.client, self.run_id(trial), [(step, {f"val_{plan['metric']}": result["score"]})]
+            )
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             tracking.finish(self.client, self.run_id(trial))
@@ -429,7 +460,9 @@ def prepare_validation(params: dict[str, Any], plan: dict[str, Any], out: Path) 
 
     section = params[plan["task"]]
     val = plan["validation"]
-    arrays = simulate_set(plan["task"], section.get("model", {}), val["num_datasets"], val["seed"], val.get("sizes", {}))
+    arrays = simulate_set(
+        plan["task"], section.get("model", {}), val["num_datasets"], val["seed"], val.get("sizes", {})
+    )
     arrays["x"] = arrays["x"].astype(np.dtype(section["data"].get("x_dtype", "float32")))
     return save_reproducible(out / "validation.npz", arrays)
 
@@ -504,9 +537,17 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
             client.set_terminated(earlier.info.run_id, "KILLED")
     note_start(out, fresh=not resuming)
     parent_id = tracking.open_parent(
-        client, exp_id, key, f"tune {plan['task']}",
-        {"metric": plan["metric"], "method": plan["base"]["method"], "K": plan["pair"][0], "L": plan["pair"][1],
-         "space": json.dumps({k: {kind: args} for k, (kind, args) in plan["space"].items()})},
+        client,
+        exp_id,
+        key,
+        f"tune {plan['task']}",
+        {
+            "metric": plan["metric"],
+            "method": plan["base"]["method"],
+            "K": plan["pair"][0],
+            "L": plan["pair"][1],
+            "space": json.dumps({k: {kind: args} for k, (kind, args) in plan["space"].items()}),
+        },
     )
     start_ray(params)
     try:
@@ -517,7 +558,9 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
         callbacks = [mlflow_callback(uri, exp_id, parent_id, plan)]
         if resuming:
             print(f"tune {plan['task']}: resuming {storage / name}")
-            tuner = tune.Tuner.restore(str(storage / name), trainable, resume_unfinished=True, resume_errored=True)
+            tuner = tune.Tuner.restore(
+                str(storage / name), trainable, resume_unfinished=True, resume_errored=True
+            )
         else:
             scheduler = (
                 ASHAScheduler(time_attr="iteration", max_t=plan["iterations"], **plan["asha"])
@@ -587,7 +630,9 @@ def trials_frame(plan: dict[str, Any], results, out: Path):
                 "stopped_early": result.error is None and 0 < iterations < plan["iterations"],
                 "failed": result.error is not None,
                 "attempts": len(read_attempts(out, trial_id)),
-                "history": json.dumps([[int(i), float(s)] for i, s in zip(history["iteration"], history["score"], strict=True)])
+                "history": json.dumps(
+                    [[int(i), float(s)] for i, s in zip(history["iteration"], history["score"], strict=True)]
+                )
                 if scores
                 else "[]",
             }
@@ -642,7 +687,9 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
     setting = {key: _plain(best[key]) for key in plan["space"]}
     text = best_params(params, plan, setting, float(best["score"]))
     atomic_write(out / "best-params.yaml", lambda tmp: tmp.write_text(text))
-    best_run = tracking.find_run(client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: str(best["trial"])})
+    best_run = tracking.find_run(
+        client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: str(best["trial"])}
+    )
     if best_run is not None:
         client.set_tag(best_run.info.run_id, TAG_BEST, "true")
     tracking.log_params(client, parent_id, {f"best.{k}": v for k, v in setting.items()})
@@ -770,7 +817,12 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
             ax.scatter(x_of(part[key]), part["score"], marker=marker, label=label)
         mine = frame[frame["defaults"]]
         ax.scatter(
-            x_of(mine[key]), mine["score"], s=160, facecolors="none", edgecolors="k", label="params.yaml's settings"
+            x_of(mine[key]),
+            mine["score"],
+            s=160,
+            facecolors="none",
+            edgecolors="k",
+            label="params.yaml's settings",
         )
         if where is not None:
             ax.set_xticks(range(len(args)), [str(v) for v in args])
@@ -788,7 +840,9 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
     curves.set_xlabel("iteration")
     curves.set_ylabel(f"validation {plan['metric']}")
     curves.set_title("every trial")
-    fig.suptitle(f"{task}: search over {', '.join(keys)} ({plan['base']['method']}, K={plan['pair'][0]}, L={plan['pair'][1]})")
+    fig.suptitle(
+        f"{task}: search over {', '.join(keys)} ({plan['base']['method']}, K={plan['pair'][0]}, L={plan['pair'][1]})"
+    )
     fig.tight_layout()
     figure = path.with_suffix(".png")
     fig.savefig(figure, dpi=110)
@@ -797,19 +851,27 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
     table = ["| " + " | ".join(shown.columns) + " |", "|" + " --- |" * len(shown.columns)]
     scores = {"score", "best_score"}
     for row in shown.itertuples(index=False):
-        cells = [_score_text(v) if c in scores else _short(_plain(v)) for c, v in zip(shown.columns, row, strict=True)]
+        cells = [
+            _score_text(v) if c in scores else _short(_plain(v))
+            for c, v in zip(shown.columns, row, strict=True)
+        ]
         table.append("| " + " | ".join(cells) + " |")
     best = summary["best"]
     text = "\n".join(
         [
-            f"# Hyperparameter search: {task}" + (f", {plan['base']['method']}" if plan.get("method_flag") else ""),
+            f"# Hyperparameter search: {task}"
+            + (f", {plan['base']['method']}" if plan.get("method_flag") else ""),
             "",
             f"`{command}` with `{source}`'s `{task}:` section: method "
             f"{plan['base']['method']} at K={plan['pair'][0]}, L={plan['pair'][1]}, up to "
             f"{plan['iterations']} iterations per trial, {plan['algorithm']} search over "
             f"{plan['num_samples']} trials, "
-            + (f"ASHA (grace period {plan['asha'].get('grace_period', 1)}, reduction factor "
-               f"{plan['asha'].get('reduction_factor', 2)})" if plan["asha"] is not None else "no early stopping")
+            + (
+                f"ASHA (grace period {plan['asha'].get('grace_period', 1)}, reduction factor "
+                f"{plan['asha'].get('reduction_factor', 2)})"
+                if plan["asha"] is not None
+                else "no early stopping"
+            )
             + f". Score: validation {plan['metric']} after the last sweep, mean over "
             f"{plan['validation']['num_datasets']} datasets simulated for the search (seed "
             f"{plan['validation']['seed']}; not a test set), every {plan['eval_every']} iterations.",
@@ -842,18 +904,26 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="apg-pipeline tune", description="hyperparameter search of one task (tune.yaml)")
+    parser = argparse.ArgumentParser(
+        prog="apg-pipeline tune", description="hyperparameter search of one task (tune.yaml)"
+    )
     parser.add_argument("--task", required=True)
     parser.add_argument("--tune-params", default="tune.yaml", help="the search's params (default tune.yaml)")
     parser.add_argument("--params", default="params.yaml", help="the task's other settings")
     parser.add_argument(
-        "--method", default=None, help="search for this method instead of the section's (a baseline tuned "
+        "--method",
+        default=None,
+        help="search for this method instead of the section's (a baseline tuned "
         "with APG's budget); its outputs are named <task>-<method>",
     )
     parser.add_argument("--metric", default=None, help="score trials by this metric instead of the section's")
-    parser.add_argument("--out", default=None, help="default results/tune/<task> (<task>-<method> with --method)")
     parser.add_argument(
-        "--report", default="reports/tune", help="a folder for <name>.md and its figure, or the report's .md file"
+        "--out", default=None, help="default results/tune/<task> (<task>-<method> with --method)"
+    )
+    parser.add_argument(
+        "--report",
+        default="reports/tune",
+        help="a folder for <name>.md and its figure, or the report's .md file",
     )
     args = parser.parse_args(argv)
     from pipeline.errors import run_guarded
@@ -880,9 +950,13 @@ def main(argv: list[str] | None = None) -> None:
             # or sweep.ray_address), token auth stays as the user set it.
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         out = Path(args.out or root / "results" / "tune" / name)
-        shown = out.resolve().relative_to(root.resolve()) if out.resolve().is_relative_to(root.resolve()) else out
+        shown = (
+            out.resolve().relative_to(root.resolve()) if out.resolve().is_relative_to(root.resolve()) else out
+        )
         plan.update(
-            command=command, source=str(args.tune_params), best_file=f"{shown}/best-params.yaml",
+            command=command,
+            source=str(args.tune_params),
+            best_file=f"{shown}/best-params.yaml",
             method_flag=name != args.task,
         )
         summary = run_search(params, plan, root, out)

@@ -645,7 +645,9 @@ def test_position_errors_match_digits_once_per_video():
     assert err["pos_err_aligned"][0] == pytest.approx(0.0, abs=1e-5)  # float32 inputs
     jump = torch.zeros(6, 2)
     jump[2, 1] = 4.0
-    assert err["pos_err_aligned"][1] == pytest.approx(float((jump - jump.mean(0)).norm(dim=-1).sum()) / 18, rel=1e-6)
+    assert err["pos_err_aligned"][1] == pytest.approx(
+        float((jump - jump.mean(0)).norm(dim=-1).sum()) / 18, rel=1e-6
+    )
     assert TRACK_TOLERANCE_PX == 3.0
     # Matching is per video: digits that trade places half-way are not a perfect track.
     traded = truth.clone()

@@ -262,8 +262,25 @@ def test_impute_fills_in_what_the_mask_hides(files, tmp_path, capsys):
     mask[:, :4, 1] = 1
     np.savez(tmp_path / "mask.npz", mask=mask)
     out = tmp_path / "imputed.npz"
-    main(["impute", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"),
-          "--mask", str(tmp_path / "mask.npz"), "--out", str(out), "--iterations", "3", "-K", "2", "-L", "3"])
+    main(
+        [
+            "impute",
+            "--checkpoint",
+            str(files / "ckpt.pt"),
+            "--data",
+            str(files / "test.npz"),
+            "--mask",
+            str(tmp_path / "mask.npz"),
+            "--out",
+            str(out),
+            "--iterations",
+            "3",
+            "-K",
+            "2",
+            "-L",
+            "3",
+        ]
+    )
     assert f"wrote {out}" in capsys.readouterr().out
     with np.load(out) as got:
         assert got["history"].shape == (3, mask.sum())
@@ -285,8 +302,20 @@ def test_impute_bad_masks(files, tmp_path, capsys, make_mask, expected):
     x = np.load(files / "test.npz")["x"]
     np.savez(tmp_path / "mask.npz", mask=make_mask(x))
     out = tmp_path / "imputed.npz"
-    err = run_error(["impute", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"),
-                     "--mask", str(tmp_path / "mask.npz"), "--out", str(out)], capsys)
+    err = run_error(
+        [
+            "impute",
+            "--checkpoint",
+            str(files / "ckpt.pt"),
+            "--data",
+            str(files / "test.npz"),
+            "--mask",
+            str(tmp_path / "mask.npz"),
+            "--out",
+            str(out),
+        ],
+        capsys,
+    )
     assert expected in err
     assert not out.exists() and not list(tmp_path.glob(".imputed*"))  # nothing half-written
 
@@ -303,8 +332,20 @@ def test_impute_bad_masks(files, tmp_path, capsys, make_mask, expected):
 )
 def test_impute_unreadable_mask_file(files, tmp_path, capsys, write, expected):
     write(tmp_path / "mask.npz")
-    err = run_error(["impute", "--checkpoint", str(files / "ckpt.pt"), "--data", str(files / "test.npz"),
-                     "--mask", str(tmp_path / "mask.npz"), "--out", str(tmp_path / "o.npz")], capsys)
+    err = run_error(
+        [
+            "impute",
+            "--checkpoint",
+            str(files / "ckpt.pt"),
+            "--data",
+            str(files / "test.npz"),
+            "--mask",
+            str(tmp_path / "mask.npz"),
+            "--out",
+            str(tmp_path / "o.npz"),
+        ],
+        capsys,
+    )
     assert "mask file" in err and expected in err
 
 
@@ -335,6 +376,8 @@ def test_params_with_a_key_given_twice_are_refused(tmp_path):
 
 def test_generate_refuses_a_dataset_of_no_points(tmp_path, capsys):
     out = tmp_path / "x.npz"
-    line = run_error(["generate", "--task", "gmm", "--num-datasets", "2", "--num-points", "-3", "--out", str(out)], capsys)
+    line = run_error(
+        ["generate", "--task", "gmm", "--num-datasets", "2", "--num-points", "-3", "--out", str(out)], capsys
+    )
     assert line == "apg-pipeline: error: --size.num_points: must be positive, got -3"
     assert not out.exists()

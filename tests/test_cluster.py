@@ -380,11 +380,22 @@ CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", 
 
 def browser_dom(url: str, screenshot: str | None = None) -> str:
     """The page at ``url`` as headless Chromium renders it (20 s of the page's own time)."""
-    flags = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-             "--window-size=1400,700", "--virtual-time-budget=20000"]
+    flags = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,700",
+        "--virtual-time-budget=20000",
+    ]
     if screenshot:
-        subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=180, check=True)
-    return subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=180, check=True).stdout
+        subprocess.run(
+            [*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=180, check=True
+        )
+    return subprocess.run(
+        [*flags, "--dump-dom", url], capture_output=True, text=True, timeout=180, check=True
+    ).stdout
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs a headless Chromium (apt-get install chromium)")
@@ -483,7 +494,9 @@ def test_driver_killed_then_rerun_resumes(ray_cluster, mlflow_server, data_dir, 
         kill_group(proc)
     # The cluster ends a dead driver's trials a moment after it dies: one that was about to
     # finish may still write its done.json. Take the finished cells once that has settled.
-    finished = settled(lambda: {cid: (cells_dir(root) / cid / "done.json").stat().st_mtime_ns for cid in done(root)})
+    finished = settled(
+        lambda: {cid: (cells_dir(root) / cid / "done.json").stat().st_mtime_ns for cid in done(root)}
+    )
     assert 1 <= len(finished) < 3, finished
     assert not (root / "results" / "gmm" / "sweep.json").exists()
 
@@ -594,5 +607,9 @@ def test_no_service_left_listening_beyond_loopback(ray_cluster, mlflow_server):
     assert ours, "found no Ray or MLflow process: the check below would pass vacuously"
     mine = [line for line in out.splitlines() if any(f"pid={pid}," in line for pid in ours)]
     assert mine, "ss shows none of their listening sockets (no pid= fields?)"
-    wide = [line for line in mine if not line.split()[3].startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))]
+    wide = [
+        line
+        for line in mine
+        if not line.split()[3].startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:"))
+    ]
     assert not wide, wide

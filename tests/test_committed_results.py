@@ -19,18 +19,22 @@ DATA = REPO / "reports" / report.COMMITTED_DATA
 
 def test_every_committed_verdict_recomputes_from_the_committed_rows():
     if not DATA.is_dir() and provenance.current_banners(REPO).get("README.md"):
-        pytest.skip("the committed results are marked stale and keep no rows yet: the next report stage writes them")
+        pytest.skip(
+            "the committed results are marked stale and keep no rows yet: the next report stage writes them"
+        )
     params = load_params(REPO / "params.yaml")
     paper_all = yaml.safe_load(report.PAPER_NUMBERS.read_text())
     committed = json.loads((REPO / "reports" / "metrics.json").read_text())["claims"]
     recomputed = {}
     for task in params["tasks"]:
-        assert (DATA / task / "metrics.parquet").is_file(), f"reports/data/{task} is missing: run the report stage"
+        assert (DATA / task / "metrics.parquet").is_file(), (
+            f"reports/data/{task} is missing: run the report stage"
+        )
         results = report.load_results(DATA / task)
         recomputed.update(report.claims_json(report.task_claims(task, results, paper_all.get(task))))
     assert set(recomputed) == {key for key in committed if key.split("/")[0] in params["tasks"]}
     for key, claim in recomputed.items():
         assert claim["pass"] == committed[key]["pass"] and claim["note"] == committed[key]["note"], key
-        assert json.dumps(claim["value"]) == json.dumps(committed[key]["value"]) or claim["value"] == pytest.approx(
-            committed[key]["value"], rel=1e-12, nan_ok=True
-        ), key
+        assert json.dumps(claim["value"]) == json.dumps(committed[key]["value"]) or claim[
+            "value"
+        ] == pytest.approx(committed[key]["value"], rel=1e-12, nan_ok=True), key

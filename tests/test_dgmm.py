@@ -102,7 +102,9 @@ def test_true_ring_log_joint_integrates_the_angle_out(f64):
         offsets = data["x"] - centres  # (M, N, 2)
         ring = 2.0 * torch.stack([angles.cos(), angles.sin()], -1)  # (A, 2)
         sq = ((offsets[:, :, None, :] - ring) ** 2).sum(-1)
-        per_point = torch.log(torch.exp(-sq / (2 * noise**2)).mean(-1) / (2 * math.pi * noise**2)) - math.log(4)
+        per_point = torch.log(torch.exp(-sq / (2 * noise**2)).mean(-1) / (2 * math.pi * noise**2)) - math.log(
+            4
+        )
         prior = Normal(0.0, 3.5).log_prob(data["mu"]).sum((-2, -1))
         expected = prior + per_point.sum(-1)
         got = true_ring_log_joint(data["x"], data["mu"], data["c"], 4, 3.5, 2.0, noise)

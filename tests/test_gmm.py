@@ -457,5 +457,7 @@ def test_standardized_assignment_inputs_are_the_scaled_offsets(f64, kernel_path)
 
 
 def test_unknown_assignment_inputs_are_a_one_line_error():
-    with pytest.raises(ValueError, match="unknown assignment-network inputs 'raw'; choose offset or standardized"):
+    with pytest.raises(
+        ValueError, match="unknown assignment-network inputs 'raw'; choose offset or standardized"
+    ):
         GMMProposals(GMMConfig(), "apg", c_inputs="raw")

@@ -29,7 +29,13 @@ def videos() -> torch.Tensor:
 
 def config_for(task: str, method: str) -> TrainConfig:
     return TrainConfig(
-        task=task, method=method, sweeps=2, particles=3, batch_size=2, iterations=2, network=NETWORK.get(task, {})
+        task=task,
+        method=method,
+        sweeps=2,
+        particles=3,
+        batch_size=2,
+        iterations=2,
+        network=NETWORK.get(task, {}),
     )
 
 
@@ -38,7 +44,11 @@ CASES = runnable(config_for)
 
 @pytest.mark.parametrize("task,method", CASES)
 def test_an_unlogged_training_step_reads_nothing_back(task, method):
-    x = videos() if task == "bmnist" else torch.as_tensor(simulate_set(task, {}, 4, 1, SIZES[task])["x"]).float()
+    x = (
+        videos()
+        if task == "bmnist"
+        else torch.as_tensor(simulate_set(task, {}, 4, 1, SIZES[task])["x"]).float()
+    )
     cfg = config_for(task, method)
     trainer = Trainer(cfg, x, device="meta")
     if trainer.optimizer is not None:

@@ -105,9 +105,16 @@ def test_the_gmm_oracle_is_the_cluster_posterior_mean():
     assert torch.allclose(gmm_oracle(x, mask, mu, tau), expected.reshape(1))
     x3 = torch.tensor([[[1.0, -1.0, 7.0]]])
     mask3 = torch.tensor([[[False, False, True]]])
-    mu3, tau3 = torch.tensor([[[1.0, -1.0, 5.0], [3.0, 2.0, -5.0]]]), torch.tensor([[[2.0, 0.5, 1.0], [1.0, 3.0, 1.0]]])
-    lw = (0.5 * torch.log(tau3[0, :, :2]) - 0.5 * tau3[0, :, :2] * (x3[0, 0, :2] - mu3[0, :, :2]) ** 2).sum(-1)
-    assert torch.allclose(gmm_oracle(x3, mask3, mu3, tau3), (torch.softmax(lw, 0) * mu3[0, :, 2]).sum().reshape(1))
+    mu3, tau3 = (
+        torch.tensor([[[1.0, -1.0, 5.0], [3.0, 2.0, -5.0]]]),
+        torch.tensor([[[2.0, 0.5, 1.0], [1.0, 3.0, 1.0]]]),
+    )
+    lw = (0.5 * torch.log(tau3[0, :, :2]) - 0.5 * tau3[0, :, :2] * (x3[0, 0, :2] - mu3[0, :, :2]) ** 2).sum(
+        -1
+    )
+    assert torch.allclose(
+        gmm_oracle(x3, mask3, mu3, tau3), (torch.softmax(lw, 0) * mu3[0, :, 2]).sum().reshape(1)
+    )
 
 
 def test_the_start_ignores_whatever_the_hidden_entries_hold():
@@ -127,9 +134,13 @@ def test_task_settings_are_checked_before_any_work():
     with pytest.raises(ValueError, match="occlusions: list at least one"):
         check_settings("bmnist", {"methods": ["apg"]}, {}, video_set)
     with pytest.raises(ValueError, match="does not fit the 5-frame videos of T5"):
-        check_settings("bmnist", {"methods": ["apg"], "occlusions": [{"start": 4, "frames": 3}]}, {}, video_set)
+        check_settings(
+            "bmnist", {"methods": ["apg"], "occlusions": [{"start": 4, "frames": 3}]}, {}, video_set
+        )
     with pytest.raises(ValueError, match="outside the 96 x 96 frames"):
-        check_settings("bmnist", {"methods": ["apg"], "occlusions": [{"rows": [90, 100], "cols": [0, 3]}]}, {}, video_set)
+        check_settings(
+            "bmnist", {"methods": ["apg"], "occlusions": [{"rows": [90, 100], "cols": [0, 3]}]}, {}, video_set
+        )
     check_settings("bmnist", {"methods": ["apg"], "occlusions": [{"start": 3, "frames": 3}]}, {}, video_set)
 
 
@@ -160,10 +171,23 @@ def test_pipeline_imputation_rows_for_both_tasks():
     model, proposals = build(cfg)
     settings = {"methods": ["apg"], "num_datasets": 2, "fraction": 0.25, "iterations": 4, "burn_in": 1}
     numpy_arrays = {k: v.numpy() for k, v in arrays.items()}
-    frame, examples = imputation_frame("gmm", cfg, model, proposals, settings, numpy_arrays, 2, 3,
-                                       {"method": "apg", "seed": 0, "train_K": 2, "train_L": 3, "cell_id": "c"})
+    frame, examples = imputation_frame(
+        "gmm",
+        cfg,
+        model,
+        proposals,
+        settings,
+        numpy_arrays,
+        2,
+        3,
+        {"method": "apg", "seed": 0, "train_K": 2, "train_L": 3, "cell_id": "c"},
+    )
     assert set(frame["metric"]) == {"rmse", "rmse_draw", "rmse_oracle"}
-    assert frame.groupby("metric")["iteration"].max().to_dict() == {"rmse": 4, "rmse_draw": 4, "rmse_oracle": 4}
+    assert frame.groupby("metric")["iteration"].max().to_dict() == {
+        "rmse": 4,
+        "rmse_draw": 4,
+        "rmse_oracle": 4,
+    }
     assert len(frame[frame["metric"] == "rmse"]) == 2 * 4 and frame["value"].notna().all()
     assert set(examples) == {"0__truth", "0__mask", "0__imputed"} and examples["0__mask"].sum() == 3
     table = imputation_table(frame)
@@ -171,17 +195,32 @@ def test_pipeline_imputation_rows_for_both_tasks():
     assert "RMSE, true-parameter predictor" in imputation_markdown(table)
 
     bm = get_task("bmnist")
-    cfg = TrainConfig(task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}).validate()
+    cfg = TrainConfig(
+        task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}
+    ).validate()
     model, proposals = build(cfg)
     videos = {
         "x": np.random.default_rng(0).random((2, 4, 96, 96)).astype(np.float16) * 0.1,
         "z_where": np.zeros((2, 4, 1, 2), np.float32),
         "centres": np.full((2, 1, 2), 14.0, np.float32),
     }
-    settings = {"methods": ["apg"], "iterations": 2, "fill": "mean",
-                "occlusions": [{"start": 2, "frames": 2}, {"rows": [0, 8], "cols": [0, 8]}]}
-    frame, examples = imputation_frame("bmnist", cfg, model, proposals, settings, videos, 2, 2,
-                                       {"method": "apg", "seed": 0, "train_K": 2, "train_L": 3, "cell_id": "c"})
+    settings = {
+        "methods": ["apg"],
+        "iterations": 2,
+        "fill": "mean",
+        "occlusions": [{"start": 2, "frames": 2}, {"rows": [0, 8], "cols": [0, 8]}],
+    }
+    frame, examples = imputation_frame(
+        "bmnist",
+        cfg,
+        model,
+        proposals,
+        settings,
+        videos,
+        2,
+        2,
+        {"method": "apg", "seed": 0, "train_K": 2, "train_L": 3, "cell_id": "c"},
+    )
     assert list(dict.fromkeys(frame["setting"])) == ["frames 2-3", "region 0:8x0:8"]
     assert set(frame["metric"]) == {"mse", "pos_err", "tracked"}
     assert examples["0__mask"].shape == (4, 96, 96) and examples["0__mask"][1:3].all()

@@ -117,8 +117,12 @@ def test_cell_id_changes_with_any_option():
 
 
 def test_axes_cross_any_key_with_methods_and_seeds():
-    entry = {"methods": ["apg"], "pairs": [[2, 3]], "seeds": [0, 1],
-             "axes": {"network.hidden": [8, 16], "train.lr": [0.01, 0.003]}}
+    entry = {
+        "methods": ["apg"],
+        "pairs": [[2, 3]],
+        "seeds": [0, 1],
+        "axes": {"network.hidden": [8, 16], "train.lr": [0.01, 0.003]},
+    }
     cells = grid_cells(tiny(**{"gmm.grid": [TINY["gmm"]["grid"][0], entry]}), "gmm")
     swept = [c for c in cells if c.axes]
     # hidden 8 with lr 0.01 at seed 0 is the first entry's cell: trained once, under its name
@@ -173,7 +177,9 @@ def test_the_evaluation_runs_on_its_own_thread_count(tmp_path, monkeypatch):
     with pytest.raises(ParamsError, match=r"^gmm.evaluate.threads: too small \(0\)$"):
         validate_params(tiny(**{"gmm.evaluate.threads": 0}))
     seen = []
-    monkeypatch.setattr(evaluate, "evaluate_task", lambda *a: seen.append(torch.get_num_threads()) or {"cells": {}})
+    monkeypatch.setattr(
+        evaluate, "evaluate_task", lambda *a: seen.append(torch.get_num_threads()) or {"cells": {}}
+    )
     monkeypatch.setattr(evaluate, "record_stage_time", lambda *a: None)
     before = torch.get_num_threads()
     try:
@@ -188,12 +194,18 @@ def test_the_evaluation_runs_on_its_own_thread_count(tmp_path, monkeypatch):
 
 
 def test_the_printed_mlflow_address_opens_the_runs_table():
-    assert tracking.ui_url("http://host:5000/", "7") == "http://host:5000/#/experiments/7?workflowType=machine_learning"
+    assert (
+        tracking.ui_url("http://host:5000/", "7")
+        == "http://host:5000/#/experiments/7?workflowType=machine_learning"
+    )
     assert tracking.browse_hint("http://u:secret@host:5000", "7").endswith(
         "http://***@host:5000/#/experiments/7?workflowType=machine_learning"
     )
     local = tracking.browse_hint("sqlite:////tmp/x/mlflow.db", "1")
-    assert "mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db" in local and "127.0.0.1:5000/#/experiments/1?" in local
+    assert (
+        "mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db" in local
+        and "127.0.0.1:5000/#/experiments/1?" in local
+    )
 
 
 def test_two_experiments_under_one_name_are_an_error():
@@ -243,10 +255,18 @@ def test_two_experiments_under_one_name_are_an_error():
             "gmm.evaluate.imputation.occlusions[0]: bad bounds",
         ),
         (
-            {"gmm.evaluate.imputation": {"methods": ["apg"], "occlusions": [{"rows": [5, 2], "cols": [0, 3]}]}},
+            {
+                "gmm.evaluate.imputation": {
+                    "methods": ["apg"],
+                    "occlusions": [{"rows": [5, 2], "cols": [0, 3]}],
+                }
+            },
             "gmm.evaluate.imputation.occlusions[0]: bad bounds",
         ),
-        ({"gmm.evaluate.imputation": {"methods": ["apg"], "mask": 1}}, "gmm.evaluate.imputation.mask: unknown key"),
+        (
+            {"gmm.evaluate.imputation": {"methods": ["apg"], "mask": 1}},
+            "gmm.evaluate.imputation.mask: unknown key",
+        ),
         (
             {"gmm.data.train": {"num_datasets": 4, "seed": 0, "sizes": {"num_points": -3}}},
             "gmm.data.train.sizes.num_points: must be positive, got -3",
@@ -362,7 +382,9 @@ def test_dvc_repro_end_to_end(tmp_path):
         "gmm/apg/K2/L3/seed0/network.hidden=4",
         "gmm/rws-mlp/K2/L3/seed0",
     ]
-    assert {r.info.run_name: r.data.params["network.hidden"] for r in children if "apg" in r.info.run_name} == {
+    assert {
+        r.info.run_name: r.data.params["network.hidden"] for r in children if "apg" in r.info.run_name
+    } == {
         "gmm/apg/K2/L3/seed0": "8",
         "gmm/apg/K2/L3/seed0/network.hidden=4": "4",
     }
@@ -398,7 +420,9 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert (reports / "figures" / "gmm_axis_network_hidden.png").is_file()
     axis_table = pd.read_csv(reports / "tables" / "gmm_axis_network_hidden.csv")
     lj = axis_table[axis_table["metric"] == "log_joint"]
-    assert sorted(lj["value"]) == [4, 8] and set(lj["method"]) == {"apg"} and lj["mean"].map(math.isfinite).all()
+    assert (
+        sorted(lj["value"]) == [4, 8] and set(lj["method"]) == {"apg"} and lj["mean"].map(math.isfinite).all()
+    )
     assert "#### `network.hidden`" in (reports / "README.md").read_text()
     for column in ("log_joint", "d_log_joint", "ess", "log_evidence"):
         assert table[column].map(math.isfinite).all(), column
@@ -408,8 +432,12 @@ def test_dvc_repro_end_to_end(tmp_path):
     assert "tiny test" in (reports / "README.md").read_text()
     metrics = json.loads((reports / "metrics.json").read_text())
     assert set(metrics["gmm"]) == {
-        "apg/K2/L3", "apg/K3/L3", "apg [network.hidden=4]/K2/L3", "apg [network.hidden=4]/K3/L3",
-        "rws-mlp/K2/L3", "rws-mlp/K3/L3",
+        "apg/K2/L3",
+        "apg/K3/L3",
+        "apg [network.hidden=4]/K2/L3",
+        "apg [network.hidden=4]/K3/L3",
+        "rws-mlp/K2/L3",
+        "rws-mlp/K3/L3",
     }
 
     second = run(["dvc", "repro"], root)
@@ -577,12 +605,17 @@ def test_provenance_says_which_recorded_cells_a_repro_would_retrain(tmp_path, mo
     params = tiny()
     recorded = {
         "fingerprints": {
-            "gmm": {cell.name: {"cell_id": cid, "fingerprint": cell.fingerprint} for cid, cell in cells.items()}
+            "gmm": {
+                cell.name: {"cell_id": cid, "fingerprint": cell.fingerprint} for cid, cell in cells.items()
+            }
         }
     }
     n = len(cells)
     line = provenance.retraining(tmp_path, params, recorded)
-    assert line == f"Training: 0 of {n} recorded cells would retrain: every cell id, fingerprint included, is unchanged."
+    assert (
+        line
+        == f"Training: 0 of {n} recorded cells would retrain: every cell id, fingerprint included, is unchanged."
+    )
     monkeypatch.setattr(sweep_module(), "fingerprint", lambda *args, **kwargs: "numbers-2")
     assert provenance.retraining(tmp_path, params, recorded).startswith(
         f"Training: {n} of {n} recorded cells would retrain"
@@ -594,7 +627,9 @@ def test_provenance_says_which_recorded_cells_a_repro_would_retrain(tmp_path, mo
         tmp_path, longer, recorded
     )
     recorded["fingerprints"]["dgmm"] = {"dgmm/apg/K2/L3/seed0": {"cell_id": "x", "fingerprint": "y"}}
-    assert "; not checked for dgmm (not in params.yaml's tasks)." in provenance.retraining(tmp_path, params, recorded)
+    assert "; not checked for dgmm (not in params.yaml's tasks)." in provenance.retraining(
+        tmp_path, params, recorded
+    )
     (tmp_path / "data" / "gmm" / "train.npz").unlink()
     assert "not checked for gmm (no training data" in provenance.retraining(tmp_path, params, recorded)
 

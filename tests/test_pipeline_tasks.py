@@ -212,7 +212,13 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
     tracking = pd.read_csv(reports / "tables" / "bmnist_tracking.csv")
     assert sorted(set(tracking["test_set"])) == ["T2_D1", "T3_D2"]
     assert tracking["mean_pos_err"].map(math.isfinite).all()
-    for column in ("mean_box_err", "mean_pos_err_aligned", "mean_tracked", "mean_pos_err_frame", "mean_swapped"):
+    for column in (
+        "mean_box_err",
+        "mean_pos_err_aligned",
+        "mean_tracked",
+        "mean_pos_err_frame",
+        "mean_swapped",
+    ):
         assert tracking[column].map(math.isfinite).all(), column
     # a frame matched on its own is matched at least as well as by the video's matching
     assert (tracking["mean_pos_err_frame"] <= tracking["mean_pos_err"] + 1e-9).all()

@@ -69,7 +69,11 @@ def test_stage_code_reads_deps_relative_to_the_stages_wdir(tmp_path):
     local = {"stages": {"s": {"cmd": "x", "deps": ["../apg/core.py", "notes.txt"]}}}
     (root / "sub/dvc.yaml").write_text(yaml.safe_dump(local))
     assert stages.stage_code(root, "s", dvc_file="sub/dvc.yaml") == ["apg/core.py"]
-    up = {"stages": {"s": {"foreach": ["a"], "do": {"wdir": "..", "cmd": "x", "deps": ["apg/tasks/${item}.py"]}}}}
+    up = {
+        "stages": {
+            "s": {"foreach": ["a"], "do": {"wdir": "..", "cmd": "x", "deps": ["apg/tasks/${item}.py"]}}
+        }
+    }
     (root / "sub/dvc.yaml").write_text(yaml.safe_dump(up))
     assert stages.stage_code(root, "s", "a", dvc_file="sub/dvc.yaml") == ["apg/tasks/a.py"]
 
@@ -120,8 +124,11 @@ def test_check_names_what_changed_and_mark_writes_then_clears_the_stale_line(tmp
 
 def test_the_record_names_uncommitted_code_by_its_full_path(tmp_path):
     root = make_project(tmp_path)
-    for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
-                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+    for cmd in (
+        ["git", "init", "-q"],
+        ["git", "add", "-A"],
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
+    ):
         subprocess.run(cmd, cwd=root, check=True, capture_output=True)
     (root / "apg" / "core.py").write_text("CORE = 2\n")  # git status: " M apg/core.py"
     assert provenance.record(PARAMS, root)["uncommitted"] == ["apg/core.py"]
@@ -137,7 +144,6 @@ def test_committed_results_are_this_checkouts_or_say_they_are_stale():
             f"committed results are stale and not marked so ({message}); run `dvc repro`, or "
             "`python -m pipeline.provenance mark` to say so in README.md and reports/README.md"
         )
-
 
 
 def _module_file(name: str) -> Path | None:
@@ -190,7 +196,9 @@ def test_each_stage_lists_the_code_it_imports():
                 listed = set(stages.code_files(REPO, stages.stage_code(REPO, stage, task, dvc_file)))
                 others = {f"apg/tasks/{t}.py" for t in all_tasks if task and t != task}
                 missing = _imported_code(module) - others - listed
-                assert not missing, f"{dvc_file}: {stage} ({task or 'all tasks'}) does not list {sorted(missing)}"
+                assert not missing, (
+                    f"{dvc_file}: {stage} ({task or 'all tasks'}) does not list {sorted(missing)}"
+                )
 
 
 def test_the_record_names_the_machine_the_results_were_made_on(tmp_path):
@@ -198,5 +206,7 @@ def test_the_record_names_the_machine_the_results_were_made_on(tmp_path):
     made = provenance.record(PARAMS, root)["machine"]
     assert set(made) == {"cpu", "vector", "cores", "torch", "python"}
     assert made["cores"] >= 1 and made["torch"] and made["cpu"]
-    line = provenance.machine_line({"cpu": "X", "vector": ["avx2"], "cores": 2, "torch": "2.13", "python": "3.11"})
+    line = provenance.machine_line(
+        {"cpu": "X", "vector": ["avx2"], "cores": 2, "torch": "2.13", "python": "3.11"}
+    )
     assert line == "X (avx2), 2 cores; torch 2.13, Python 3.11"

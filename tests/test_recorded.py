@@ -24,7 +24,11 @@ def cell_keys(params: dict, task: str) -> set[tuple]:
 
 
 @pytest.mark.parametrize(
-    "profile", sorted(set(recorded.PROFILES) - {"gpu-bmnist", "gpu-bmnist-3d", "gpu-bmnist-compiled", "gpu-gmm", "paper-gmm-std"})
+    "profile",
+    sorted(
+        set(recorded.PROFILES)
+        - {"gpu-bmnist", "gpu-bmnist-3d", "gpu-bmnist-compiled", "gpu-gmm", "paper-gmm-std"}
+    ),
 )
 def test_profiles_keep_the_papers_per_step_sizes(profile):
     paper = load_params(PAPER)
@@ -39,7 +43,9 @@ def test_profiles_keep_the_papers_per_step_sizes(profile):
         for key in ("test", "tests"):
             if key in theirs["data"]:
                 sets = lambda d: d if isinstance(d, list) else [d]  # noqa: E731
-                assert [s["sizes"] for s in sets(ours["data"][key])] == [s["sizes"] for s in sets(theirs["data"][key])]
+                assert [s["sizes"] for s in sets(ours["data"][key])] == [
+                    s["sizes"] for s in sets(theirs["data"][key])
+                ]
         assert ours["evaluate"] == theirs["evaluate"]
         assert cell_keys(derived, task) <= cell_keys(paper, task)
 
@@ -72,7 +78,11 @@ def test_paper_gmm_std_is_paper_gmms_apg_on_standardized_offsets():
     cells = {c.method: c for c in grid_cells(std, "gmm")}
     apg = {c.method: c for c in grid_cells(narrow, "gmm")}["apg"]
     assert set(cells) == {"apg", "gibbs"}
-    assert (cells["apg"].sweeps, cells["apg"].particles, cells["apg"].seed) == (apg.sweeps, apg.particles, apg.seed)
+    assert (cells["apg"].sweeps, cells["apg"].particles, cells["apg"].seed) == (
+        apg.sweeps,
+        apg.particles,
+        apg.seed,
+    )
     same = ("iterations", "batch_size", "lr", "lr_schedule", "resample_mode")
     assert [getattr(cells["apg"].train, k) for k in same] == [getattr(apg.train, k) for k in same]
     assert cells["apg"].train.network == {"hidden": 32, "c_inputs": "standardized"}
@@ -82,10 +92,19 @@ def test_paper_gmm_std_is_paper_gmms_apg_on_standardized_offsets():
 
 
 def test_gpu_gmm_is_table_1_compiled_four_trials_to_a_gpu():
-    paper, std, run = load_params(PAPER), recorded.derive("paper-gmm-std", PAPER), recorded.derive("gpu-gmm", PAPER)
+    paper, std, run = (
+        load_params(PAPER),
+        recorded.derive("paper-gmm-std", PAPER),
+        recorded.derive("gpu-gmm", PAPER),
+    )
     cells = grid_cells(run, "gmm")
     trained = [c for c in cells if c.method != "gibbs"]
-    assert sorted((c.method, c.seed) for c in trained) == [("apg", 0), ("apg", 1), ("rws-lstm", 0), ("rws-mlp", 0)]
+    assert sorted((c.method, c.seed) for c in trained) == [
+        ("apg", 0),
+        ("apg", 1),
+        ("rws-lstm", 0),
+        ("rws-mlp", 0),
+    ]
     # the paper's per-step sizes and data; paper-gmm-std's networks
     assert {(c.sweeps, c.particles, c.train.batch_size) for c in cells} == {(10, 10, 20)}
     assert run["gmm"]["network"] == std["gmm"]["network"] and run["gmm"]["data"] == paper["gmm"]["data"]
@@ -104,11 +123,20 @@ def test_gpu_bmnist_keeps_the_papers_budgets_and_test_sets_and_trains_on_one_dig
     paper, run = load_params(PAPER), recorded.derive("gpu-bmnist", PAPER)
     ours, theirs = run["bmnist"], paper["bmnist"]
     assert run["tasks"] == ["bmnist"]
-    assert cell_keys(run, "bmnist") == cell_keys(paper, "bmnist") == {("apg", 5, 10), ("rws-mlp", 5, 10), ("avf", 5, 10)}
-    assert ours["model"] == theirs["model"] and ours["train"]["batch_size"] == theirs["train"]["batch_size"] == 10
+    assert (
+        cell_keys(run, "bmnist")
+        == cell_keys(paper, "bmnist")
+        == {("apg", 5, 10), ("rws-mlp", 5, 10), ("avf", 5, 10)}
+    )
+    assert (
+        ours["model"] == theirs["model"]
+        and ours["train"]["batch_size"] == theirs["train"]["batch_size"] == 10
+    )
     # The curriculum's first step: one digit in training; the paper's T=10 videos.
     assert ours["network"]["num_digits"] == ours["data"]["train"]["sizes"]["num_digits"] == 1
-    assert ours["data"]["train"]["sizes"]["num_frames"] == theirs["data"]["train"]["sizes"]["num_frames"] == 10
+    assert (
+        ours["data"]["train"]["sizes"]["num_frames"] == theirs["data"]["train"]["sizes"]["num_frames"] == 10
+    )
     # Every held-out set of the paper (T in {10, 20, 100} x D in {3, 4, 5}), fewer videos each.
     assert [t["sizes"] for t in ours["data"]["tests"]] == [t["sizes"] for t in theirs["data"]["tests"]]
     assert [t["network"] for t in ours["data"]["tests"]] == [t["network"] for t in theirs["data"]["tests"]]
@@ -120,7 +148,11 @@ def test_gpu_bmnist_keeps_the_papers_budgets_and_test_sets_and_trains_on_one_dig
 
 
 def test_gpu_bmnist_3d_trains_the_papers_three_digit_videos_from_gpu_bmnists_cells():
-    paper, first, run = load_params(PAPER), recorded.derive("gpu-bmnist", PAPER), recorded.derive("gpu-bmnist-3d", PAPER)
+    paper, first, run = (
+        load_params(PAPER),
+        recorded.derive("gpu-bmnist", PAPER),
+        recorded.derive("gpu-bmnist-3d", PAPER),
+    )
     ours, theirs = run["bmnist"], paper["bmnist"]
     assert recorded.STARTS_FROM["gpu-bmnist-3d"] == "gpu-bmnist"
     # The paper's training videos and networks (three digits), its K, L, B and test sets.
@@ -147,7 +179,9 @@ def test_gpu_bmnist_compiled_is_gpu_bmnist_with_every_step_that_compiles_compile
 
 
 def test_an_unknown_profile_is_a_one_line_error():
-    with pytest.raises(ValueError, match="unknown profile 'nope'; known: paper-gmm, paper-gmm-std, paper-check"):
+    with pytest.raises(
+        ValueError, match="unknown profile 'nope'; known: paper-gmm, paper-gmm-std, paper-check"
+    ):
         recorded.derive("nope", PAPER)
 
 
@@ -168,9 +202,22 @@ def test_a_sandbox_is_resumed_only_by_the_code_and_params_that_made_it(tmp_path)
 @pytest.mark.slow
 def test_record_keeps_a_run_that_the_report_shows_without_retraining(tmp_path):
     # paper-gmm derived from the smoke profile: the same code path in under a minute.
-    env = {**os.environ, "APG_PROJECT_ROOT": str(tmp_path), "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "APG_PROJECT_ROOT": str(tmp_path),
+        "RAY_AUTH_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, "-m", "pipeline.cli", "record", "paper-gmm", "--params", str(REPO / "params-smoke.yaml")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "record",
+        "paper-gmm",
+        "--params",
+        str(REPO / "params-smoke.yaml"),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     kept = tmp_path / "recorded" / "paper-gmm"

@@ -134,7 +134,9 @@ def test_particle_scores_of_the_true_rings_beat_shuffled_ones():
     sizes = {"radius": 2.0}
     exact = particle_scores("dgmm", truth, {"c": data["c"], "mu": data["mu"]}, {}, sizes)
     relabel = np.array([2, 0, 3, 1])
-    permuted = particle_scores("dgmm", truth, {"c": relabel[data["c"]], "mu": data["mu"][:, np.argsort(relabel)]}, {}, sizes)
+    permuted = particle_scores(
+        "dgmm", truth, {"c": relabel[data["c"]], "mu": data["mu"][:, np.argsort(relabel)]}, {}, sizes
+    )
     for name in ("ari", "centre_err", "log_joint_true"):
         np.testing.assert_allclose(permuted[name], exact[name], atol=1e-9)
     np.testing.assert_allclose(exact["ari"], 1.0)
@@ -142,8 +144,12 @@ def test_particle_scores_of_the_true_rings_beat_shuffled_ones():
     moved = particle_scores("dgmm", truth, {"c": data["c"], "mu": data["mu"] + 0.5}, {}, sizes)
     np.testing.assert_allclose(moved["centre_err"], 0.5 * np.sqrt(2), rtol=1e-9)
     assert (moved["log_joint_true"] < exact["log_joint_true"] - 50).all()
-    scrambled = particle_scores("dgmm", truth, {"c": np.roll(data["c"], 1, axis=1), "mu": data["mu"]}, {}, sizes)
-    assert (scrambled["ari"] < 0.2).all() and (scrambled["log_joint_true"] < exact["log_joint_true"] - 100).all()
+    scrambled = particle_scores(
+        "dgmm", truth, {"c": np.roll(data["c"], 1, axis=1), "mu": data["mu"]}, {}, sizes
+    )
+    assert (scrambled["ari"] < 0.2).all() and (
+        scrambled["log_joint_true"] < exact["log_joint_true"] - 100
+    ).all()
     none = particle_scores("dgmm", truth, None, {}, sizes)
     assert all(np.isnan(none[name]).all() for name in ("ari", "centre_err", "log_joint_true"))
 
@@ -303,8 +309,12 @@ def test_threshold_and_increasing_claims():
     result = report.check_claim(dec, "gmm", fin, fin.iloc[:0])
     assert result.passed is False and len(result.value) == 3
     # 0.90 at K=5: room to rise below a ceiling of 1 with margin 0.02, none below 0.91
-    assert report.check_claim({**inc, "ceiling": 1.0, "ceiling_margin": 0.02}, "gmm", fin, fin.iloc[:0]).passed
-    at_ceiling = report.check_claim({**inc, "ceiling": 0.91, "ceiling_margin": 0.02}, "gmm", fin, fin.iloc[:0])
+    assert report.check_claim(
+        {**inc, "ceiling": 1.0, "ceiling_margin": 0.02}, "gmm", fin, fin.iloc[:0]
+    ).passed
+    at_ceiling = report.check_claim(
+        {**inc, "ceiling": 0.91, "ceiling_margin": 0.02}, "gmm", fin, fin.iloc[:0]
+    )
     assert at_ceiling.passed is None and report.verdict(at_ceiling) == "at ceiling: not testable here"
     # near the ceiling but falling (0.96 -> 0.90): a failure, not an exemption
     falling = report.check_claim({**dec, "ceiling": 1.0, "ceiling_margin": 0.05}, "gmm", fin, fin.iloc[:0])
@@ -358,7 +368,14 @@ def test_comparisons_test_the_difference_not_overlap():
     _, apg = seeds_frame("apg", {(10, 10): -275.0}, spread=0.2)
     _, other = seeds_frame("rws-lstm", {(10, 10): -275.7}, spread=0.2)
     fin = pd.concat([apg, other], ignore_index=True)
-    spec = {"id": "x", "claim": "c", "metric": "log_joint", "method": "apg", "pair": [10, 10], "other": "rws-lstm"}
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "metric": "log_joint",
+        "method": "apg",
+        "pair": [10, 10],
+        "other": "rws-lstm",
+    }
     a = report.seed_estimate(fin, "apg", "log_joint", (10, 10))
     b = report.seed_estimate(fin, "rws-lstm", "log_joint", (10, 10))
     assert a.lo < b.hi  # the intervals overlap
@@ -366,7 +383,10 @@ def test_comparisons_test_the_difference_not_overlap():
     assert above.passed is True and "difference 0.700 [" in above.ours
     assert above.target_value["difference"][1] > 0
     assert report.check_claim({**spec, "kind": "below"}, "gmm", fin, fin.iloc[:0]).passed is False
-    assert report.check_claim({**spec, "kind": "equivalent", "margin": 0.5}, "gmm", fin, fin.iloc[:0]).passed is False
+    assert (
+        report.check_claim({**spec, "kind": "equivalent", "margin": 0.5}, "gmm", fin, fin.iloc[:0]).passed
+        is False
+    )
     assert above.detectable == pytest.approx(
         (stats.t.ppf(0.975, 4) + stats.t.ppf(0.8, 4)) * math.sqrt(2 * 0.2**2 / 3)
     )
@@ -385,10 +405,17 @@ def test_a_metric_above_another_of_the_same_cells_is_paired():
     a, b = (report.seed_estimate(fin, "apg", m, (10, 10)) for m in ("ess_globals", "sweep_ess"))
     assert a.lo < b.hi
     held = report.check_claim(spec, "gmm", fin, fin.iloc[:0])
-    assert held.passed is True and "ess_globals 0.420" in held.ours and held.target_value["value"] == pytest.approx(0.4)
+    assert (
+        held.passed is True
+        and "ess_globals 0.420" in held.ours
+        and held.target_value["value"] == pytest.approx(0.4)
+    )
     lower = fin.assign(value=fin["value"] - np.where(fin["metric"] == "ess_c", 0.35, 0.0))
     assert report.check_claim(spec, "gmm", lower, lower.iloc[:0]).passed is False
-    assert report.verdict(report.check_claim({**spec, "other_metric": "nothing"}, "gmm", fin, fin.iloc[:0])) == "not run"
+    assert (
+        report.verdict(report.check_claim({**spec, "other_metric": "nothing"}, "gmm", fin, fin.iloc[:0]))
+        == "not run"
+    )
 
 
 def test_claims_on_fewer_than_three_seeds_get_no_verdict():
@@ -689,9 +716,13 @@ def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path):
     assert len(ceiling) == len(ari)
     # The per-sweep-resampling run draws as the per-block one until it first resamples: the
     # same ESS after sweep 1, and for RWS (one step, nothing to resample) at every sweep.
-    ess = frame[frame["metric"].isin(["ess", "sweep_ess"])].pivot_table(
-        index=["cell_id", "method", "K", "L", "dataset", "sweep"], columns="metric", values="value"
-    ).reset_index()
+    ess = (
+        frame[frame["metric"].isin(["ess", "sweep_ess"])]
+        .pivot_table(
+            index=["cell_id", "method", "K", "L", "dataset", "sweep"], columns="metric", values="value"
+        )
+        .reset_index()
+    )
     assert len(ess) and ess["sweep_ess"].notna().all()
     first = ess[(ess["sweep"] == 1) | (ess["method"] == "rws-mlp")]
     assert np.allclose(first["ess"], first["sweep_ess"], rtol=1e-5)
@@ -730,9 +761,14 @@ def test_below_claims_across_test_sets_and_budgets():
     assert "avf K=1 L=4" in result.ours and "at K=1 L=4" in result.target
     # The same comparison at the same pair finds no AVF cell there.
     same_pair = {k: v for k, v in below.items() if k != "other_pair"}
-    assert report.verdict(report.check_claim(same_pair, "bmnist", curves.iloc[:0], curves.iloc[:0], curves)) == "not run"
+    assert (
+        report.verdict(report.check_claim(same_pair, "bmnist", curves.iloc[:0], curves.iloc[:0], curves))
+        == "not run"
+    )
     tracks = {**spec, "kind": "threshold", "op": "<=", "target": 3}
-    assert report.check_claim({**tracks, "test_set": "T5_D2"}, "bmnist", curves, curves.iloc[:0], curves).passed
+    assert report.check_claim(
+        {**tracks, "test_set": "T5_D2"}, "bmnist", curves, curves.iloc[:0], curves
+    ).passed
     longer = report.check_claim({**tracks, "test_set": "T20_D2"}, "bmnist", curves, curves.iloc[:0], curves)
     assert longer.passed is False and longer.value == pytest.approx(8.0)
     absent = report.check_claim({**tracks, "test_set": "T100_D5"}, "bmnist", curves, curves.iloc[:0], curves)
@@ -748,8 +784,17 @@ def test_a_claim_can_take_the_method_after_an_earlier_sweep():
     )
     _, avf = seeds_frame("avf", {(1, 4): 9.0}, metric="pos_err")
     curves = pd.concat([third, last, avf], ignore_index=True).assign(test_set="T5_D1")
-    spec = {"id": "x", "claim": "c", "kind": "below", "metric": "pos_err", "method": "apg", "pair": [4, 4],
-            "other": "avf", "other_pair": [1, 4], "test_set": "T5_D1"}
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "kind": "below",
+        "metric": "pos_err",
+        "method": "apg",
+        "pair": [4, 4],
+        "other": "avf",
+        "other_pair": [1, 4],
+        "test_set": "T5_D1",
+    }
     assert report.check_claim(spec, "bmnist", curves.iloc[:0], curves.iloc[:0], curves).passed is True
     at_third = report.check_claim({**spec, "sweep": 3}, "bmnist", curves.iloc[:0], curves.iloc[:0], curves)
     assert at_third.passed is False and at_third.value == pytest.approx(9.6)
@@ -757,7 +802,9 @@ def test_a_claim_can_take_the_method_after_an_earlier_sweep():
     threshold = {**spec, "kind": "threshold", "op": "<=", "target": 3, "sweep": 3}
     assert report.check_claim(threshold, "bmnist", curves.iloc[:0], curves.iloc[:0], curves).passed is False
     with pytest.raises(ValueError, match="takes no sweep"):
-        report.check_claim({**spec, "kind": "falls_over_sweeps", "sweep": 3}, "bmnist", curves, curves, curves)
+        report.check_claim(
+            {**spec, "kind": "falls_over_sweeps", "sweep": 3}, "bmnist", curves, curves, curves
+        )
 
 
 def test_falls_over_sweeps_compares_the_first_and_last_sweep():
@@ -766,7 +813,14 @@ def test_falls_over_sweeps_compares_the_first_and_last_sweep():
         [metric_rows(c, 4, 4, {"mse": [0.05, 0.05, 0.05]}).assign(sweep=1) for c in cells], ignore_index=True
     )
     curves = pd.concat([first, last], ignore_index=True)
-    spec = {"id": "x", "claim": "c", "kind": "falls_over_sweeps", "metric": "mse", "method": "apg", "pair": [4, 4]}
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "kind": "falls_over_sweeps",
+        "metric": "mse",
+        "method": "apg",
+        "pair": [4, 4],
+    }
     falls = report.check_claim(spec, "bmnist", report.finals(curves), curves.iloc[:0], curves)
     assert falls.passed is True and falls.target_value == pytest.approx(0.05) and "sweep 1" in falls.ours
     rising = curves.assign(value=np.where(curves["sweep"] == 1, 0.01, curves["value"]))
@@ -780,7 +834,14 @@ def test_falls_over_sweeps_pairs_each_cell_with_itself():
     cells, last = seeds_frame("apg", {(4, 4): 0.020}, metric="mse", spread=0.010)
     first = last.assign(sweep=1, value=last["value"] + 0.004)
     curves = pd.concat([first, last], ignore_index=True)
-    spec = {"id": "x", "claim": "c", "kind": "falls_over_sweeps", "metric": "mse", "method": "apg", "pair": [4, 4]}
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "kind": "falls_over_sweeps",
+        "metric": "mse",
+        "method": "apg",
+        "pair": [4, 4],
+    }
     before = report.seed_estimate(first, "apg", "mse", (4, 4))
     after = report.seed_estimate(last, "apg", "mse", (4, 4))
     assert before.lo < after.hi  # unpaired, the two intervals overlap
@@ -808,8 +869,17 @@ def convergence_curves(first_sweeps, sweeps=20, level=-100.0):
 
 
 def test_converges_within_reads_each_seeds_first_sweep_at_the_plateau():
-    spec = {"id": "x", "claim": "c", "kind": "converges_within", "metric": "log_joint", "method": "apg",
-            "pair": [20, 10], "sweeps": 12, "tolerance": 1.0, "plateau_sweeps": 5}
+    spec = {
+        "id": "x",
+        "claim": "c",
+        "kind": "converges_within",
+        "metric": "log_joint",
+        "method": "apg",
+        "pair": [20, 10],
+        "sweeps": 12,
+        "tolerance": 1.0,
+        "plateau_sweeps": 5,
+    }
     curves = convergence_curves([6, 7, 8, 7, 6])
     fin = report.finals(curves)
     fast = report.check_claim(spec, "gmm", fin, fin.iloc[:0], curves)
@@ -821,8 +891,14 @@ def test_converges_within_reads_each_seeds_first_sweep_at_the_plateau():
     assert late.passed is False and late.value == pytest.approx(12.4)
     # with two seeds: no verdict
     two = convergence_curves([6, 7])
-    assert report.verdict(report.check_claim(spec, "gmm", report.finals(two), two.iloc[:0], two)) == "n/a (2 seeds)"
-    assert report.verdict(report.check_claim({**spec, "method": "gibbs"}, "gmm", fin, fin.iloc[:0], curves)) == "not run"
+    assert (
+        report.verdict(report.check_claim(spec, "gmm", report.finals(two), two.iloc[:0], two))
+        == "n/a (2 seeds)"
+    )
+    assert (
+        report.verdict(report.check_claim({**spec, "method": "gibbs"}, "gmm", fin, fin.iloc[:0], curves))
+        == "not run"
+    )
 
 
 def test_stalled_seeds_count_the_runs_far_below_the_best():
@@ -849,7 +925,10 @@ def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
     # leaves the provenance record alone.
     root = synthetic_report.parent
     assert (synthetic_report / "data" / "gmm" / "metrics.parquet").is_file()
-    before = {name: (synthetic_report / name).read_text() for name in ("README.md", "metrics.json", "provenance.json")}
+    before = {
+        name: (synthetic_report / name).read_text()
+        for name in ("README.md", "metrics.json", "provenance.json")
+    }
     tables = {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")}
     shutil.rmtree(root / "results")
     (synthetic_report / "provenance.json").write_text("{}\n")
@@ -875,10 +954,19 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
     raised = (metrics["method"] == "rws-mlp") & (metrics["metric"] == "log_joint")
     metrics.loc[raised, "value"] += 100.0
     metrics.to_parquet(run / "eval" / "gmm" / "metrics.parquet", index=False)
-    (run / "params.yaml").write_text(yaml.safe_dump({"tasks": ["gmm"], "report": {"scale": "synthetic replication"}}))
+    (run / "params.yaml").write_text(
+        yaml.safe_dump({"tasks": ["gmm"], "report": {"scale": "synthetic replication"}})
+    )
     manifest = {
-        "commit": "abc", "started": "s", "finished": "f", "wall_minutes_last_run": 1.0, "machine": "m",
-        "code_digest": {}, "profile": "replicate", "base": "params.yaml", "scale": "synthetic replication",
+        "commit": "abc",
+        "started": "s",
+        "finished": "f",
+        "wall_minutes_last_run": 1.0,
+        "machine": "m",
+        "code_digest": {},
+        "profile": "replicate",
+        "base": "params.yaml",
+        "scale": "synthetic replication",
     }
     (run / "manifest.json").write_text(json.dumps(manifest))
     (tmp_path / "README.md").write_text("# x\n\n## Results\n\n<!-- results:start -->\n<!-- results:end -->\n")
@@ -888,7 +976,11 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
     text = (tmp_path / "reports" / "README.md").read_text()
     header = next(line for line in text.splitlines() if line.startswith("| task | claim"))
     assert header.endswith("| ✓/✗ [`replicate`](recorded/replicate/README.md) |")
-    row = next(line for line in text.splitlines() if line.startswith("| gmm |") and "RWS MLP encoder at the same" in line)
+    row = next(
+        line
+        for line in text.splitlines()
+        if line.startswith("| gmm |") and "RWS MLP encoder at the same" in line
+    )
     assert row.endswith("| ✓ | ✗ |")
     written = json.loads((tmp_path / "reports" / "metrics.json").read_text())
     main, again = written["claims"], written["replication_claims"]
@@ -905,12 +997,19 @@ def test_every_claim_written_has_a_known_kind_and_an_unknown_kind_raises():
     # The claims of paper_numbers.yaml each name a registered kind with a rule and a target
     # text; a misspelt kind is an error, not a silently skipped claim.
     paper = yaml.safe_load(report.PAPER_NUMBERS.read_text())
-    specs = [s for section in paper.values() for key in ("claims", "paper_scale_claims") for s in section.get(key) or []]
+    specs = [
+        s
+        for section in paper.values()
+        for key in ("claims", "paper_scale_claims")
+        for s in section.get(key) or []
+    ]
     assert specs and {s["kind"] for s in specs} <= set(report.CLAIM_KINDS)
     assert all(report.claim_target(s) for s in specs)
     cells, fin = seeds_frame("apg", {(10, 10): 0.9}, metric="ess_c")
     with pytest.raises(ValueError, match="unknown kind 'treshold'"):
-        report.check_claim({"id": "x", "claim": "c", "kind": "treshold", "method": "apg"}, "gmm", fin, fin.iloc[:0])
+        report.check_claim(
+            {"id": "x", "claim": "c", "kind": "treshold", "method": "apg"}, "gmm", fin, fin.iloc[:0]
+        )
 
 
 def test_the_evaluation_logs_each_cells_held_out_numbers_to_its_mlflow_run(tmp_path):

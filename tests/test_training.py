@@ -9,7 +9,9 @@ from apg.training import TrainConfig, learning_rate
 
 
 def rates(iterations=100, **changes):
-    cfg = TrainConfig(lr=0.02, lr_schedule="cosine", lr_final_factor=0.01, iterations=iterations, **changes).validate()
+    cfg = TrainConfig(
+        lr=0.02, lr_schedule="cosine", lr_final_factor=0.01, iterations=iterations, **changes
+    ).validate()
     return [learning_rate(cfg, i) for i in range(cfg.iterations)]
 
 
