@@ -202,7 +202,9 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, d
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                None,
+                None,
+                f"key {key!r} given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
                 key_node.start_mark,
             )
         seen[key] = key_node.start_mark.line
@@ -305,7 +307,9 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     for (method, cell_network), cell in networks.items():
         for key, where in overrides.items():
             try:
-                get_method(method).build_proposals(spec, model, **{**json.loads(cell_network), **json.loads(key)})
+                get_method(method).build_proposals(
+                    spec, model, **{**json.loads(cell_network), **json.loads(key)}
+                )
             except (TypeError, ValueError) as err:
                 at = f"{where}.network" if key != "{}" else f"{task}.network"
                 if json.loads(cell_network) != network:
@@ -336,7 +340,9 @@ def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) 
         raise ParamsError(f"{where}.methods: list the methods whose cells impute (e.g. [apg])")
     for j, method in enumerate(imp["methods"]):
         if method not in METHODS:
-            raise ParamsError(f"{where}.methods[{j}]: unknown method {method!r}; choose from {sorted(METHODS)}")
+            raise ParamsError(
+                f"{where}.methods[{j}]: unknown method {method!r}; choose from {sorted(METHODS)}"
+            )
     names = [e["name"] for e in evaluation_sets(section) if e["kind"] == "test"]
     if "test_set" in imp and imp["test_set"] not in names:
         raise ParamsError(f"{where}.test_set: {imp['test_set']!r} is not a test set of this task ({names})")
@@ -361,13 +367,22 @@ def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) 
                 f"(a region hidden in every frame), got {occ!r}"
             )
         if not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for k, v in occ.items() if k != "rows" and k != "cols"
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            for k, v in occ.items()
+            if k != "rows" and k != "cols"
         ) or any(
-            not (isinstance(v, list) and len(v) == 2 and all(isinstance(b, int) for b in v) and 0 <= v[0] < v[1])
+            not (
+                isinstance(v, list)
+                and len(v) == 2
+                and all(isinstance(b, int) for b in v)
+                and 0 <= v[0] < v[1]
+            )
             for k, v in occ.items()
             if k in ("rows", "cols")
         ):
-            raise ParamsError(f"{where}.occlusions[{j}]: bad bounds {occ!r} (frames >= 1; ranges [a, b] with a < b)")
+            raise ParamsError(
+                f"{where}.occlusions[{j}]: bad bounds {occ!r} (frames >= 1; ranges [a, b] with a < b)"
+            )
 
 
 def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[str, Any]]:

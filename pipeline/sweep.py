@@ -6,14 +6,17 @@ checkpoint, its digest and final metrics) and ``<storage>/<task>/last_run.json``
 cells this invocation trained and which it skipped as finished). Ray's storage and the per-cell outputs live
 under ``<sweep.storage>/<task>/`` and persist between runs, which is how:
 
-- a finished cell (``cells/<cell_id>/done.json`` exists) is never trained again, so an
+- a finished cell (``cells/<cell_id>/done.json`` exists, and its ``model.pt`` matches the
+  digest it records: a damaged one is trained again) is never trained again, so an
   interrupted sweep resumes with only the rest, and cells added to the grid later run
   without rerunning old ones; a cell's id hashes its whole config, the training data and
   the numerics fingerprint of its training (``apg.fingerprint``), so a changed option or
   a change in what the code computes is a new cell, and a refactor is not;
 - an unfinished cell restarts from its last checkpoint: Tune's (``FailureConfig``
   restarts, ``Tuner.restore``) or, when Tune's experiment state is gone, the cell's own
-  ``resume.pt``.
+  ``resume.pt`` (a damaged one is removed and the cell starts over);
+- one driver at a time: a lock on ``<storage>/<task>/.sweep.lock`` makes a second driver
+  on the same cells exit at once.
 
 Scheduling is FIFO: a fixed-budget comparison needs every cell trained to its end.
 Ray is embedded and local by default, listening on loopback only; ``RAY_ADDRESS`` or
@@ -50,7 +53,7 @@ from typing import Any
 
 import torch
 
-from apg.checkpoint import load_checkpoint, save_checkpoint
+from apg.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.fingerprint import BATCH as FINGERPRINT_BATCH
 from apg.fingerprint import fingerprint
@@ -66,6 +69,7 @@ MODEL = "model.pt"
 HISTORY = "history.csv"
 ATTEMPTS = "attempts.jsonl"
 FAULT_ENV = "APG_FAULT_INJECT"
+LOCK = ".sweep.lock"
 
 
 class SweepError(ValueError):
@@ -136,7 +140,53 @@ def architecture_digest(cell: Cell) -> str:
 
 
 def is_done(sweep_dir: Path, cell_id: str) -> bool:
+    """Whether a cell has finished: its ``done.json`` exists (its outputs are checked
+    against it by ``check_finished`` when a sweep starts)."""
     return (sweep_dir / "cells" / cell_id / DONE).is_file()
+
+
+def check_finished(sweep_dir: Path, cells: dict[str, Cell]) -> list[str]:
+    """Finished cells whose files do not match their ``done.json`` (a ``model.pt`` changed or
+    gone, a ``done.json`` that does not parse): their ``done.json`` is removed, so this sweep
+    trains them again. Returns their names; the sweep says which."""
+    damaged = []
+    for cell_id, cell in cells.items():
+        cell_dir = sweep_dir / "cells" / cell_id
+        if not (cell_dir / DONE).is_file():
+            continue
+        try:
+            recorded = json.loads((cell_dir / DONE).read_text())["checkpoint_sha256"]
+            intact = (cell_dir / MODEL).is_file() and file_digest(cell_dir / MODEL) == recorded
+        except (ValueError, KeyError):
+            intact = False
+        if not intact:
+            (cell_dir / DONE).unlink()
+            damaged.append(cell.name)
+    return damaged
+
+
+def acquire_lock(sweep_dir: Path, task: str):
+    """An exclusive lock on the task's storage for the whole sweep: a second driver on the
+    same cells exits at once with one line instead of training them twice. Released when
+    the process ends, however it ends (``flock``)."""
+    import fcntl
+
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(sweep_dir / LOCK, "a+")  # noqa: SIM115 - held open for the sweep's lifetime
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise SweepError(
+            f"another sweep of {task} is running on {sweep_dir} ({holder}); wait for it to end or stop it"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    handle.flush()
+    return handle
 
 
 def short_hash(items: list[str]) -> str:
@@ -261,11 +311,17 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
 
 
 def _resume_state(checkpoint, fallback: Path) -> dict[str, Any] | None:
+    """Where an unfinished cell resumes: Tune's checkpoint, else the cell's own ``resume.pt``;
+    a damaged ``resume.pt`` is removed, said, and the cell starts over."""
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             return load_checkpoint(Path(d) / RESUME)[1]
     if fallback.is_file():
-        return load_checkpoint(fallback)[1]
+        try:
+            return load_checkpoint(fallback)[1]
+        except CheckpointError as err:
+            print(f"{fallback} is damaged ({err}); the cell starts over", flush=True)
+            fallback.unlink(missing_ok=True)
     return None
 
 
@@ -608,6 +664,26 @@ def estimated_cost(cell: Cell) -> float:
 
 def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False) -> dict[str, Any]:
     cells, data, sweep_dir = plan(params, task, root)
+    lock = acquire_lock(sweep_dir, task)
+    try:
+        return _run_sweep(params, task, root, fetch, cells, data, sweep_dir)
+    finally:
+        lock.close()
+
+
+def _run_sweep(
+    params: dict[str, Any],
+    task: str,
+    root: Path,
+    fetch: bool,
+    cells: dict[str, Cell],
+    data: Path,
+    sweep_dir: Path,
+) -> dict[str, Any]:
+    for name in check_finished(sweep_dir, cells):
+        print(
+            f"sweep {task}: {name}'s model.pt does not match its done.json (damaged or changed); training it again"
+        )
     pending = [(cid, cell) for cid, cell in cells.items() if not is_done(sweep_dir, cid)]
     todo = dict(sorted(pending, key=lambda item: -estimated_cost(item[1])))  # stable: grid order on ties
     print(
@@ -625,12 +701,14 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
         todo = {}
     else:
         exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
+        source = tracking.source_tags(root, "pipeline.sweep", {"sweep": params["sweep"], task: params[task]})
         parent = tracking.open_parent(
             client,
             exp_id,
             sweep_key,
             f"sweep/{sweep_key}",
             {"task": task, "sweep": params["sweep"], task: params[task]},
+            source,
         )
     if todo:
         run_ids = {
@@ -642,6 +720,7 @@ def run_sweep(params: dict[str, Any], task: str, root: Path, fetch: bool = False
                 cell.name,
                 # The swept keys under their grid names too (train.lr beside lr): columns in the UI.
                 {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict(), **dict(cell.axes)},
+                source,
             )
             for cid, cell in todo.items()
         }
@@ -722,7 +801,9 @@ def fetch_cells(client, exp_name: str, sweep_key: str, todo: dict[str, Cell], sw
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="apg-pipeline sweep", description="Ray Tune sweep over one task's grid (params.yaml)")
+    parser = argparse.ArgumentParser(
+        prog="apg-pipeline sweep", description="Ray Tune sweep over one task's grid (params.yaml)"
+    )
     parser.add_argument("--task", required=True)
     parser.add_argument("--params", default="params.yaml")
     parser.add_argument("--out", default=None, help="summary JSON (default results/<task>/sweep.json)")
@@ -732,7 +813,7 @@ def main(argv: list[str] | None = None) -> None:
         help="train nothing: rebuild the finished cells from the MLflow server's records",
     )
     args = parser.parse_args(argv)
-    from pipeline.cli import run_guarded
+    from pipeline.errors import run_guarded
 
     def work() -> None:
         params = load_params(args.params)

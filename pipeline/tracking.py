@@ -32,6 +32,8 @@ from urllib.parse import urlparse
 TAG_SWEEP = "apg.sweep_key"
 TAG_CELL = "apg.cell_id"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_STAGE = "apg.stage"
+TAG_PARAMS = "apg.params_digest"
 
 
 # How long a trial waits, at its end, for an unreachable server before it fails (its
@@ -146,26 +148,63 @@ def find_run(mlflow_client, exp_id: str, tags: Mapping[str, str]) -> Any | None:
     return runs[0] if runs else None
 
 
-def open_parent(mlflow_client, exp_id: str, sweep_key: str, name: str, params: Mapping[str, Any]) -> str:
-    """The sweep's parent run: reused when the same grid is resumed, else created."""
+def source_tags(root: Path, stage: str, params: Mapping[str, Any]) -> dict[str, str]:
+    """Where a run comes from: the git commit of the project (MLflow's own tag, shown in
+    the runs table), the stage or command that made it and a digest of its params."""
+    import hashlib
+    import json
+    import subprocess
+
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    tags = {
+        "mlflow.source.name": stage,
+        "mlflow.source.type": "PROJECT",
+        TAG_STAGE: stage,
+        TAG_PARAMS: hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:12],
+    }
+    if proc.returncode == 0:
+        tags["mlflow.source.git.commit"] = proc.stdout.strip()
+    return tags
+
+
+def open_parent(
+    mlflow_client,
+    exp_id: str,
+    sweep_key: str,
+    name: str,
+    params: Mapping[str, Any],
+    tags: Mapping[str, str] | None = None,
+) -> str:
+    """The sweep's parent run: reused when the same grid is resumed (its ``tags``, the
+    source of this run of it, updated), else created."""
     run = find_run(mlflow_client, exp_id, {TAG_SWEEP: sweep_key})
     if run is not None:
         if run.info.status != "RUNNING":
             mlflow_client.update_run(run.info.run_id, status="RUNNING")
+        for key, value in (tags or {}).items():
+            mlflow_client.set_tag(run.info.run_id, key, value)
         return run.info.run_id
-    run = mlflow_client.create_run(exp_id, run_name=name, tags={TAG_SWEEP: sweep_key})
+    run = mlflow_client.create_run(exp_id, run_name=name, tags={TAG_SWEEP: sweep_key, **(tags or {})})
     log_params(mlflow_client, run.info.run_id, params)
     return run.info.run_id
 
 
 def open_child(
-    mlflow_client, exp_id: str, parent_id: str, cell_id: str, name: str, params: Mapping[str, Any]
+    mlflow_client,
+    exp_id: str,
+    parent_id: str,
+    cell_id: str,
+    name: str,
+    params: Mapping[str, Any],
+    tags: Mapping[str, str] | None = None,
 ) -> str:
     """One child run per cell under ``parent_id``; a restarted cell keeps its run."""
     run = find_run(mlflow_client, exp_id, {TAG_PARENT: parent_id, TAG_CELL: cell_id})
     if run is not None:
         return run.info.run_id
-    run = mlflow_client.create_run(exp_id, run_name=name, tags={TAG_PARENT: parent_id, TAG_CELL: cell_id})
+    run = mlflow_client.create_run(
+        exp_id, run_name=name, tags={TAG_PARENT: parent_id, TAG_CELL: cell_id, **(tags or {})}
+    )
     log_params(mlflow_client, run.info.run_id, params)
     return run.info.run_id
 

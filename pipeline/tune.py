@@ -548,6 +548,7 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
             "L": plan["pair"][1],
             "space": json.dumps({k: {kind: args} for k, (kind, args) in plan["space"].items()}),
         },
+        tracking.source_tags(root, "pipeline.tune", {k: v for k, v in plan.items() if k not in PRESENTATION}),
     )
     start_ray(params)
     try:

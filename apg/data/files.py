@@ -126,7 +126,9 @@ class StoredRows:
             with zipfile.ZipFile(self.path) as archive:
                 info = archive.getinfo("x.npy")
             if info.compress_type != zipfile.ZIP_STORED:
-                raise DatasetError(f"dataset file {self.path} is compressed: its rows cannot be read in place")
+                raise DatasetError(
+                    f"dataset file {self.path} is compressed: its rows cannot be read in place"
+                )
             with open(self.path, "rb") as f:
                 # The member's data follows its local header (30 bytes, then its name and
                 # extra field, whose lengths sit at bytes 26-29), then the .npy header.
@@ -149,7 +151,9 @@ class StoredRows:
         except KeyError:
             raise DatasetError(f"dataset file {self.path} has no array 'x'") from None
         except (OSError, ValueError, zipfile.BadZipFile, EOFError) as err:
-            raise DatasetError(f"dataset file {self.path} is corrupt or not an .npz archive ({err})") from None
+            raise DatasetError(
+                f"dataset file {self.path} is corrupt or not an .npz archive ({err})"
+            ) from None
         if fortran_order:
             raise DatasetError(f"dataset file {self.path}: 'x' is stored in Fortran order")
         _check_x(self.path, shape, dtype, event_shape)

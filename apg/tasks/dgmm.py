@@ -382,8 +382,10 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     # One sum per tensor: finite unless some element is NaN or infinite (or the sum
     # overflows, which only sends it to the elementwise check). isfinite(t).all() is
     # ~5 passes over the 40,000 elements of a rings step's draw.
-    if values_on_host(k) and not math.isfinite(float(k.sum() + loc.sum())) and not (
-        torch.isfinite(k).all() and torch.isfinite(loc).all()
+    if (
+        values_on_host(k)
+        and not math.isfinite(float(k.sum() + loc.sum()))
+        and not (torch.isfinite(k).all() and torch.isfinite(loc).all())
     ):
         raise ValueError("von Mises parameters must be finite (the rejection loop would not end)")
     loc = loc.detach().reshape(-1)
