@@ -350,7 +350,8 @@ def derive(name: str, base: Path, check: bool = False) -> dict[str, Any]:
         for task in params["tasks"]:  # the code paths, not every held-out set
             data = params[task]["data"]
             if data.get("tests"):
-                data["tests"] = data["tests"][:1]
+                imputed = (params[task].get("evaluate", {}).get("imputation") or {}).get("test_set")
+                data["tests"] = [t for i, t in enumerate(data["tests"]) if i == 0 or t["name"] == imputed]
     validate_params(params)
     return params
 

@@ -254,3 +254,19 @@ def test_the_report_has_no_recorded_section_without_recorded_runs(tmp_path):
     from pipeline import report
 
     assert report.recorded_markdown(tmp_path, tmp_path / "reports", {}, "png") == ""
+
+
+def test_the_replicate_profile_moves_every_seed_and_its_check_keeps_the_imputed_set():
+    from pipeline.recorded import REPLICATE_SEED_OFFSET, derive, profile_base
+
+    base = REPO / profile_base("replicate")
+    assert base.name == "params.yaml"
+    defaults = yaml.safe_load(base.read_text())
+    params = derive("replicate", base)
+    for task in defaults["tasks"]:
+        for entry, moved in zip(defaults[task]["grid"], params[task]["grid"], strict=True):
+            assert moved["seeds"] == [s + REPLICATE_SEED_OFFSET for s in entry["seeds"]]
+        assert params[task]["data"] == defaults[task]["data"]  # the same data and held-out sets
+    checked = derive("replicate", base, check=True)
+    names = [t["name"] for t in checked["bmnist"]["data"]["tests"]]
+    assert names == ["T5_D1", defaults["bmnist"]["evaluate"]["imputation"]["test_set"]]
