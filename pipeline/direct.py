@@ -1,7 +1,7 @@
 """The stages of a recorded run without Ray, MLflow or DVC: one machine, one GPU.
 
 ``apg-pipeline record <profile> --direct`` runs here instead of ``dvc repro`` in the
-profile's sandbox, for a machine where only PyTorch is installed (a lent GPU box, a
+profile's sandbox, for a machine where only PyTorch is installed (a single GPU machine, a
 notebook server): ``generate`` as the stage does it, every grid cell trained in its own
 process at once on the one device (each writes the cell files a sweep trial writes:
 ``model.pt``, ``history.csv``, ``done.json``), the sweep's ``sweep.json``, then the
