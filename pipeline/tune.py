@@ -314,12 +314,17 @@ def tune_space(space: dict[str, tuple[str, Any]]) -> dict[str, Any]:
 PRESENTATION = ("command", "source", "best_file", "method_flag")
 
 
+def computed(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan without how the search is named (``PRESENTATION``): what its trials compute."""
+    return {k: v for k, v in plan.items() if k not in PRESENTATION}
+
+
 def plan_key(plan: dict[str, Any]) -> str:
     """Names the search's Ray experiment: the same section resumes, a changed one starts afresh."""
     import hashlib
 
-    shown = {"time_budget_s", *PRESENTATION}
-    text = json.dumps({k: v for k, v in plan.items() if k not in shown}, sort_keys=True, default=str)
+    settings = {k: v for k, v in computed(plan).items() if k != "time_budget_s"}
+    text = json.dumps(settings, sort_keys=True, default=str)
     return "search-" + hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
@@ -548,7 +553,7 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
             "L": plan["pair"][1],
             "space": json.dumps({k: {kind: args} for k, (kind, args) in plan["space"].items()}),
         },
-        tracking.source_tags(root, "pipeline.tune", {k: v for k, v in plan.items() if k not in PRESENTATION}),
+        tracking.source_tags(root, "pipeline.tune", computed(plan)),
     )
     start_ray(params)
     try:
