@@ -47,6 +47,7 @@ import yaml
 from apg.data import atomic_write, save_dataset
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline.common import check_budget, load_task_data, load_trained, load_training_rows, seed_everything
+from pipeline.driver import Callback, drive
 from pipeline.errors import run_guarded
 
 
@@ -138,13 +139,20 @@ def cmd_train(args: argparse.Namespace) -> None:
     with tqdm(
         total=cfg.iterations, desc=f"{cfg.task}/{cfg.method} K={cfg.sweeps} L={cfg.particles}", unit="it"
     ) as bar:
-        for metrics in trainer.run():
-            bar.update(1)
-            bar.set_postfix(
-                log_joint=f"{metrics['log_joint']:.1f}", ess=f"{metrics['ess']:.3f}", refresh=False
-            )
+        drive(trainer, log_every=1, callbacks=[_ProgressBar(bar)])
     path = _save(args.out, cfg, trainer)
     print(f"wrote {path}")
+
+
+class _ProgressBar(Callback):
+    """The driver's rows (every step's) on a tqdm bar, with the log joint and ESS."""
+
+    def __init__(self, bar):
+        self.bar = bar
+
+    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix(log_joint=f"{row['log_joint']:.1f}", ess=f"{row['ess']:.3f}", refresh=False)
 
 
 def _save(out: str, cfg: TrainConfig, trainer: Trainer) -> Path:

@@ -32,14 +32,15 @@ from typing import Any
 import torch
 import yaml
 
-from apg.checkpoint import load_checkpoint, save_checkpoint
+from apg.checkpoint import load_checkpoint
 from apg.data import atomic_write
 from apg.training import TrainConfig, Trainer
 from pipeline.common import file_digest, seed_everything, training_rows
 from pipeline.config import cell_key
+from pipeline.driver import Callback, drive, mark_done, write_cell
 from pipeline.generate import generate
 from pipeline.stages import record_stage_time
-from pipeline.sweep import DONE, HISTORY, MODEL, plan, summarize, write_history
+from pipeline.sweep import plan, summarize
 
 CALIBRATION_STEPS = 5  # timed one by one after two warm-up steps; their median plans the run
 
@@ -212,56 +213,26 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return {"seconds_per_step": statistics.median(times)}
     cell_dir.mkdir(parents=True, exist_ok=True)
-    history: list[dict[str, float]] = []
-    start = window = time.perf_counter()
-    window_iters = 0
-    stopped = False
-    while trainer.iteration < cfg.iterations:
-        done = trainer.iteration + 1
-        metrics = trainer.step(log=done % job["log_every"] == 0 or done == cfg.iterations)
-        window_iters += 1
-        stopped = (
-            job["deadline"] is not None
-            and time.time() > job["deadline"]
-            and trainer.iteration < cfg.iterations
-        )
-        if metrics is None and not stopped:
-            continue
-        if metrics is None:  # the step it stops after is logged too
-            metrics = trainer.last_metrics()
-        now = time.perf_counter()
-        history.append({"iteration": trainer.iteration, **metrics, "it_per_s": window_iters / (now - window)})
-        window, window_iters = now, 0
-        print(
-            json.dumps(
-                {"iteration": trainer.iteration, "loss": round(float(metrics.get("loss", float("nan"))), 3)}
-            ),
-            flush=True,
-        )
-        if stopped:
-            break
-    seconds = time.perf_counter() - start
-    model_path = save_checkpoint(cell_dir / MODEL, cfg.to_dict(), trainer.weights())
-    write_history(cell_dir / HISTORY, history)
-    rates = [row["it_per_s"] for row in history]
-    done = {
-        "cell_id": job["cell_id"],
-        "name": job["name"],
-        "config_key": job["config_key"],
-        "fingerprint": job["fingerprint"],
-        "iterations": trainer.iteration,
-        "seconds_this_run": seconds,
-        "mean_it_per_s": sum(rates) / len(rates) if rates else None,
-        "final": {k: v for k, v in (history[-1] if history else {}).items() if k != "iteration"},
-        "checkpoint_sha256": file_digest(model_path),
-        "attempts": [{"start_iteration": 0, "device": job["device"]}],
-        "device": torch.cuda.get_device_name() if torch.device(job["device"]).type == "cuda" else "cpu",
+    outcome = drive(trainer, log_every=job["log_every"], deadline=job["deadline"], callbacks=[_PrintLoss()])
+    identity = {key: job[key] for key in ("cell_id", "name", "config_key", "fingerprint")}
+    attempts = [{"start_iteration": 0, "device": job["device"]}]
+    _, record = write_cell(cell_dir, cfg, trainer, outcome, identity, attempts)
+    record.update(
+        device=torch.cuda.get_device_name() if torch.device(job["device"]).type == "cuda" else "cpu",
         # The deadline came first: fewer steps than planned, the schedule cut short.
-        "stopped_at_deadline": {"planned_iterations": cfg.iterations} if stopped else None,
-        "started_from": {"checkpoint_sha256": init["sha256"]} if init is not None else None,
-    }
-    atomic_write(cell_dir / DONE, lambda tmp: tmp.write_text(json.dumps(done, indent=2)))
-    return {"seconds_per_step": seconds / max(trainer.iteration, 1)}
+        stopped_at_deadline={"planned_iterations": cfg.iterations} if outcome.stopped_at_deadline else None,
+        started_from={"checkpoint_sha256": init["sha256"]} if init is not None else None,
+    )
+    mark_done(cell_dir, record)
+    return {"seconds_per_step": outcome.seconds / max(trainer.iteration, 1)}
+
+
+class _PrintLoss(Callback):
+    """Each row's iteration and loss as a JSON line, which the parent forwards."""
+
+    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
+        loss = round(float(row.get("loss", float("nan"))), 3)
+        print(json.dumps({"iteration": trainer.iteration, "loss": loss}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

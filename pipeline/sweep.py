@@ -40,7 +40,6 @@ iteration.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import hashlib
 import json
@@ -61,12 +60,10 @@ from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
+from pipeline.driver import DONE, HISTORY, MODEL, Callback, Outcome, drive, mark_done, write_cell
 from pipeline.stages import record_stage_time
 
-DONE = "done.json"
 RESUME = "resume.pt"
-MODEL = "model.pt"
-HISTORY = "history.csv"
 ATTEMPTS = "attempts.jsonl"
 FAULT_ENV = "APG_FAULT_INJECT"
 LOCK = ".sweep.lock"
@@ -277,37 +274,48 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
     # trial died): re-sent; the ones it has are dropped by the logger.
     for row in history:
         logger.log(row["iteration"], {k: v for k, v in row.items() if k != "iteration"})
-    fault_at = _fault_iteration(config)
-    log_every, ckpt_every = config["log_every"], config["checkpoint_every"]
-    start, window_start, window_iters = time.perf_counter(), time.perf_counter(), 0
-    while trainer.iteration < cfg.iterations:
-        # Only logged steps read their metrics back (on a GPU the others just queue work).
-        logged = (trainer.iteration + 1) % log_every == 0 or trainer.iteration + 1 == cfg.iterations
-        metrics = trainer.step(log=logged)
-        window_iters += 1
-        last = trainer.iteration == cfg.iterations
-        if trainer.iteration == fault_at and not (cell_dir / f"fault-{fault_at}").exists():
-            (cell_dir / f"fault-{fault_at}").touch()
-            raise InjectedFault(f"injected fault after iteration {fault_at} of {config['name']}")
-        if trainer.iteration % log_every and not last:
-            continue
-        row = {
-            "iteration": trainer.iteration,
-            **metrics,
-            "it_per_s": window_iters / (time.perf_counter() - window_start),
-        }
-        window_start, window_iters = time.perf_counter(), 0
-        history.append(row)
-        logger.log(trainer.iteration, {k: v for k, v in row.items() if k != "iteration"})
-        if trainer.iteration % ckpt_every == 0 or last:
-            state = {"trainer": trainer.state_dict(), "history": history}
-            save_checkpoint(cell_dir / RESUME, cfg.to_dict(), state)
-            with tempfile.TemporaryDirectory() as tmp:
-                save_checkpoint(Path(tmp) / RESUME, cfg.to_dict(), state)
-                tune.report(row, checkpoint=tune.Checkpoint.from_directory(tmp))
-        else:
+    outcome = drive(
+        trainer,
+        log_every=config["log_every"],
+        checkpoint_every=config["checkpoint_every"],
+        history=history,
+        callbacks=[_InjectFault(config), _TuneReports(cell_dir / RESUME, cfg, logger)],
+    )
+    _finish_cell(config, cfg, trainer, outcome, client, logger)
+
+
+class _InjectFault(Callback):
+    """Raise once, right after the iteration ``APG_FAULT_INJECT`` names for this cell."""
+
+    def __init__(self, config: dict[str, Any]):
+        self.at, self.name = _fault_iteration(config), config["name"]
+        self.marker = Path(config["cell_dir"]) / f"fault-{self.at}"
+
+    def after_step(self, trainer: Trainer) -> None:
+        if trainer.iteration == self.at and not self.marker.exists():
+            self.marker.touch()
+            raise InjectedFault(f"injected fault after iteration {self.at} of {self.name}")
+
+
+class _TuneReports(Callback):
+    """Each row to MLflow and to Tune; a checkpoint row also to the cell's ``resume.pt`` and
+    as Tune's checkpoint (what a restarted trial resumes from)."""
+
+    def __init__(self, resume: Path, cfg: TrainConfig, logger: tracking.RunLogger):
+        self.resume, self.cfg, self.logger = resume, cfg, logger
+
+    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
+        from ray import tune
+
+        self.logger.log(trainer.iteration, {k: v for k, v in row.items() if k != "iteration"})
+        if not checkpoint:
             tune.report(row)
-    _finish_cell(config, cfg, trainer, history, time.perf_counter() - start, client, logger)
+            return
+        state = {"trainer": trainer.state_dict(), "history": history}
+        save_checkpoint(self.resume, self.cfg.to_dict(), state)
+        with tempfile.TemporaryDirectory() as tmp:
+            save_checkpoint(Path(tmp) / RESUME, self.cfg.to_dict(), state)
+            tune.report(row, checkpoint=tune.Checkpoint.from_directory(tmp))
 
 
 def _resume_state(checkpoint, fallback: Path) -> dict[str, Any] | None:
@@ -329,8 +337,7 @@ def _finish_cell(
     config: dict[str, Any],
     cfg: TrainConfig,
     trainer: Trainer,
-    history: list[dict],
-    seconds: float,
+    outcome: Outcome,
     client,
     logger: tracking.RunLogger,
 ) -> None:
@@ -338,43 +345,22 @@ def _finish_cell(
     the cell finished (a cell whose records never reached the server is not finished)."""
     cell_dir = Path(config["cell_dir"])
     run_id = config["run_id"]
-    model_path = save_checkpoint(cell_dir / MODEL, cfg.to_dict(), trainer.weights())
-    write_history(cell_dir / HISTORY, history)
-    final = {k: v for k, v in (history[-1] if history else {}).items() if k != "iteration"}
-    rates = [row["it_per_s"] for row in history]
-    done = {
+    identity = {
         "cell_id": config["cell_id"],
         "name": config["name"],
         "config_key": config.get("config_key"),
         "fingerprint": config.get("fingerprint"),  # what the code that trained it computes
-        "iterations": trainer.iteration,
-        "seconds_this_run": seconds,
-        "mean_it_per_s": sum(rates) / len(rates) if rates else None,
-        "final": final,
-        "checkpoint_sha256": file_digest(model_path),
-        "attempts": read_attempts(cell_dir),
     }
-    logger.log(trainer.iteration, {f"final_{k}": v for k, v in final.items()})
+    model_path, record = write_cell(cell_dir, cfg, trainer, outcome, identity, read_attempts(cell_dir))
+    logger.log(trainer.iteration, {f"final_{k}": v for k, v in record["final"].items()})
     logger.close()
-    text = json.dumps(done, indent=2)
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / DONE).write_text(text)
+        (Path(tmp) / DONE).write_text(json.dumps(record, indent=2))
         for path in (model_path, cell_dir / HISTORY, Path(tmp) / DONE):
             tracking.retry(lambda path=path: client.log_artifact(run_id, str(path)), f"uploading {path.name}")
     tracking.finish(client, run_id)
-    atomic_write(cell_dir / DONE, lambda tmp: tmp.write_text(text))
+    mark_done(cell_dir, record)
     (cell_dir / RESUME).unlink(missing_ok=True)
-
-
-def write_history(path: Path, rows: list[dict[str, float]]) -> None:
-    def write(tmp: Path) -> None:
-        with open(tmp, "w", newline="") as f:
-            if rows:
-                writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-                writer.writeheader()
-                writer.writerows(rows)
-
-    atomic_write(path, write)
 
 
 # --------------------------------------------------------------------------- the driver

@@ -64,6 +64,7 @@ from apg.training import TrainConfig, Trainer, build, evaluate
 from pipeline import provenance, stages, tracking
 from pipeline.common import project_root, seed_everything, training_rows
 from pipeline.config import ParamsError, apply_setting, load_params, read_yaml, setting_of
+from pipeline.driver import Callback, drive
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint")
 SECTIONS = ("train", "network", "model")
@@ -367,15 +368,26 @@ def run_trial(config: dict[str, Any], plan: dict[str, Any], paths: dict[str, str
     trial_id = tune.get_context().get_trial_id()
     with open(Path(paths["attempts"]) / f"{trial_id}.jsonl", "a") as f:
         f.write(json.dumps({"start_iteration": trainer.iteration, "time": time.time()}) + "\n")
-    while trainer.iteration < cfg.iterations:
-        # Steps before a validation read nothing back; the one before it checks the loss.
-        done = trainer.iteration + 1
-        trainer.step(log=done % plan["eval_every"] == 0 or done == cfg.iterations)
-        if trainer.iteration % plan["eval_every"] and trainer.iteration != cfg.iterations:
-            continue
-        score = validation_score(cfg, trainer, x_val, plan["metric"])
+    every = plan["eval_every"]
+    drive(
+        trainer, log_every=every, checkpoint_every=every, callbacks=[_Validation(cfg, x_val, plan["metric"])]
+    )
+
+
+class _Validation(Callback):
+    """At each row (every ``eval_every`` iterations and the last): the validation score,
+    reported to Tune with a checkpoint (ASHA may stop the trial there, and a resumed search
+    continues from there)."""
+
+    def __init__(self, cfg: TrainConfig, x_val: torch.Tensor, metric: str):
+        self.cfg, self.x_val, self.metric = cfg, x_val, metric
+
+    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
+        from ray import tune
+
+        score = validation_score(self.cfg, trainer, self.x_val, self.metric)
         with tempfile.TemporaryDirectory() as tmp:
-            save_checkpoint(Path(tmp) / STATE, cfg.to_dict(), trainer.state_dict())
+            save_checkpoint(Path(tmp) / STATE, self.cfg.to_dict(), trainer.state_dict())
             tune.report(
                 {"score": score, "iteration": trainer.iteration},
                 checkpoint=tune.Checkpoint.from_directory(tmp),
