@@ -37,3 +37,8 @@ def fail(message: str) -> None:
     """Print ``apg-pipeline: error: <message>`` and exit with status 2."""
     print(f"apg-pipeline: error: {message}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
+
+
+class SweepError(ValueError):
+    """The sweep could not run or some cells did not finish (one-line message; a
+    ``ValueError`` so entry points report it like any other bad input)."""

@@ -52,26 +52,20 @@ from typing import Any
 
 import torch
 
-from apg.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.fingerprint import BATCH as FINGERPRINT_BATCH
 from apg.fingerprint import fingerprint
-from apg.training import TrainConfig, Trainer, build, make_method
+from apg.training import build, make_method
 from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
-from pipeline.driver import DONE, HISTORY, MODEL, Callback, Outcome, drive, mark_done, write_cell
+from pipeline.driver import DONE, HISTORY, MODEL
+from pipeline.errors import SweepError
+from pipeline.ray_setup import check_resources, start_ray
 from pipeline.stages import record_stage_time
+from pipeline.trial import FAULT_ENV, tune_trainable
 
-RESUME = "resume.pt"
-ATTEMPTS = "attempts.jsonl"
-FAULT_ENV = "APG_FAULT_INJECT"
 LOCK = ".sweep.lock"
-
-
-class SweepError(ValueError):
-    """The sweep could not run or some cells did not finish (one-line message; a
-    ``ValueError`` so entry points report it like any other bad input)."""
 
 
 # --------------------------------------------------------------------------- planning
@@ -190,254 +184,7 @@ def short_hash(items: list[str]) -> str:
     return hashlib.sha256("\n".join(sorted(items)).encode()).hexdigest()[:12]
 
 
-# --------------------------------------------------------------------------- the trial
-
-
-class InjectedFault(RuntimeError):
-    """Raised by a trial on purpose (``APG_FAULT_INJECT``), to test recovery."""
-
-
-def tune_trainable(
-    config: dict[str, Any], cells: dict[str, dict[str, Any]], data: dict[str, Any] | None = None
-) -> None:
-    """What Tune runs: the grid searches over cell ids (short, readable in Tune's table);
-    the cells' full configs (and the shipped data) come through ``tune.with_parameters``."""
-    train_cell(cells[config["cell_id"]], data)
-
-
-def _fault_iteration(config: dict[str, Any]) -> int | None:
-    spec = config.get("fault") or ""
-    target, _, iteration = spec.rpartition(":")
-    if target in (config["cell_id"], config["name"]) and iteration.isdigit():
-        return int(iteration)
-    return None
-
-
-def _record_attempt(cell_dir: Path, start_iteration: int) -> list[dict[str, Any]]:
-    """Append where and from which iteration this attempt runs; return all attempts."""
-    import ray
-
-    entry = {
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "hostname": socket.gethostname(),
-        "pid": os.getpid(),
-        "start_iteration": start_iteration,
-        "time": time.time(),
-    }
-    with open(cell_dir / ATTEMPTS, "a") as f:
-        f.write(json.dumps(entry) + "\n")
-    return read_attempts(cell_dir)
-
-
-def read_attempts(cell_dir: Path) -> list[dict[str, Any]]:
-    path = cell_dir / ATTEMPTS
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> None:
-    """Ray Tune trainable: train one cell, report metrics, checkpoint, record its outputs."""
-    import numpy as np
-    import ray
-    from ray import tune
-
-    torch.set_num_threads(config["torch_threads"])
-    cfg = TrainConfig.from_dict(config["train"])
-    cell_dir = Path(config["cell_dir"])
-    cell_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(config["seed"])
-    # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigned, but no longer hides GPUs
-    # from trials that asked for none: only use a GPU that Ray gave this trial.
-    device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-    if data is not None:
-        x = torch.from_numpy(np.array(data["x"]))  # a writable copy of the shipped array
-    elif Path(config["data"]).is_file():
-        x = training_rows(config["data"])
-    else:
-        raise SweepError(
-            f"training data {config['data']} is not on node {socket.gethostname()}; "
-            "put the project on storage every node sees"
-        )
-    trainer = Trainer(cfg, x, device)
-    history: list[dict[str, float]] = []
-    resumed = _resume_state(tune.get_checkpoint(), cell_dir / RESUME)
-    if resumed is not None:
-        trainer.load_state_dict(resumed["trainer"])
-        history = list(resumed["history"])
-    attempts = _record_attempt(cell_dir, trainer.iteration)
-
-    client = tracking.client(config["tracking_uri"])
-    logger = tracking.RunLogger(client, config["run_id"])
-    logger.set_tag("apg.nodes", ",".join(a["node_id"][:12] for a in attempts))
-    # Rows of the checkpoint's history the server may not have (it was down, then this
-    # trial died): re-sent; the ones it has are dropped by the logger.
-    for row in history:
-        logger.log(row["iteration"], {k: v for k, v in row.items() if k != "iteration"})
-    outcome = drive(
-        trainer,
-        log_every=config["log_every"],
-        checkpoint_every=config["checkpoint_every"],
-        history=history,
-        callbacks=[_InjectFault(config), _TuneReports(cell_dir / RESUME, cfg, logger)],
-    )
-    _finish_cell(config, cfg, trainer, outcome, client, logger)
-
-
-class _InjectFault(Callback):
-    """Raise once, right after the iteration ``APG_FAULT_INJECT`` names for this cell."""
-
-    def __init__(self, config: dict[str, Any]):
-        self.at, self.name = _fault_iteration(config), config["name"]
-        self.marker = Path(config["cell_dir"]) / f"fault-{self.at}"
-
-    def after_step(self, trainer: Trainer) -> None:
-        if trainer.iteration == self.at and not self.marker.exists():
-            self.marker.touch()
-            raise InjectedFault(f"injected fault after iteration {self.at} of {self.name}")
-
-
-class _TuneReports(Callback):
-    """Each row to MLflow and to Tune; a checkpoint row also to the cell's ``resume.pt`` and
-    as Tune's checkpoint (what a restarted trial resumes from)."""
-
-    def __init__(self, resume: Path, cfg: TrainConfig, logger: tracking.RunLogger):
-        self.resume, self.cfg, self.logger = resume, cfg, logger
-
-    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
-        from ray import tune
-
-        self.logger.log(trainer.iteration, {k: v for k, v in row.items() if k != "iteration"})
-        if not checkpoint:
-            tune.report(row)
-            return
-        state = {"trainer": trainer.state_dict(), "history": history}
-        save_checkpoint(self.resume, self.cfg.to_dict(), state)
-        with tempfile.TemporaryDirectory() as tmp:
-            save_checkpoint(Path(tmp) / RESUME, self.cfg.to_dict(), state)
-            tune.report(row, checkpoint=tune.Checkpoint.from_directory(tmp))
-
-
-def _resume_state(checkpoint, fallback: Path) -> dict[str, Any] | None:
-    """Where an unfinished cell resumes: Tune's checkpoint, else the cell's own ``resume.pt``;
-    a damaged ``resume.pt`` is removed, said, and the cell starts over."""
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            return load_checkpoint(Path(d) / RESUME)[1]
-    if fallback.is_file():
-        try:
-            return load_checkpoint(fallback)[1]
-        except CheckpointError as err:
-            print(f"{fallback} is damaged ({err}); the cell starts over", flush=True)
-            fallback.unlink(missing_ok=True)
-    return None
-
-
-def _finish_cell(
-    config: dict[str, Any],
-    cfg: TrainConfig,
-    trainer: Trainer,
-    outcome: Outcome,
-    client,
-    logger: tracking.RunLogger,
-) -> None:
-    """Write the cell's outputs and send them to MLflow; ``done.json`` last, since it marks
-    the cell finished (a cell whose records never reached the server is not finished)."""
-    cell_dir = Path(config["cell_dir"])
-    run_id = config["run_id"]
-    identity = {
-        "cell_id": config["cell_id"],
-        "name": config["name"],
-        "config_key": config.get("config_key"),
-        "fingerprint": config.get("fingerprint"),  # what the code that trained it computes
-    }
-    model_path, record = write_cell(cell_dir, cfg, trainer, outcome, identity, read_attempts(cell_dir))
-    logger.log(trainer.iteration, {f"final_{k}": v for k, v in record["final"].items()})
-    logger.close()
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / DONE).write_text(json.dumps(record, indent=2))
-        for path in (model_path, cell_dir / HISTORY, Path(tmp) / DONE):
-            tracking.retry(lambda path=path: client.log_artifact(run_id, str(path)), f"uploading {path.name}")
-    tracking.finish(client, run_id)
-    mark_done(cell_dir, record)
-    (cell_dir / RESUME).unlink(missing_ok=True)
-
-
 # --------------------------------------------------------------------------- the driver
-
-
-def ray_address(params: dict[str, Any]) -> str | None:
-    return os.environ.get("RAY_ADDRESS") or params["sweep"].get("ray_address")
-
-
-def check_ray_address(address: str, timeout: float = 5.0) -> None:
-    """Fail within seconds naming an unreachable ``host:port`` instead of hanging."""
-    if address in ("auto", "local"):
-        return
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise SweepError(f"Ray address {address!r} is not 'auto' or host:port")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as err:
-        raise SweepError(f"Ray cluster at {address} is unreachable ({err})") from None
-
-
-def start_ray(params: dict[str, Any]) -> None:
-    import ray
-
-    address = ray_address(params)
-    if address:
-        check_ray_address(address)
-        if _is_loopback(address):
-            # A cluster on this machine's loopback (tests, a workstation's `ray start`):
-            # without this Ray rewrites 127.0.0.1 to the routable address and misses it.
-            _loopback_only()
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
-    else:
-        _loopback_only()
-        # "local" always starts a fresh instance; plain ray.init() silently attaches to any
-        # cluster already running on the machine.
-        ray.init(address="local", num_cpus=params["sweep"].get("num_cpus"), include_dashboard=False)
-
-
-def _is_loopback(address: str) -> bool:
-    host = address.split("://", 1)[-1].rpartition(":")[0]
-    return host == "localhost" or host.startswith("127.") or host == "[::1]"
-
-
-def _loopback_only() -> None:
-    """Keep an embedded Ray on 127.0.0.1.
-
-    On Linux Ray replaces 127.0.0.1 by the machine's routable address and binds its gRPC
-    servers to every interface, so a laptop sweep would be reachable from the network.
-    Ray's switch for "no multi-node cluster" (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``)
-    makes it use loopback; it is read when ray is imported, hence the attribute too.
-    Only for the embedded instance: a driver attached to a real cluster must advertise a
-    routable address. A value the user set is respected.
-    """
-    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") is not None:
-        return
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # for the processes Ray spawns
-    try:
-        from ray._private import ray_constants
-
-        ray_constants.ENABLE_RAY_CLUSTER = False
-    except (ImportError, AttributeError):  # a Ray without the switch: nothing to do
-        pass
-
-
-def check_resources(params: dict[str, Any]) -> None:
-    """Fail now, not after trials pend forever, if no node can fit one trial."""
-    import ray
-
-    sweep = params["sweep"]
-    have = ray.cluster_resources()
-    for key, name in (("cpus_per_trial", "CPU"), ("gpus_per_trial", "GPU")):
-        want = sweep.get(key, 1 if name == "CPU" else 0)
-        if want and have.get(name, 0) < want:
-            raise SweepError(f"sweep.{key}={want} but the Ray cluster has {have.get(name, 0):g} {name}s")
 
 
 def trial_configs(

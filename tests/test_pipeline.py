@@ -24,9 +24,10 @@ import yaml
 
 from pipeline import tracking
 from pipeline.config import ParamsError, grid_cells, validate_params
+from pipeline.errors import SweepError
+from pipeline.ray_setup import check_ray_address
 from pipeline.smoke import no_recorded_runs
 from pipeline.stages import TIMINGS
-from pipeline.sweep import SweepError, check_ray_address
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,10 @@ import torch
 from apg.checkpoint import save_checkpoint
 from pipeline.common import file_digest
 from pipeline.config import grid_cells
-from pipeline.sweep import DONE, MODEL, RESUME, SweepError, _resume_state, acquire_lock, check_finished
+from pipeline.driver import DONE, MODEL
+from pipeline.errors import SweepError
+from pipeline.sweep import acquire_lock, check_finished
+from pipeline.trial import RESUME, _resume_state
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline import tiny  # noqa: E402

@@ -23,7 +23,9 @@ import yaml
 
 from apg.checkpoint import load_checkpoint
 from pipeline.config import ParamsError, apply_setting
-from pipeline.tune import TAG_BEST, TAG_TRIAL, asha_order, check_section, extremes, main, read_attempts
+from pipeline.tune import main
+from pipeline.tune_plan import check_section, extremes
+from pipeline.tune_report import TAG_BEST, TAG_TRIAL, asha_order, read_attempts
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_pipeline import env, make_repo, mlflow_runs, tiny  # noqa: E402
@@ -63,7 +65,7 @@ def test_a_blocks_ess_is_a_score_to_maximize():
 
 
 def test_report_lines_name_the_code_and_compare_with_the_defaults():
-    from pipeline.tune import defaults_line, made_at_line
+    from pipeline.tune_report import defaults_line, made_at_line
 
     start = {"commit": "abc", "uncommitted": [], "started": "T0"}
     resumed = {"commit": "def", "uncommitted": ["pipeline/tune.py"], "started": "T1"}
@@ -90,7 +92,7 @@ def test_report_lines_name_the_code_and_compare_with_the_defaults():
 
 
 def test_scores_are_printed_to_the_digits_that_tell_settings_apart():
-    from pipeline.tune import _score_text
+    from pipeline.tune_report import _score_text
 
     assert _score_text(-274.9512) == "-274.95" and _score_text(0.992729) == "0.9927"
     assert _score_text(0.00523) == "0.00523" and _score_text(float("nan")) == "nan"
@@ -234,14 +236,14 @@ def test_a_baseline_search_is_named_for_its_method_and_writes_nothing_without_da
 
 
 def test_the_report_goes_to_a_file_when_one_is_named():
-    from pipeline.tune import report_path
+    from pipeline.tune_report import report_path
 
     assert report_path("reports/tune", "dgmm-rws-mlp") == Path("reports/tune/dgmm-rws-mlp.md")
     assert report_path("elsewhere/search.md", "gmm") == Path("elsewhere/search.md")
 
 
 def test_best_params_carry_the_iterations_the_trials_ran():
-    from pipeline.tune import best_params
+    from pipeline.tune_report import best_params
 
     params = tiny()
     plan = check_section(params, "gmm", section(iterations=600))
@@ -374,7 +376,7 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path):
 
 
 def test_the_report_draws_a_choice_as_categories_and_goes_where_asked(tmp_path):
-    from pipeline.tune import write_report
+    from pipeline.tune_report import write_report
 
     plan = check_section(tiny(), "gmm", section())
     plan.update(

@@ -1,0 +1,298 @@
+"""A search's section of ``tune.yaml`` checked and turned into its plan (everything the
+driver and the trials of ``pipeline.tune`` need): the space of settings, the metric, the
+(K, L) pair, the searcher, the scheduler and the validation set; a bad section is one
+``ParamsError`` line before Ray starts. Also Tune's own search-space objects, and the key
+that names a search's Ray experiment."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from apg.baselines import get_method
+from apg.tasks import get_task
+from apg.training import TrainConfig, build
+from pipeline.config import ParamsError, apply_setting, read_yaml, setting_of
+
+DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint")
+
+
+SECTIONS = ("train", "network", "model")
+
+
+METRICS = {"log_joint": "max", "ess": "max", "mse": "min"}  # and ess_<block> (max): one kernel's ESS
+
+
+ALGORITHMS = ("optuna", "random")
+
+
+KEYS = {
+    "method",
+    "pair",
+    "iterations",
+    "space",
+    "search",
+    "scheduler",
+    "metric",
+    "eval_every",
+    "time_budget_s",
+    "validation",
+}
+
+
+def load_section(path: str | Path, task: str) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: no such tuning params file")
+    spec = read_yaml(path) or {}
+    if not isinstance(spec, dict):
+        raise ParamsError(f"{path} must hold a mapping of task sections")
+    if task not in spec:
+        raise ParamsError(f"{path}: no section {task}: (sections: {sorted(spec)})")
+    return spec[task]
+
+
+def _bad(where: str, message: str) -> ParamsError:
+    return ParamsError(f"tune.yaml {where}: {message}")
+
+
+def check_space(space: Any, where: str = "space") -> dict[str, tuple[str, Any]]:
+    """``{section.key: (distribution, args)}`` from the ``space`` mapping, or ParamsError."""
+    if not isinstance(space, dict) or not space:
+        raise _bad(where, "must map at least one key (train.lr, network.hidden, ...) to a distribution")
+    out = {}
+    for key, dist in space.items():
+        section, _, name = str(key).partition(".")
+        if section not in SECTIONS or not name:
+            raise _bad(f"{where}.{key}", f"keys are <section>.<name> with section one of {list(SECTIONS)}")
+        if not isinstance(dist, dict) or len(dist) != 1:
+            raise _bad(
+                f"{where}.{key}",
+                f"give one distribution, one of {list(DISTRIBUTIONS)}: {{uniform: [lo, hi]}}",
+            )
+        ((kind, args),) = dist.items()
+        if kind not in DISTRIBUTIONS:
+            raise _bad(f"{where}.{key}", f"unknown distribution {kind!r}; one of {list(DISTRIBUTIONS)}")
+        if kind == "choice":
+            if not isinstance(args, list) or not args:
+                raise _bad(f"{where}.{key}", "choice needs a non-empty list of values")
+        else:
+            if not (isinstance(args, list) and len(args) == 2 and all(_is_number(a) for a in args)):
+                raise _bad(f"{where}.{key}", f"{kind} needs [low, high], two numbers; got {args!r}")
+            lo, hi = args
+            if not lo < hi:
+                raise _bad(f"{where}.{key}", f"{kind} needs low < high; got [{lo}, {hi}]")
+            if kind == "loguniform" and lo <= 0:
+                raise _bad(f"{where}.{key}", f"loguniform needs 0 < low; got [{lo}, {hi}]")
+            if kind == "randint" and not all(isinstance(a, int) for a in args):
+                raise _bad(f"{where}.{key}", f"randint needs integer bounds; got [{lo}, {hi}]")
+        out[str(key)] = (kind, args)
+    return out
+
+
+def in_space(spec: tuple[str, Any], value: Any) -> bool:
+    """Whether ``value`` is one the distribution ``(kind, args)`` can draw."""
+    kind, args = spec
+    if kind == "choice":
+        return value in args
+    return _is_number(value) and args[0] <= value <= args[1] and (kind != "randint" or isinstance(value, int))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def extremes(space: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
+    """Settings that touch every bound of every key (each key's low, then each key's high /
+    each choice, the others at their first value): what ``check_section`` builds."""
+
+    def values(kind: str, args: Any) -> list[Any]:
+        if kind == "choice":
+            return list(args)
+        return [args[0], args[1] - 1] if kind == "randint" else list(args)
+
+    first = {key: values(*spec)[0] for key, spec in space.items()}
+    out = [first]
+    for key, spec in space.items():
+        out += [{**first, key: v} for v in values(*spec)[1:]]
+    return out
+
+
+def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) -> dict[str, Any]:
+    """The search's plan (everything the driver and the trials need), or ParamsError."""
+    unknown = sorted(set(section) - KEYS)
+    if unknown:
+        raise _bad(task, f"unknown key(s) {unknown}; known: {sorted(KEYS)}")
+    if task not in params.get("tasks", []):
+        raise _bad(task, f"task {task!r} is not in params.yaml's tasks {params.get('tasks')}")
+    space = check_space(section.get("space"), f"{task}.space")
+    metric = section.get("metric", "log_joint")
+    if not (isinstance(metric, str) and (metric in METRICS or metric.startswith("ess_"))):
+        raise _bad(f"{task}.metric", f"one of {sorted(METRICS)} or ess_<block>, got {metric!r}")
+    if metric == "mse" and get_task(task).reconstruct is None:
+        raise _bad(f"{task}.metric", f"task {task} does not reconstruct its data: no mse")
+    pair = section.get("pair")
+    if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(v, int) and v >= 1 for v in pair)):
+        raise _bad(f"{task}.pair", f"[K, L] with positive integers, got {pair!r}")
+    task_params = params[task]
+    train = dict(task_params.get("train", {}))
+    iterations = section.get("iterations", train.get("iterations"))
+    eval_every = section.get("eval_every", 100)
+    for name, value in (("iterations", iterations), ("eval_every", eval_every)):
+        if not (isinstance(value, int) and value >= 1):
+            raise _bad(f"{task}.{name}", f"a positive integer, got {value!r}")
+    search = _check_search(task, dict(section.get("search", {})))
+    asha = _check_scheduler(task, section.get("scheduler", {"asha": {}}), iterations)
+    budget = section.get("time_budget_s")
+    if budget is not None and not (_is_number(budget) and budget > 0):
+        raise _bad(f"{task}.time_budget_s", f"a positive number of seconds, got {budget!r}")
+    validation = section.get("validation")
+    if not (isinstance(validation, dict) and {"num_datasets", "seed"} <= set(validation)):
+        raise _bad(f"{task}.validation", "needs {num_datasets, seed, sizes}: a set simulated for the search")
+    used = {s["seed"] for s in [task_params["data"]["train"], *_held_out(task_params)]}
+    if validation["seed"] in used:
+        raise _bad(f"{task}.validation.seed", f"{validation['seed']} is a seed of the training or a test set")
+    method = section.get("method", "apg")
+    options = train.pop("method_options", None) or {}  # keyed by method, as in the sweep's grid
+    base = {
+        **train,
+        "method_options": dict(options.get(method, {})),
+        "task": task,
+        "method": method,
+        "sweeps": pair[0],
+        "particles": pair[1],
+        "iterations": iterations,
+        "model": task_params.get("model", {}),
+        "network": task_params.get("network", {}),
+    }
+    base.pop("seed", None)
+    # Every bound of every key must make a model and proposals that the method accepts.
+    for setting in extremes(space):
+        try:
+            cfg = TrainConfig.from_dict(apply_setting(base, setting)).validate()
+            build(cfg)
+        except (TypeError, ValueError, KeyError) as err:
+            text = str(err).strip().splitlines()
+            raise _bad(f"{task}.space", f"{setting}: {text[0] if text else type(err).__name__}") from None
+    _check_block_metric(task, task_params, method, pair, metric)
+    # params.yaml's own settings are the search's first trial when the space holds them: the
+    # report then says how they did against the best.
+    current = {key: setting_of(base, key) for key in space}
+    reference = current if all(in_space(space[k], v) for k, v in current.items()) else None
+    return {
+        "task": task,
+        "space": space,
+        "reference": reference,
+        "base": base,
+        "metric": metric,
+        "mode": METRICS.get(metric, "max"),
+        "eval_every": eval_every,
+        "iterations": iterations,
+        **search,
+        "asha": asha,
+        "time_budget_s": budget,
+        "validation": validation,
+        "pair": pair,
+    }
+
+
+def _check_search(task: str, search: dict[str, Any]) -> dict[str, Any]:
+    """The section's ``search``: the algorithm, its number of trials, seed and concurrency."""
+    algorithm = search.get("algorithm", "optuna")
+    if algorithm not in ALGORITHMS:
+        raise _bad(f"{task}.search.algorithm", f"one of {list(ALGORITHMS)}, got {algorithm!r}")
+    num_samples = search.get("num_samples", 8)
+    if not (isinstance(num_samples, int) and num_samples >= 1):
+        raise _bad(f"{task}.search.num_samples", f"a positive integer, got {num_samples!r}")
+    # TPE learns from finished trials: a few in flight, not all (2 suits 2 cores; a cluster
+    # may run more). The random search runs as many as the resources allow.
+    max_concurrent = search.get("max_concurrent", 2)
+    if not (isinstance(max_concurrent, int) and max_concurrent >= 1):
+        raise _bad(f"{task}.search.max_concurrent", f"a positive integer, got {max_concurrent!r}")
+    unknown = sorted(set(search) - {"algorithm", "num_samples", "seed", "max_concurrent"})
+    if unknown:
+        raise _bad(
+            f"{task}.search", f"unknown key(s) {unknown}; known: algorithm, num_samples, seed, max_concurrent"
+        )
+    return {
+        "algorithm": algorithm,
+        "num_samples": num_samples,
+        "seed": search.get("seed", 0),
+        "max_concurrent": max_concurrent,
+    }
+
+
+def _check_scheduler(task: str, scheduler: Any, iterations: int) -> dict[str, Any] | None:
+    """The section's ``scheduler``: ASHA's settings, or ``None`` for FIFO."""
+    if not (
+        isinstance(scheduler, dict) and len(scheduler) == 1 and next(iter(scheduler)) in ("asha", "fifo")
+    ):
+        raise _bad(
+            f"{task}.scheduler",
+            f"{{asha: {{grace_period, reduction_factor}}}} or {{fifo: {{}}}}, got {scheduler!r}",
+        )
+    asha = scheduler.get("asha")
+    if asha is not None:
+        unknown = sorted(set(asha) - {"grace_period", "reduction_factor"})
+        if unknown:
+            raise _bad(f"{task}.scheduler.asha", f"unknown key(s) {unknown}")
+        if not (
+            isinstance(asha.get("grace_period", 1), int) and 1 <= asha.get("grace_period", 1) <= iterations
+        ):
+            raise _bad(f"{task}.scheduler.asha.grace_period", f"an integer in [1, iterations={iterations}]")
+        if not (_is_number(asha.get("reduction_factor", 2)) and asha.get("reduction_factor", 2) > 1):
+            raise _bad(f"{task}.scheduler.asha.reduction_factor", "a number > 1")
+    return asha
+
+
+def _check_block_metric(
+    task: str, task_params: dict[str, Any], method: str, pair: list[int], metric: str
+) -> None:
+    """A block's ESS as the metric (``ess_<block>``) needs that block and block updates."""
+    if metric.startswith("ess_"):
+        blocks = [f"ess_{b}" for b in get_task(task).build_model(**task_params.get("model", {})).blocks]
+        if metric not in blocks:
+            raise _bad(f"{task}.metric", f"a block's ESS is one of {blocks}, got {metric!r}")
+        if not get_method(method).kernels or pair[0] < 2:  # block updates run from sweep 2 on
+            raise _bad(
+                f"{task}.metric", f"{metric} needs block updates: method {method} at K={pair[0]} has none"
+            )
+
+
+def _held_out(task_params: dict[str, Any]) -> list[dict[str, Any]]:
+    data = task_params["data"]
+    return [*([data["test"]] if "test" in data else []), *data.get("tests", []), *data.get("figures", [])]
+
+
+def tune_space(space: dict[str, tuple[str, Any]]) -> dict[str, Any]:
+    """Tune's own search-space objects (``randint`` upper bounds are inclusive here)."""
+    from ray import tune
+
+    make = {
+        "uniform": lambda a: tune.uniform(*a),
+        "loguniform": lambda a: tune.loguniform(*a),
+        "choice": lambda a: tune.choice(a),
+        "randint": lambda a: tune.randint(a[0], a[1] + 1),
+    }
+    return {key: make[kind](args) for key, (kind, args) in space.items()}
+
+
+# How the report and best-params.yaml name the search (the command, the tuning file, where
+# the best settings went): not part of what the search computes.
+PRESENTATION = ("command", "source", "best_file", "method_flag")
+
+
+def computed(plan: dict[str, Any]) -> dict[str, Any]:
+    """The plan without how the search is named (``PRESENTATION``): what its trials compute."""
+    return {k: v for k, v in plan.items() if k not in PRESENTATION}
+
+
+def plan_key(plan: dict[str, Any]) -> str:
+    """Names the search's Ray experiment: the same section resumes, a changed one starts afresh."""
+    import hashlib
+
+    settings = {k: v for k, v in computed(plan).items() if k != "time_budget_s"}
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return "search-" + hashlib.sha256(text.encode()).hexdigest()[:10]

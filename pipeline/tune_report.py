@@ -1,0 +1,333 @@
+"""What a finished search of ``pipeline.tune`` leaves: ``trials.csv`` (a row per trial),
+``best-params.yaml``, ``summary.json``, the best trial tagged in MLflow, and the tuning
+report (markdown and its figure)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from apg.data import atomic_write
+from pipeline import provenance, tracking
+from pipeline.tune_plan import SECTIONS
+
+TAG_TRIAL = "apg.trial_id"
+TAG_BEST = "apg.best"
+ATTEMPTS = "attempts"  # results/tune/<task>/attempts/<trial id>.jsonl
+STARTS = "starts.jsonl"  # results/tune/<task>/starts.jsonl: the code of each run of the search
+
+
+def read_attempts(out: Path, trial_id: str) -> list[dict[str, Any]]:
+    """Where each run of a trial started (``start_iteration`` > 0: resumed from a checkpoint)."""
+    path = out / ATTEMPTS / f"{trial_id}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def trial_name(setting: dict[str, Any]) -> str:
+    return ", ".join(f"{k.split('.', 1)[1]}={_short(v)}" for k, v in setting.items())
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def trials_frame(plan: dict[str, Any], results, out: Path):
+    """One row per trial: settings, last and best score, iterations trained, early stop."""
+    import pandas as pd
+
+    rows = []
+    sign = 1 if plan["mode"] == "max" else -1
+    for result in results:
+        trial_id = result.metrics["trial_id"]
+        history = result.metrics_dataframe
+        scores = history["score"].tolist() if history is not None and "score" in history else []
+        iterations = int(history["iteration"].max()) if scores else 0
+        best = max(scores, key=lambda s: sign * s) if scores else float("nan")
+        setting = {key: result.config[key] for key in plan["space"]}
+        rows.append(
+            {
+                "trial": trial_id,
+                **setting,
+                "defaults": setting == plan.get("reference"),  # params.yaml's own settings
+                "score": scores[-1] if scores else float("nan"),
+                "best_score": best,
+                "iterations": iterations,
+                "stopped_early": result.error is None and 0 < iterations < plan["iterations"],
+                "failed": result.error is not None,
+                "attempts": len(read_attempts(out, trial_id)),
+                "history": json.dumps(
+                    [[int(i), float(s)] for i, s in zip(history["iteration"], history["score"], strict=True)]
+                )
+                if scores
+                else "[]",
+            }
+        )
+    return asha_order(pd.DataFrame(rows), plan["mode"])
+
+
+def asha_order(frame, mode: str):
+    """Trials that trained longest first (those ASHA let go on), then by score.
+
+    An early-stopped trial's score is from fewer iterations, and scores need not rise with
+    training (the rings' validation log joint swings by ~100 nats between checkpoints), so the
+    best trial is the best of the longest-trained, not the highest last score. ASHA stopped
+    the others by their score at a rung they shared with trials that had got there first
+    (the first to reach a rung always goes on: it has nobody to trail).
+    """
+    return frame.sort_values(
+        ["iterations", "score"], ascending=[False, mode == "min"], na_position="last"
+    ).reset_index(drop=True)
+
+
+def best_params(params: dict[str, Any], plan: dict[str, Any], setting: dict[str, Any], score: float) -> str:
+    """``params.yaml``'s sections of the task with ``setting`` applied, as YAML text."""
+    task = plan["task"]
+    section = {key: json.loads(json.dumps(params[task].get(key, {}))) for key in SECTIONS}
+    for key, value in setting.items():
+        part, _, name = key.partition(".")
+        section[part][name] = value
+    # What the trials ran: a schedule's length belongs with the rate it was searched with.
+    section.setdefault("train", {})["iterations"] = plan["iterations"]
+    head = (
+        f"# Best of a search by `{plan.get('command', f'apg-pipeline tune --task {task}')}` "
+        f"({plan.get('source', 'tune.yaml')}): validation "
+        f"{plan['metric']} {score:.6g} at K={plan['pair'][0]}, L={plan['pair'][1]}, method "
+        f"{plan['base']['method']}, {plan['iterations']} iterations.\n# Searched: {', '.join(plan['space'])}. "
+        f"Copy these sections into params.yaml's {task}: to make them the sweep's starting point.\n"
+    )
+    return head + yaml.safe_dump({task: section}, sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_id: str):
+    frame = trials_frame(plan, results, out)
+    atomic_write(out / "trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
+    finished = frame[~frame["failed"] & frame["score"].notna()]
+    if finished.empty:
+        raise RuntimeError(f"tune {plan['task']}: no trial finished a validation score")
+    best = finished.iloc[0]
+    setting = {key: _plain(best[key]) for key in plan["space"]}
+    text = best_params(params, plan, setting, float(best["score"]))
+    atomic_write(out / "best-params.yaml", lambda tmp: tmp.write_text(text))
+    best_run = tracking.find_run(
+        client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: str(best["trial"])}
+    )
+    if best_run is not None:
+        client.set_tag(best_run.info.run_id, TAG_BEST, "true")
+    tracking.log_params(client, parent_id, {f"best.{k}": v for k, v in setting.items()})
+    client.log_metric(parent_id, f"best_val_{plan['metric']}", float(best["score"]))
+    tracking.finish(client, parent_id)
+    defaults = frame[frame["defaults"]]
+    summary = {
+        "task": plan["task"],
+        "metric": plan["metric"],
+        "mode": plan["mode"],
+        "best": {
+            "trial": str(best["trial"]),
+            "setting": setting,
+            "score": float(best["score"]),
+            "iterations": int(best["iterations"]),
+        },
+        "defaults": None
+        if defaults.empty
+        else {
+            "trial": str(defaults.iloc[0]["trial"]),
+            "setting": plan["reference"],
+            "score": float(defaults.iloc[0]["score"]),
+            "iterations": int(defaults.iloc[0]["iterations"]),
+            "failed": bool(defaults.iloc[0]["failed"]),
+        },
+        "trials": len(frame),
+        "max_iterations": plan["iterations"],
+        "stopped_early": int(frame["stopped_early"].sum()),
+        "failed": int(frame["failed"].sum()),
+        "mlflow_parent_run": parent_id,
+        # The code each run of the search imported (note_start): its report names it.
+        "starts": [json.loads(line) for line in (out / STARTS).read_text().splitlines()]
+        if (out / STARTS).is_file()
+        else [],
+        "finished": provenance.utc_now(),
+    }
+    atomic_write(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
+    return summary
+
+
+def _score_text(value: float) -> str:
+    """A log joint to 0.01 (settings differ by about a nat); an ESS or MSE to 4 digits."""
+    return f"{value:.2f}" if abs(value) >= 10 else f"{value:.4g}"
+
+
+def made_at_line(summary: dict[str, Any]) -> str:
+    """The code that ran the search: the commit of each start (a resumed search has several)."""
+    starts = summary.get("starts") or []
+    if not starts:  # summaries written before searches recorded their code
+        return "Made by code whose commit was not recorded."
+
+    def code(start: dict[str, Any]) -> str:
+        dirty = start.get("uncommitted") or []
+        return (
+            f"commit `{start['commit']}`"
+            + (f" with uncommitted changes to {', '.join(f'`{f}`' for f in dirty)}" if dirty else "")
+            + f" (started {start['started']})"
+        )
+
+    resumed = "".join(f"; resumed at {code(s)}" for s in starts[1:])
+    return f"Run at {code(starts[0])}{resumed}; finished {summary['finished']}."
+
+
+def defaults_line(summary: dict[str, Any]) -> str:
+    """How the best trial compares with params.yaml's own settings (the first trial)."""
+    ref = summary.get("defaults")
+    if ref is None:
+        return "params.yaml's own settings lie outside the searched space: no trial ran them."
+    if ref["trial"] == summary["best"]["trial"]:
+        return f"**params.yaml's own settings** ({trial_name(ref['setting'])}, trial `{ref['trial']}`) ranked best."
+    if ref.get("failed"):
+        how = " (failed)"
+    elif ref["iterations"] < summary.get("max_iterations", ref["iterations"]):
+        how = " (stopped early)"
+    else:
+        how = ""
+    best = summary["best"]
+    best_at = best.get("iterations", summary.get("max_iterations"))
+    return (
+        f"**params.yaml's own settings** ({trial_name(ref['setting'])}, trial `{ref['trial']}`, the "
+        f"search's first): {ref['score']:.6g} after {ref['iterations']} iterations{how}; the best's "
+        f"score (after {best_at}) differs from it by {best['score'] - ref['score']:+.4g}."
+    )
+
+
+def report_path(report: str | Path, name: str) -> Path:
+    """Where the tuning report goes: ``report`` itself when it names a ``.md`` file, else
+    ``<report>/<name>.md`` (its figure beside it, ``<stem>.png``)."""
+    report = Path(report)
+    return report if report.suffix == ".md" else report / f"{name}.md"
+
+
+def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
+    """The tuning report at ``path`` (``report_path``): trials table, best settings, score
+    against each searched key (early-stopped trials as crosses), learning curves."""
+    import pandas as pd
+
+    task = plan["task"]
+    frame = pd.read_csv(out / "trials.csv")
+    summary = json.loads((out / "summary.json").read_text())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = plan.get("command", f"apg-pipeline tune --task {task}")
+    source = plan.get("source", "tune.yaml")
+    best_file = plan.get("best_file", f"results/tune/{task}/best-params.yaml")
+    figure = _search_figure(plan, frame, path.with_suffix(".png"))
+    shown = frame.drop(columns=["history"])
+    table = ["| " + " | ".join(shown.columns) + " |", "|" + " --- |" * len(shown.columns)]
+    scores = {"score", "best_score"}
+    for row in shown.itertuples(index=False):
+        cells = [
+            _score_text(v) if c in scores else _short(_plain(v))
+            for c, v in zip(shown.columns, row, strict=True)
+        ]
+        table.append("| " + " | ".join(cells) + " |")
+    best = summary["best"]
+    text = "\n".join(
+        [
+            f"# Hyperparameter search: {task}"
+            + (f", {plan['base']['method']}" if plan.get("method_flag") else ""),
+            "",
+            f"`{command}` with `{source}`'s `{task}:` section: method "
+            f"{plan['base']['method']} at K={plan['pair'][0]}, L={plan['pair'][1]}, up to "
+            f"{plan['iterations']} iterations per trial, {plan['algorithm']} search over "
+            f"{plan['num_samples']} trials, "
+            + (
+                f"ASHA (grace period {plan['asha'].get('grace_period', 1)}, reduction factor "
+                f"{plan['asha'].get('reduction_factor', 2)})"
+                if plan["asha"] is not None
+                else "no early stopping"
+            )
+            + f". Score: validation {plan['metric']} after the last sweep, mean over "
+            f"{plan['validation']['num_datasets']} datasets simulated for the search (seed "
+            f"{plan['validation']['seed']}; not a test set), every {plan['eval_every']} iterations.",
+            "",
+            made_at_line(summary),
+            "",
+            f"**Best** (the highest score among the longest-trained of the trials that finished with a "
+            f"score, {best.get('iterations', plan['iterations'])} iterations): trial `{best['trial']}`, {trial_name(best['setting'])}: {best['score']:.6g}. "
+            f"`{best_file}` has the task's sections with these settings.",
+            "",
+            defaults_line(summary),
+            "",
+            f"{summary['trials']} trials, {summary['stopped_early']} stopped early by ASHA, "
+            f"{summary['failed']} failed; `attempts` > 1: the trial was resumed after an interruption.",
+            "",
+            *table,
+            "",
+            f"![{task} search]({figure.name})",
+            "",
+            "Left: validation score of each trial against each searched key (dots: ran to the end; "
+            "crosses: stopped early). Right: every trial's validation score while it trained.",
+            "",
+        ]
+    )
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+    return path
+
+
+def _search_figure(plan: dict[str, Any], frame, figure: Path) -> Path:
+    """Score against each searched key (early-stopped trials as crosses, params.yaml's
+    settings circled) and every trial's learning curve, saved at ``figure``."""
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys, task = list(plan["space"]), plan["task"]
+    fig, axes = plt.subplots(1, len(keys) + 1, figsize=(4.2 * (len(keys) + 1), 3.4), squeeze=False)
+    for ax, key in zip(axes[0][:-1], keys, strict=True):
+        kind, args = plan["space"][key]
+        # A choice is a category: its values at evenly spaced positions, labelled as given.
+        where = {v: i for i, v in enumerate(args)} if kind == "choice" else None
+
+        def x_of(values, where=where):
+            return [where[v] for v in values] if where is not None else values
+
+        for early, marker, label in ((False, "o", "ran to the end"), (True, "x", "stopped early (ASHA)")):
+            part = frame[frame["stopped_early"] == early]
+            ax.scatter(x_of(part[key]), part["score"], marker=marker, label=label)
+        mine = frame[frame["defaults"]]
+        ax.scatter(
+            x_of(mine[key]),
+            mine["score"],
+            s=160,
+            facecolors="none",
+            edgecolors="k",
+            label="params.yaml's settings",
+        )
+        if where is not None:
+            ax.set_xticks(range(len(args)), [str(v) for v in args])
+            ax.set_xlim(-0.5, len(args) - 0.5)
+        elif kind == "loguniform":
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # unreadable when crowded
+        ax.set_xlabel(key)
+        ax.set_ylabel(f"validation {plan['metric']}")
+    axes[0][0].legend(fontsize=8)
+    curves = axes[0][-1]
+    for row in frame.itertuples(index=False):
+        points = np.array(json.loads(row.history)).reshape(-1, 2)
+        curves.plot(points[:, 0], points[:, 1], marker="x" if row.stopped_early else ".", lw=1)
+    curves.set_xlabel("iteration")
+    curves.set_ylabel(f"validation {plan['metric']}")
+    curves.set_title("every trial")
+    fig.suptitle(
+        f"{task}: search over {', '.join(keys)} ({plan['base']['method']}, K={plan['pair'][0]}, L={plan['pair'][1]})"
+    )
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
+    plt.close(fig)
+    return figure
