@@ -443,7 +443,7 @@ def test_report_regenerates_from_the_servers_records(cluster_sweep, mlflow_serve
     run_cli(["eval-sweep", "--task", "gmm"], root, env)
     run_cli(["report"], root, env)
     assert (root / "reports" / "README.md").is_file()
-    metrics = json.loads((root / "reports" / "metrics.json").read_text())
+    metrics = json.loads((root / "reports" / "data" / "metrics-full.json").read_text())
     assert set(metrics["gmm"]) >= {"apg/K2/L3", "rws-mlp/K2/L3", "rws-lstm/K2/L3"}
 
 

@@ -1,5 +1,6 @@
-"""The committed results recompute from a clone: every verdict of reports/metrics.json
-follows from the evaluation rows kept in reports/data/ (issue: verdicts a reviewer can
+"""The committed results recompute from a clone: every verdict of reports/metrics.json (and
+of its long form reports/data/metrics-full.json) follows from the evaluation rows kept in
+reports/data/ (issue: verdicts a reviewer can
 re-check without retraining). Fast: the claims only, no figures."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def test_every_committed_verdict_recomputes_from_the_committed_rows():
         )
     params = load_params(REPO / "params.yaml")
     paper_all = yaml.safe_load(report.PAPER_NUMBERS.read_text())
-    committed = json.loads((REPO / "reports" / "metrics.json").read_text())["claims"]
+    committed = json.loads((DATA / report.FULL_METRICS).read_text())["claims"]
+    headline = json.loads((REPO / "reports" / "metrics.json").read_text())
     recomputed = {}
     for task in params["tasks"]:
         assert (DATA / task / "metrics.parquet").is_file(), (
@@ -38,3 +40,5 @@ def test_every_committed_verdict_recomputes_from_the_committed_rows():
         assert json.dumps(claim["value"]) == json.dumps(committed[key]["value"]) or claim[
             "value"
         ] == pytest.approx(committed[key]["value"], rel=1e-12, nan_ok=True), key
+        task, claim_id = key.split("/")
+        assert headline[task][claim_id] == (None if claim["pass"] is None else int(claim["pass"])), key

@@ -401,6 +401,7 @@ def test_dvc_repro_end_to_end(tmp_path):
     for name in (
         "README.md",
         "metrics.json",
+        "data/metrics-full.json",
         "tables/gmm_table1.md",
         "figures/gmm_budget.png",
         "figures/gmm_sweeps.png",
@@ -431,7 +432,7 @@ def test_dvc_repro_end_to_end(tmp_path):
     for column in ("ess_globals", "ess_c", "kl_globals", "kl_c"):
         assert apg[column].map(math.isfinite).all(), column
     assert "tiny test" in (reports / "README.md").read_text()
-    metrics = json.loads((reports / "metrics.json").read_text())
+    metrics = json.loads((reports / "data" / "metrics-full.json").read_text())
     assert set(metrics["gmm"]) == {
         "apg/K2/L3",
         "apg/K3/L3",

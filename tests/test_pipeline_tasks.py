@@ -199,7 +199,7 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
     table1 = pd.read_csv(reports / "tables" / "bmnist_table1.csv")
     # one averaged column for the per-frame blocks, whatever T is
     assert "ess_where_t" in table1 and not any(c.startswith("ess_where_1") for c in table1)
-    headline = json.loads((reports / "metrics.json").read_text())["bmnist"]
+    headline = json.loads((reports / "data" / "metrics-full.json").read_text())["bmnist"]
     assert math.isfinite(headline["apg/K3/L2"]["mse_T3_D2"])
 
     # tracking against the simulator's positions: every method, every set, every sweep

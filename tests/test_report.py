@@ -588,7 +588,7 @@ def test_report_opens_with_the_claims_table(synthetic_report):
     assert "| dgmm |" in text and "not run (task not in this run)" in text
     assert "Verdict rules:" in text
 
-    metrics = json.loads((synthetic_report / "metrics.json").read_text())
+    metrics = json.loads((synthetic_report / "data" / report.FULL_METRICS).read_text())
     checked = metrics["claims"]
     assert checked["gmm/apg_ess_globals"]["pass"] is True
     assert checked["gmm/apg_log_joint_above_rws_mlp"]["pass"] is True
@@ -597,6 +597,32 @@ def test_report_opens_with_the_claims_table(synthetic_report):
     budget = checked["gmm/apg_budget_more_sweeps"]
     assert len(budget["value"]) == 3 and budget["pass"] is True
     assert checked["dgmm/apg_ess_mu_with_K"]["pass"] is None
+
+
+def test_metrics_json_is_a_short_headline_of_the_verdicts(synthetic_report):
+    # `dvc metrics show` prints one column per number: metrics.json keeps a verdict per claim
+    # and the counts, the long form sits in data/ where DVC does not read it as a metric.
+    headline = json.loads((synthetic_report / "metrics.json").read_text())
+    full = json.loads((synthetic_report / "data" / report.FULL_METRICS).read_text())["claims"]
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            assert "." not in key and "/" not in key, key  # DVC joins nested keys with "."
+            yield from (
+                leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+            )
+
+    flat = dict(leaves(headline))
+    assert len(flat) <= 50
+    for key, claim in full.items():
+        task, claim_id = key.split("/")
+        assert flat[f"{task}.{claim_id}"] == (None if claim["pass"] is None else int(claim["pass"])), key
+    judged = [c for c in full.values() if c["pass"] is not None]
+    assert headline["claims"] == {
+        "held": sum(c["pass"] for c in judged),
+        "judged": len(judged),
+        "total": len(full),
+    }
 
 
 def test_training_table_flags_cells_that_have_not_plateaued(synthetic_report):
@@ -740,7 +766,7 @@ def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path):
     readme = (reports / "README.md").read_text()
     assert "apg ‡" in (reports / "tables" / "gmm_table1.md").read_text()
     assert "## Claims of the paper, checked" in readme
-    claims = json.loads((reports / "metrics.json").read_text())["claims"]
+    claims = json.loads((reports / "data" / report.FULL_METRICS).read_text())["claims"]
     assert claims["gmm/apg_ess_globals"]["pass"] is None  # no (10, 10) in these results: not run
     assert (reports / "figures" / "gmm_budget.png").is_file()
 
@@ -927,7 +953,7 @@ def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
     assert (synthetic_report / "data" / "gmm" / "metrics.parquet").is_file()
     before = {
         name: (synthetic_report / name).read_text()
-        for name in ("README.md", "metrics.json", "provenance.json")
+        for name in ("README.md", "metrics.json", f"data/{report.FULL_METRICS}", "provenance.json")
     }
     tables = {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")}
     shutil.rmtree(root / "results")
@@ -937,7 +963,8 @@ def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
         root,
         from_committed=True,
     )
-    assert (synthetic_report / "metrics.json").read_text() == before["metrics.json"]
+    for name in ("metrics.json", f"data/{report.FULL_METRICS}"):
+        assert (synthetic_report / name).read_text() == before[name], name
     assert (synthetic_report / "README.md").read_text() == before["README.md"]
     assert {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")} == tables
     assert (synthetic_report / "provenance.json").read_text() == "{}\n"
@@ -982,12 +1009,14 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
         if line.startswith("| gmm |") and "RWS MLP encoder at the same" in line
     )
     assert row.endswith("| ✓ | ✗ |")
-    written = json.loads((tmp_path / "reports" / "metrics.json").read_text())
+    written = json.loads((tmp_path / "reports" / "data" / report.FULL_METRICS).read_text())
     main, again = written["claims"], written["replication_claims"]
     assert main["gmm/apg_log_joint_above_rws_mlp"]["pass"] is True
     assert again["gmm/apg_log_joint_above_rws_mlp"]["pass"] is False
     both = [k for k in main if main[k]["pass"] is not None and again.get(k, {}).get("pass") is not None]
     held = sum(main[k]["pass"] and again[k]["pass"] for k in both)
+    headline = json.loads((tmp_path / "reports" / "metrics.json").read_text())["claims"]
+    assert (headline["held_both"], headline["judged_both"]) == (held, len(both))
     readme = (tmp_path / "README.md").read_text()
     assert f"{held} of the {len(both)} claims with a verdict in both runs hold in both" in readme
     assert "](reports/recorded/replicate/README.md)" in readme

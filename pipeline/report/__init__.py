@@ -26,7 +26,9 @@
   evaluations per dataset, ``Method.model_evaluations``), per held-out set;
 - ``figures/<task>_samples.png``: Figure-1-style pictures (the task's ``draw`` hook),
   and ``<task>_samples.gif`` when the task has an ``animate`` hook;
-- ``metrics.json``: headline numbers for ``dvc metrics show`` / ``dvc exp show``, and under
+- ``metrics.json``: the headline for ``dvc metrics show`` / ``dvc exp show``: per task each
+  claim's verdict (1 holds, 0 fails, null none) and under ``claims`` the counts;
+- ``data/metrics-full.json``: its long form, every cell's headline numbers per task and under
   ``claims`` each checked claim (``task/id``: value, lo, hi, target, pass).
 
 Table 1, the method tables and the claims use each method's main cells (trained at its
@@ -38,7 +40,7 @@ figure shades the standard error instead, and says so).
 
 The package, one module per concern: ``data`` (the rows read and the selections shared),
 ``training`` (plateau test, marks, stalled seeds), ``tables``, ``claims`` (one rule per
-claim kind), ``figures``, ``axes`` (swept settings), ``sections`` (one task's part and the
+claim kind), ``headline`` (the claims' JSON, short and long, and their counts), ``figures``, ``axes`` (swept settings), ``sections`` (one task's part and the
 Markdown around it) and ``stage`` (``make_report``, recorded runs, the command line).
 """
 
@@ -50,13 +52,13 @@ from pipeline.report.claims import (  # noqa: E402
     CLAIM_KINDS,
     check_claim,
     claim_target,
-    claims_json,
     seed_estimate,
     task_claims,
     verdict,
 )
 from pipeline.report.data import (  # noqa: E402
     COMMITTED_DATA,
+    FULL_METRICS,
     PAPER_NUMBERS,
     finals,
     load_results,
@@ -64,6 +66,7 @@ from pipeline.report.data import (  # noqa: E402
     retrained_rows,
     training_length,
 )
+from pipeline.report.headline import claims_json, headline_metrics  # noqa: E402
 from pipeline.report.stage import main, make_report, recorded_markdown  # noqa: E402
 from pipeline.report.training import plateau, stalled_markdown, stalled_seeds  # noqa: E402
 from pipeline.statistics import seed_interval  # noqa: E402
@@ -71,11 +74,13 @@ from pipeline.statistics import seed_interval  # noqa: E402
 __all__ = [
     "CLAIM_KINDS",
     "COMMITTED_DATA",
+    "FULL_METRICS",
     "PAPER_NUMBERS",
     "check_claim",
     "claim_target",
     "claims_json",
     "finals",
+    "headline_metrics",
     "load_results",
     "main",
     "main_rows",

@@ -1,5 +1,5 @@
-"""The paper's claims checked on the evaluation rows: one rule per claim kind, the claims
-table and its JSON; a recorded replication's verdicts beside them."""
+"""The paper's claims checked on the evaluation rows: one rule per claim kind and the claims
+table; a recorded replication's verdicts beside them (their JSON: ``headline``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import pandas as pd
 
 from pipeline.present import number
@@ -114,7 +113,7 @@ def retrained_estimates(retrained: pd.DataFrame, method: str, metric: str) -> di
 class ClaimResult(NamedTuple):
     """One checked claim: ``ours`` and ``target`` as printed; ``passed`` None when no verdict
     can be given (not run, fewer than ``MIN_SEEDS`` seeds, at the metric's ceiling), and then
-    ``note`` says why; ``value``/``lo``/``hi``/``target_value`` for metrics.json;
+    ``note`` says why; ``value``/``lo``/``hi``/``target_value`` for metrics-full.json;
     ``detectable``: the smallest effect its seeds could detect (``statistics.detectable``)."""
 
     task: str
@@ -547,32 +546,6 @@ def claims_markdown(
     return "\n".join(lines)
 
 
-def claims_json(results: list[ClaimResult]) -> dict[str, Any]:
-    """``{task/id: {value, lo, hi, target, pass}}`` for metrics.json (NaN as null)."""
-
-    def clean(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        if isinstance(v, (float, np.floating)):
-            return float(v) if math.isfinite(v) else None
-        return v
-
-    return {
-        f"{r.task}/{r.id}": {
-            "value": clean(r.value),
-            "lo": clean(r.lo),
-            "hi": clean(r.hi),
-            "target": clean(r.target_value),
-            "pass": r.passed,
-            "note": r.note,  # why there is no verdict: not run, too few seeds, at the ceiling
-            "detectable": clean(r.detectable),
-        }
-        for r in results
-    }
-
-
 # The recorded second run of the defaults (``apg-pipeline record replicate``: other training
 # seeds, ideally another CPU type): its verdicts stand beside the main run's.
 REPLICATION = "replicate"
@@ -598,19 +571,3 @@ def replication_claims(
             results = load_results(run / "eval" / task)
             found.update({f"{c.task}/{c.id}": c for c in task_claims(task, results, paper_all.get(task))})
     return found
-
-
-def verdict_count(claims: list[ClaimResult], replication: dict[str, ClaimResult] | None = None) -> str:
-    """ "k of the n claims with a verdict hold", or with a replication the claims that hold in
-    both runs, out of those with a verdict in both."""
-    if replication is None:
-        judged = [c for c in claims if c.passed is not None]
-        return f"{sum(bool(c.passed) for c in judged)} of the {len(judged)} claims with a verdict hold"
-    pairs = [(c, replication.get(f"{c.task}/{c.id}")) for c in claims]
-    both = [(c, o) for c, o in pairs if c.passed is not None and o is not None and o.passed is not None]
-    held = sum(bool(c.passed) and bool(o.passed) for c, o in both)
-    agree = sum(c.passed == o.passed for c, o in both)
-    return (
-        f"{held} of the {len(both)} claims with a verdict in both runs hold in both "
-        f"(the two runs' verdicts agree on {agree} of them)"
-    )

@@ -136,6 +136,11 @@ COMMITTED_ARRAYS = ("samples.npz", "imputation_examples.npz")  # deflated: most 
 STAGE_TIMES = "stage_times.json"
 
 
+# The long form of reports/metrics.json (every cell's headline numbers, every claim's value and
+# interval), kept out of DVC's metrics so that `dvc metrics show` prints a readable row.
+FULL_METRICS = "metrics-full.json"
+
+
 def commit_rows(eval_dir: Path, data_dir: Path) -> None:
     """Copy one task's evaluation rows into the report's ``data/<task>/``; files the
     evaluation no longer writes are removed there."""

@@ -14,7 +14,7 @@ from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
 from pipeline.impute import report_imputation
 from pipeline.present import pm
 from pipeline.report.axes import axes_markdown
-from pipeline.report.claims import ClaimResult, task_claims, verdict_count
+from pipeline.report.claims import ClaimResult, task_claims
 from pipeline.report.data import COMMITTED_DATA, main_rows, primary_test_set, retrained_rows, scale_caption
 from pipeline.report.figures import (
     ANIMATION_FRAMES,
@@ -30,6 +30,7 @@ from pipeline.report.figures import (
     sweeps_figure,
     training_figure,
 )
+from pipeline.report.headline import verdict_count
 from pipeline.report.tables import (
     MSE_KEYS,
     _flagged,

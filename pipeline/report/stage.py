@@ -16,8 +16,16 @@ from pipeline import provenance, stages
 from pipeline.common import project_root
 from pipeline.config import load_params
 from pipeline.recorded import GENERATIVE_ONLY, recorded_runs
-from pipeline.report.claims import claims_json, claims_markdown, claims_not_run, replication_claims
-from pipeline.report.data import COMMITTED_DATA, PAPER_NUMBERS, STAGE_TIMES, commit_rows, load_results
+from pipeline.report.claims import claims_markdown, claims_not_run, replication_claims
+from pipeline.report.data import (
+    COMMITTED_DATA,
+    FULL_METRICS,
+    PAPER_NUMBERS,
+    STAGE_TIMES,
+    commit_rows,
+    load_results,
+)
+from pipeline.report.headline import claims_json, headline_metrics
 from pipeline.report.sections import (
     RESULTS_START,
     index_markdown,
@@ -74,12 +82,16 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
     if readme.is_file() and RESULTS_START in readme.read_text():
         block = readme_results(claims, claims_md, times, label, out.relative_to(root).as_posix(), replication)
         write_readme_results(readme, block)
-    metrics = {p["task"]: p["metrics"] for p in parts}
-    metrics["claims"] = claims_json(claims)
+    full = {p["task"]: p["metrics"] for p in parts}
+    full["claims"] = claims_json(claims)
     if replication is not None:
-        metrics["replication_claims"] = claims_json(list(replication.values()))
-    payload = json.dumps(metrics, indent=2, sort_keys=True)
-    atomic_write(out / "metrics.json", lambda tmp: tmp.write_text(payload + "\n"))
+        full["replication_claims"] = claims_json(list(replication.values()))
+    for path, metrics in (
+        (data / FULL_METRICS, full),
+        (out / "metrics.json", headline_metrics(claims, replication)),
+    ):
+        payload = json.dumps(metrics, indent=2, sort_keys=True) + "\n"
+        atomic_write(path, lambda tmp, payload=payload: tmp.write_text(payload))
     # What produced these results (code and params digests, commit): the CI check that
     # committed results are the checkout's own reads it (pipeline.provenance). A rebuild
     # from the committed rows trained and evaluated nothing: the record stays as it was.
