@@ -83,3 +83,13 @@ def check_resources(params: dict[str, Any]) -> None:
         want = sweep.get(key, 1 if name == "CPU" else 0)
         if want and have.get(name, 0) < want:
             raise SweepError(f"sweep.{key}={want} but the Ray cluster has {have.get(name, 0):g} {name}s")
+
+
+def quiet_checkpoint_log() -> None:
+    """In a trial's process: no line per checkpoint. Ray Train logs "Checkpoint successfully
+    created at ..." at INFO for every report with a checkpoint (dozens per cell); the
+    sweep's progress line and each cell's ``attempts.jsonl`` already say where it is."""
+    import logging
+
+    for name in ("ray.train._internal.storage", "ray.train.v2._internal.execution.storage"):
+        logging.getLogger(name).setLevel(logging.WARNING)

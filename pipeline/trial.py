@@ -26,6 +26,7 @@ from pipeline import tracking
 from pipeline.common import seed_everything, training_rows
 from pipeline.driver import DONE, HISTORY, Callback, Outcome, drive, mark_done, write_cell
 from pipeline.errors import SweepError
+from pipeline.ray_setup import quiet_checkpoint_log
 
 RESUME = "resume.pt"
 ATTEMPTS = "attempts.jsonl"
@@ -81,6 +82,7 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
     import ray
     from ray import tune
 
+    quiet_checkpoint_log()
     torch.set_num_threads(config["torch_threads"])
     cfg = TrainConfig.from_dict(config["train"])
     cell_dir = Path(config["cell_dir"])
