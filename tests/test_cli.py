@@ -272,6 +272,25 @@ def test_nan_loss_stops_with_message(files, tmp_path, capsys, monkeypatch):
     assert not out.exists()
 
 
+def test_a_nan_weight_stops_training_with_one_line_and_no_checkpoint(files, tmp_path, capsys, monkeypatch):
+    # No step is mocked: one proposal weight is NaN, so the proposals draw NaN, every
+    # particle's weight is NaN (zero) and the first step cannot go on.
+    built = Trainer.__init__
+
+    def with_a_nan_weight(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        with torch.no_grad():
+            next(self.proposals.parameters()).view(-1)[0] = float("nan")
+
+    monkeypatch.setattr(Trainer, "__init__", with_a_nan_weight)
+    out = tmp_path / "ckpt.pt"
+    line = run_error(
+        ["train", *TRAIN, "--data", str(files / "train.npz"), "--out", str(out)], capsys, progress=True
+    )
+    assert line.startswith("apg-pipeline: error: training diverged: ") and "at iteration 1" in line
+    assert not out.exists() and not list(tmp_path.glob(".ckpt.pt*"))
+
+
 def test_module_entry_point_reports_one_line(tmp_path):
     """``python -m pipeline.cli`` works and prints no traceback for bad input."""
     proc = subprocess.run(
