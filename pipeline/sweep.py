@@ -34,7 +34,8 @@ on a machine that never saw the cluster's storage.
 
 Fault injection, for tests only: ``APG_FAULT_INJECT="<cell name or id>:<iteration>"``
 in the driver's environment makes that cell's trial raise once, right after that
-iteration.
+iteration; with ``:disk-full`` appended, fail there with ``ENOSPC`` on every attempt, as a
+full disk would (which stops the sweep at once, ``pipeline.diskfull``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -61,6 +63,7 @@ from apg.training import TrainConfig, Trainer, build, make_method
 from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
+from pipeline.diskfull import as_disk_full, disk_full_callback, report_disk_full
 from pipeline.stages import record_stage_time
 
 DONE = "done.json"
@@ -69,6 +72,7 @@ MODEL = "model.pt"
 HISTORY = "history.csv"
 ATTEMPTS = "attempts.jsonl"
 FAULT_ENV = "APG_FAULT_INJECT"
+DISK_FULL_FAULT = ":disk-full"
 LOCK = ".sweep.lock"
 
 
@@ -205,15 +209,28 @@ def tune_trainable(
 ) -> None:
     """What Tune runs: the grid searches over cell ids (short, readable in Tune's table);
     the cells' full configs (and the shipped data) come through ``tune.with_parameters``."""
-    train_cell(cells[config["cell_id"]], data)
+    cell = cells[config["cell_id"]]
+    try:
+        train_cell(cell, data)
+    except Exception as err:
+        report_disk_full(err, cell["cell_dir"])  # a full disk stops the sweep, not a retry
+        raise
 
 
 def _fault_iteration(config: dict[str, Any]) -> int | None:
-    spec = config.get("fault") or ""
+    spec = (config.get("fault") or "").removesuffix(DISK_FULL_FAULT)
     target, _, iteration = spec.rpartition(":")
     if target in (config["cell_id"], config["name"]) and iteration.isdigit():
         return int(iteration)
     return None
+
+
+def _inject_fault(config: dict[str, Any], cell_dir: Path, iteration: int) -> None:
+    if config["fault"].endswith(DISK_FULL_FAULT):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(cell_dir / RESUME))
+    if not (cell_dir / f"fault-{iteration}").exists():
+        (cell_dir / f"fault-{iteration}").touch()
+        raise InjectedFault(f"injected fault after iteration {iteration} of {config['name']}")
 
 
 def _record_attempt(cell_dir: Path, start_iteration: int) -> list[dict[str, Any]]:
@@ -286,9 +303,8 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
         metrics = trainer.step(log=logged)
         window_iters += 1
         last = trainer.iteration == cfg.iterations
-        if trainer.iteration == fault_at and not (cell_dir / f"fault-{fault_at}").exists():
-            (cell_dir / f"fault-{fault_at}").touch()
-            raise InjectedFault(f"injected fault after iteration {fault_at} of {config['name']}")
+        if trainer.iteration == fault_at:
+            _inject_fault(config, cell_dir, fault_at)
         if trainer.iteration % log_every and not last:
             continue
         row = {
@@ -595,7 +611,7 @@ def run_tuner(
         tune.with_parameters(tune_trainable, cells=by_id, data=data),
         {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)},
     )
-    callbacks = [_tune_callback(progress)] if progress is not None else []
+    callbacks = [disk_full_callback(), *([_tune_callback(progress)] if progress is not None else [])]
     if tune.Tuner.can_restore(str(storage / name)):
         tuner = tune.Tuner.restore(
             str(storage / name), trainable, resume_unfinished=True, resume_errored=True
@@ -621,7 +637,13 @@ def run_tuner(
                 verbose=0 if progress is not None else 1,
             ),
         )
-    tuner.fit()
+    try:
+        tuner.fit()
+    except Exception as err:  # a trial's full disk (DiskFull) or the driver's own
+        full = as_disk_full(err, storage)
+        if full is None:
+            raise
+        raise full from None
 
 
 def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) -> dict[str, Any]:
