@@ -27,6 +27,7 @@ from apg.host import values_on_host
 from apg.metrics import importance_log_evidence, inclusive_kl, reconstruction_mse, sweep_curves
 from apg.smc.resampling import get_resampler
 from apg.smc.sampler import RESAMPLE_MODES
+from apg.smc.weights import DegenerateWeightsError
 from apg.tasks import get_task
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -45,7 +46,7 @@ def learning_rate(cfg: TrainConfig, iteration: int) -> float:
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite."""
+    """The loss became NaN or infinite, or every particle of a dataset lost its weight."""
 
 
 class CompiledGradientsLost(RuntimeError):
@@ -220,12 +221,17 @@ class Trainer:
         start = time.perf_counter()
         x = self._next_batch()
         cfg = self.cfg
-        if cfg.compile:
-            # nn.LSTM (RWS-LSTM's encoder) is traced only with allow_rnn
-            with torch._dynamo.config.patch(allow_rnn=True):
+        try:
+            if cfg.compile:
+                # nn.LSTM (RWS-LSTM's encoder) is traced only with allow_rnn
+                with torch._dynamo.config.patch(allow_rnn=True):
+                    loss, values = self._forward(x)
+            else:
                 loss, values = self._forward(x)
-        else:
-            loss, values = self._forward(x)
+        except DegenerateWeightsError as err:
+            # NaN weights or proposals make every particle's weight NaN (zero): the same
+            # divergence as a NaN loss, stopped before any update.
+            raise TrainingDiverged(f"{err} at iteration {self.iteration + 1}") from err
         self._last = (loss.detach(), values)
         metrics = _read(*self._last) if log else None
         # Every step's loss is checked where reading it is free (apg.host); on a device only

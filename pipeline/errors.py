@@ -6,11 +6,13 @@ Its own module so that the stages (``python -m pipeline.sweep`` and the rest) an
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from apg.training import TrainingDiverged
+from pipeline.diskfull import DiskFull, disk_full_message
 
 EXIT_BAD_INPUT = 2
 
@@ -21,12 +23,16 @@ def run_guarded(work: Callable[[], Any]) -> Any:
         return work()
     except TrainingDiverged as err:
         fail(f"training diverged: {err}")
+    except DiskFull as err:  # a sweep's trial or driver: the path and the space left
+        fail(str(err))
     except (ValueError, FileNotFoundError, KeyError) as err:
         # ParamsError, DatasetError, CheckpointError and ValueErrors from the library
         # all carry a one-line message naming the problem.
         text = str(err).strip().splitlines()
         fail(text[0] if text else type(err).__name__)
     except OSError as err:  # a full disk, a directory where a file goes, no permission
+        if err.errno == errno.ENOSPC:
+            fail(disk_full_message(err))
         where = f": {err.filename}" if err.filename else ""
         fail(f"{err.strerror or type(err).__name__}{where}")
     except KeyboardInterrupt:

@@ -34,7 +34,8 @@ on a machine that never saw the cluster's storage.
 
 Fault injection, for tests only: ``APG_FAULT_INJECT="<cell name or id>:<iteration>"``
 in the driver's environment makes that cell's trial raise once, right after that
-iteration.
+iteration; with ``:disk-full`` appended, fail there with ``ENOSPC`` on every attempt, as a
+full disk would (which stops the sweep at once, ``pipeline.diskfull``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from apg.training import build, make_method
 from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
+from pipeline.diskfull import as_disk_full, disk_full_callback
 from pipeline.driver import DONE, HISTORY, MODEL
 from pipeline.errors import SweepError
 from pipeline.ray_setup import check_resources, start_ray
@@ -328,7 +330,7 @@ def run_tuner(
         tune.with_parameters(tune_trainable, cells=by_id, data=data),
         {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)},
     )
-    callbacks = [_tune_callback(progress)] if progress is not None else []
+    callbacks = [disk_full_callback(), *([_tune_callback(progress)] if progress is not None else [])]
     if tune.Tuner.can_restore(str(storage / name)):
         tuner = tune.Tuner.restore(
             str(storage / name), trainable, resume_unfinished=True, resume_errored=True
@@ -354,7 +356,13 @@ def run_tuner(
                 verbose=0 if progress is not None else 1,
             ),
         )
-    tuner.fit()
+    try:
+        tuner.fit()
+    except Exception as err:  # a trial's full disk (DiskFull) or the driver's own
+        full = as_disk_full(err, storage)
+        if full is None:
+            raise
+        raise full from None
 
 
 def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) -> dict[str, Any]:

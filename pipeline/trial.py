@@ -10,6 +10,7 @@ sweep driver's environment makes that cell's trial raise once, right after that 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -24,6 +25,7 @@ from apg.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from apg.training import TrainConfig, Trainer
 from pipeline import tracking
 from pipeline.common import seed_everything, training_rows
+from pipeline.diskfull import report_disk_full
 from pipeline.driver import DONE, HISTORY, Callback, Outcome, drive, mark_done, write_cell
 from pipeline.errors import SweepError
 from pipeline.ray_setup import quiet_checkpoint_log
@@ -31,6 +33,7 @@ from pipeline.ray_setup import quiet_checkpoint_log
 RESUME = "resume.pt"
 ATTEMPTS = "attempts.jsonl"
 FAULT_ENV = "APG_FAULT_INJECT"
+DISK_FULL_FAULT = ":disk-full"
 
 
 class InjectedFault(RuntimeError):
@@ -42,11 +45,16 @@ def tune_trainable(
 ) -> None:
     """What Tune runs: the grid searches over cell ids (short, readable in Tune's table);
     the cells' full configs (and the shipped data) come through ``tune.with_parameters``."""
-    train_cell(cells[config["cell_id"]], data)
+    cell = cells[config["cell_id"]]
+    try:
+        train_cell(cell, data)
+    except Exception as err:
+        report_disk_full(err, cell["cell_dir"])  # a full disk stops the sweep, not a retry
+        raise
 
 
 def _fault_iteration(config: dict[str, Any]) -> int | None:
-    spec = config.get("fault") or ""
+    spec = (config.get("fault") or "").removesuffix(DISK_FULL_FAULT)
     target, _, iteration = spec.rpartition(":")
     if target in (config["cell_id"], config["name"]) and iteration.isdigit():
         return int(iteration)
@@ -126,15 +134,22 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
 
 
 class _InjectFault(Callback):
-    """Raise once, right after the iteration ``APG_FAULT_INJECT`` names for this cell."""
+    """Right after the iteration ``APG_FAULT_INJECT`` names for this cell: raise once, or
+    (``:disk-full``) fail with ``ENOSPC`` on every attempt, as a full disk would."""
 
     def __init__(self, config: dict[str, Any]):
         self.at, self.name = _fault_iteration(config), config["name"]
-        self.marker = Path(config["cell_dir"]) / f"fault-{self.at}"
+        self.disk_full = (config.get("fault") or "").endswith(DISK_FULL_FAULT)
+        self.cell_dir = Path(config["cell_dir"])
 
     def after_step(self, trainer: Trainer) -> None:
-        if trainer.iteration == self.at and not self.marker.exists():
-            self.marker.touch()
+        if trainer.iteration != self.at:
+            return
+        if self.disk_full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.cell_dir / RESUME))
+        marker = self.cell_dir / f"fault-{self.at}"
+        if not marker.exists():
+            marker.touch()
             raise InjectedFault(f"injected fault after iteration {self.at} of {self.name}")
 
 

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from apg.checkpoint import CheckpointError, load_checkpoint
 from apg.training import Trainer, TrainingDiverged
 from pipeline.cli import main
 
@@ -217,6 +221,44 @@ def test_evaluate_bad_input(files, bad_files, capsys, checkpoint, data, sweeps, 
     assert not out.exists()
 
 
+def flip_a_weight(checkpoint: Path, out: Path) -> str:
+    """Copy ``checkpoint`` to ``out`` with one byte flipped inside its largest tensor record
+    (the archive's own bytes stay well formed); return that record's name."""
+    with zipfile.ZipFile(checkpoint) as archive:
+        record = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        archive.fp.seek(record.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", archive.fp.read(4))
+    data = bytearray(checkpoint.read_bytes())
+    data[record.header_offset + 30 + name_len + extra_len + record.file_size // 2] ^= 0x10
+    out.write_bytes(bytes(data))
+    return record.filename
+
+
+def test_a_flipped_weight_is_refused_on_load(files, tmp_path, capsys):
+    damaged = tmp_path / "damaged.pt"
+    record = flip_a_weight(files / "ckpt.pt", damaged)
+    # torch.load alone does not check the records' CRCs: the damage loads as a changed weight.
+    good, bad = (torch.load(p, weights_only=True)["state"] for p in (files / "ckpt.pt", damaged))
+    assert any(not torch.equal(a, b) for a, b in zip(flat(good), flat(bad), strict=True))
+    with pytest.raises(CheckpointError, match=f"damaged: record {re.escape(record)} fails its CRC check"):
+        load_checkpoint(damaged)
+    out = tmp_path / "m.json"
+    argv = ["--data", str(files / "test.npz"), "-K", "2", "-L", "3", "--out", str(out)]
+    line = run_error(["evaluate", "--checkpoint", str(damaged), *argv], capsys)
+    assert str(damaged) in line and record in line and not out.exists()
+
+
+def flat(state) -> list[torch.Tensor]:
+    """Every tensor of a nested state dict, in order."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for v in state.values() for t in flat(v)]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in flat(v)]
+    return []
+
+
 def test_nan_loss_stops_with_message(files, tmp_path, capsys, monkeypatch):
     def diverge(self, log=True):
         raise TrainingDiverged("loss became nan at iteration 1; try a lower learning rate")
@@ -228,6 +270,25 @@ def test_nan_loss_stops_with_message(files, tmp_path, capsys, monkeypatch):
     )
     assert "training diverged" in line and "nan" in line
     assert not out.exists()
+
+
+def test_a_nan_weight_stops_training_with_one_line_and_no_checkpoint(files, tmp_path, capsys, monkeypatch):
+    # No step is mocked: one proposal weight is NaN, so the proposals draw NaN, every
+    # particle's weight is NaN (zero) and the first step cannot go on.
+    built = Trainer.__init__
+
+    def with_a_nan_weight(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        with torch.no_grad():
+            next(self.proposals.parameters()).view(-1)[0] = float("nan")
+
+    monkeypatch.setattr(Trainer, "__init__", with_a_nan_weight)
+    out = tmp_path / "ckpt.pt"
+    line = run_error(
+        ["train", *TRAIN, "--data", str(files / "train.npz"), "--out", str(out)], capsys, progress=True
+    )
+    assert line.startswith("apg-pipeline: error: training diverged: ") and "at iteration 1" in line
+    assert not out.exists() and not list(tmp_path.glob(".ckpt.pt*"))
 
 
 def test_module_entry_point_reports_one_line(tmp_path):

@@ -7,9 +7,16 @@ columns), except a few tiny untrained models for the evaluate-side helpers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -23,6 +30,8 @@ from apg.metrics import adjusted_rand_index
 from pipeline import report
 from pipeline.evaluate import COLUMNS
 from pipeline.report.claims import _est
+
+REPO = Path(__file__).resolve().parents[1]
 
 # --------------------------------------------------------------------------- ARI
 
@@ -968,6 +977,55 @@ def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
     assert (synthetic_report / "README.md").read_text() == before["README.md"]
     assert {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")} == tables
     assert (synthetic_report / "provenance.json").read_text() == "{}\n"
+
+
+def files_of(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` by its relative path, with its sha256 (files moved or
+    replaced while it reads are left out)."""
+    found = {}
+    for p in sorted(folder.rglob("*")):
+        try:
+            if p.is_file():
+                found[p.relative_to(folder).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def differs(folder: Path, old: dict[str, str]) -> bool:
+    """Whether a file under ``folder`` is not in ``old`` or not as it was there."""
+    return any(old.get(name) != digest for name, digest in files_of(folder).items())
+
+
+@pytest.mark.slow
+def test_a_report_killed_mid_write_leaves_the_last_complete_report(synthetic_report):
+    root = synthetic_report.parent
+    (root / "params.yaml").write_text(yaml.safe_dump(tiny(**{"report.scale": "synthetic"})))
+    rows = synthetic_report / "data" / "gmm" / "metrics.parquet"
+    frame = pd.read_parquet(rows)
+    frame.loc[frame["metric"] == "log_joint", "value"] += 1.0  # so the next report differs
+    frame.to_parquet(rows, index=False)
+    old = files_of(synthetic_report)
+    staging = root / ".reports.staging"
+    cmd = [sys.executable, "-m", "pipeline.report", "--from-committed"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # Killed at the first changed file, wherever it is written (reports/ itself, were the
+        # files written in place; long before the swap when they are staged).
+        while proc.poll() is None and not (differs(staging, old) or differs(synthetic_report, old)):
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)  # as the machine going down would
+        assert proc.wait(timeout=60) == -signal.SIGKILL, "the report finished before it could be killed"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert files_of(synthetic_report) == old  # the last complete report, every file of it
+
+    subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    new = files_of(synthetic_report)
+    assert new.keys() == old.keys() and new["data/gmm/metrics.parquet"] == old["data/gmm/metrics.parquet"]
+    assert new["README.md"] != old["README.md"] and not staging.exists()
 
 
 def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_both(tmp_path):

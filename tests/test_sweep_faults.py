@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from pipeline.common import file_digest
 from pipeline.config import grid_cells
 from pipeline.driver import DONE, MODEL
 from pipeline.errors import SweepError
-from pipeline.sweep import acquire_lock, check_finished
+from pipeline.sweep import acquire_lock, check_finished, estimated_cost
 from pipeline.trial import RESUME, _resume_state
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -138,3 +139,65 @@ def test_runs_carry_the_commit_the_stage_and_the_params_digest(tmp_path):
     run = client.get_run(again)
     assert again == parent and run.info.status == "RUNNING"
     assert run.data.tags[tracking.TAG_PARAMS] == other[tracking.TAG_PARAMS]
+
+
+def test_a_full_disk_at_the_write_layer_is_one_line_naming_the_path_and_the_space_left(
+    tmp_path, monkeypatch, capsys
+):
+    import errno
+
+    import apg.checkpoint
+    from pipeline.diskfull import DiskFull, as_disk_full
+    from pipeline.errors import run_guarded
+
+    def full(payload, handle):  # what torch.save raises on a full disk: no file named
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(apg.checkpoint.torch, "save", full)
+    target = tmp_path / "cell" / MODEL
+    with pytest.raises(SystemExit) as info:
+        run_guarded(lambda: save_checkpoint(target, {}, {}))
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"apg-pipeline: error: No space left on device: {target} (")
+    assert re.search(r"\(\d+(\.\d)? (bytes|KiB|MiB|GiB) free there\)", line), line
+    assert list((tmp_path / "cell").iterdir()) == []  # nothing half-written
+    # Wrapped as Ray and Tune wrap a trial's or a callback's error, it is still found.
+    try:
+        try:
+            raise DiskFull(line)
+        except DiskFull as inner:
+            raise RuntimeError("The Ray Tune run failed.") from inner
+    except RuntimeError as outer:
+        assert str(as_disk_full(outer, tmp_path)) == line
+    assert as_disk_full(RuntimeError("other"), tmp_path) is None
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_the_sweep_at_once_without_retries(tmp_path):
+    import subprocess
+
+    from test_pipeline import env, make_repo, run
+
+    # max_failures 3: before, Ray tried the cell four times and then started the others.
+    params = tiny(**{"sweep.max_failures": 3, "sweep.max_concurrent": 1, "gmm.train.iterations": 12})
+    root = make_repo(tmp_path, params)
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    first = max(grid_cells(params, "gmm"), key=estimated_cost).name  # the one that starts first
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        cwd=root,
+        env={**env(), "APG_FAULT_INJECT": f"{first}:3:disk-full"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    cells = root / "results" / "sweeps" / "gmm" / "cells"
+    assert re.fullmatch(
+        rf"apg-pipeline: error: No space left on device: {cells}/[^/]+/{RESUME} \(.+ free there\); .*", last
+    ), last
+    attempts = {p.parent.name: p.read_text().splitlines() for p in cells.glob("*/attempts.jsonl")}
+    assert len(attempts) == 1 and len(next(iter(attempts.values()))) == 1, attempts  # ran once, nothing after
+    assert not list(cells.glob("*/done.json")) and "Traceback" not in proc.stderr.split("\n")[-1]

@@ -47,8 +47,12 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
         write(Path(tmp))
         os.chmod(tmp, _file_mode())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno is not None and err.filename is None:
+            # A write through a file object (torch.save, np.savez) names no file, and a
+            # full disk's one line must say where.
+            raise OSError(err.errno, err.strerror, str(path)) from err
         raise
     return path
 

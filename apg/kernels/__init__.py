@@ -9,7 +9,9 @@ environment sets ``APG_NATIVE_KERNELS=0``; tests check the two agree.
 
 All sources are built into one shared library, into ``$APG_KERNEL_CACHE`` (default ``~/.cache/apg/kernels``)
 under a name that hashes the source, the flags and the CPU, so nodes of a heterogeneous
-cluster sharing a home directory never load each other's ``-march=native`` builds.
+cluster sharing a home directory never load each other's ``-march=native`` builds. Beside
+each build its sha256 (``<name>.so.sha256``, written after the library); a library whose
+bytes do not match it, or that has none, is built again into place and never loaded.
 """
 
 from __future__ import annotations
@@ -64,7 +66,39 @@ def _build(compiler: str, target: Path) -> None:
             check=True,
             capture_output=True,
         )
-        os.replace(lib, target)  # atomic: concurrent builders (Ray trials) never see half a file
+        digest = Path(tmp) / _digest_file(target).name
+        digest.write_text(hashlib.sha256(lib.read_bytes()).hexdigest() + "\n")
+        # Each atomic, so concurrent builders (Ray trials) never see half a file; the digest
+        # last, so a library is never recorded before it is in place.
+        os.replace(lib, target)
+        os.replace(digest, _digest_file(target))
+
+
+def _digest_file(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _load_verified(target: Path) -> ctypes.CDLL | None:
+    """The library at ``target`` if its bytes match the sha256 recorded beside it, else ``None``.
+
+    Loaded through the descriptor whose bytes were hashed (``/proc/self/fd``), so a file
+    replaced between the check and the load is not the one loaded. The descriptor stays
+    open: the loader returns the library it already holds under a name it has seen, so a
+    closed descriptor's number, reused by a later load, would load nothing new.
+    """
+    try:
+        recorded = _digest_file(target).read_text().strip()
+        handle = open(target, "rb")  # noqa: SIM115 - kept open, see above
+    except FileNotFoundError:
+        return None
+    if hashlib.sha256(handle.read()).hexdigest() != recorded:
+        handle.close()
+        return None
+    _LOADED.append(handle)
+    return ctypes.CDLL(f"/proc/self/fd/{handle.fileno()}")
+
+
+_LOADED: list = []  # the descriptors of the loaded libraries
 
 
 @functools.cache
@@ -87,9 +121,12 @@ def native_library() -> ctypes.CDLL | None:
     ).hexdigest()[:16]
     target = _cache_dir() / f"apg_kernels-{key}.so"
     try:
-        if not target.exists():
+        lib = _load_verified(target)
+        if lib is None:
             _build(compiler, target)
-        lib = ctypes.CDLL(str(target))
+            lib = _load_verified(target)
+        if lib is None:  # replaced again by another builder's different bytes: not ours to trust
+            raise OSError(f"{target} does not match its recorded sha256 after building it")
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", b"") or b""
         warnings.warn(

@@ -1,10 +1,21 @@
 """The stage itself: ``make_report`` writes ``reports/`` (from ``results/eval`` or from the
-committed rows), with every recorded run's own report; ``main`` is its command line."""
+committed rows), with every recorded run's own report; ``main`` is its command line.
+
+The report is written into a copy of ``reports/`` beside it (``.reports.staging``) and
+swapped in whole when done, so a report stage killed at any point leaves ``reports/`` as
+the last complete report, never a mix of old and new files.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import errno
 import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +56,15 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
     """Write ``reports/`` from ``results/eval/<task>`` (keeping those rows in
     ``reports/data/``), or with ``from_committed`` from the rows kept there, by a clone
     that has trained nothing: the same tables, figures and verdicts, provenance untouched."""
+    final = root / params.get("report", {}).get("out", "reports")
+    with staged(final) as out:
+        _write_report(params, root, out, final, from_committed)
+    return final
+
+
+def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, from_committed: bool) -> None:
+    """The report into ``out``, a staging copy of ``final`` (links and names say ``final``)."""
     cfg = params.get("report", {})
-    out = root / cfg.get("out", "reports")
     fmt = cfg.get("figure_format", "png")
     label = cfg.get("scale", "CPU-sized")
     paper_all = yaml.safe_load(PAPER_NUMBERS.read_text())
@@ -80,7 +98,9 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
     readme = root / "README.md"
     if readme.is_file() and RESULTS_START in readme.read_text():
-        block = readme_results(claims, claims_md, times, label, out.relative_to(root).as_posix(), replication)
+        block = readme_results(
+            claims, claims_md, times, label, final.relative_to(root).as_posix(), replication
+        )
         write_readme_results(readme, block)
     full = {p["task"]: p["metrics"] for p in parts}
     full["claims"] = claims_json(claims)
@@ -97,7 +117,52 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
     # from the committed rows trained and evaluated nothing: the record stays as it was.
     if not from_committed:
         provenance.write_record(params, root, out)
-    return out
+
+
+@contextmanager
+def staged(final: Path) -> Iterator[Path]:
+    """A copy of ``final`` to write into, swapped in for it when the block ends without error.
+
+    What a killed run left (a staging folder, or a complete old folder set aside by the
+    fallback swap) is cleared first; an error leaves ``final`` untouched."""
+    staging, old = (final.with_name(f".{final.name}.{kind}") for kind in ("staging", "old"))
+    if old.is_dir() and not final.exists():
+        os.rename(old, final)  # killed between the fallback's two renames
+    for leftover in (staging, old):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if final.is_dir():
+        shutil.copytree(final, staging, symlinks=True)  # files of other stages (reports/tune) too
+    else:
+        staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if not final.exists():
+        os.rename(staging, final)
+        return
+    if not _exchange(staging, final):
+        os.rename(final, old)  # a short window without ``final``; the next run restores ``old``
+        os.rename(staging, final)
+        staging = old
+    shutil.rmtree(staging)  # now the previous report
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one step (Linux ``renameat2`` with ``RENAME_EXCHANGE``); ``False``
+    where the system or the filesystem cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str) -> str:
