@@ -156,12 +156,19 @@ def resolve(name: str, check: bool = False, under: dict[str, Any] | None = None)
         params = copy.deepcopy(under)
     else:
         params = read_yaml(package_root() / BASE)  # validated below, with the overlays on it
-    for path in paths:
+    for i, path in enumerate(paths):
         overlay = {k: v for k, v in read_overlay(path).items() if k != EXTENDS}
         try:
             params = merge(params, overlay)
         except ParamsError as err:
-            raise ParamsError(f"{path.relative_to(package_root())}: {err}") from None
+            # The usual cause on the first overlay: params.yaml replaced by a profile's copy.
+            hint = (
+                f"; or {BASE} is not the committed one (git checkout {BASE})"
+                if i == 0 and under is None
+                else ""
+            )
+            shown = path.relative_to(package_root()) if path.is_relative_to(package_root()) else path
+            raise ParamsError(f"{shown}: {err}{hint}") from None
     try:
         validate_params(params)
     except ParamsError as err:
