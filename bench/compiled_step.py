@@ -1,7 +1,7 @@
 """Compiled PyTorch against the C kernels: one paper cell's training step, side by side.
 
 Issue 21, item 3. For each (task, method) asked, at the paper's per-step sizes
-(``params-paper.yaml``), three trainers in one process on the same data: ``native`` (eager,
+(the ``paper`` profile), three trainers in one process on the same data: ``native`` (eager,
 the C kernels of ``apg/kernels``: the CPU default), ``torch`` (eager, the kernels switched
 off: what a GPU trial ran before compiling) and ``compiled`` (``TrainConfig.compile``: the
 sampler and loss as one ``torch.compile`` graph, inductor's C++ on a CPU). The compiled
@@ -87,7 +87,7 @@ def compare(row: dict, steps: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params", default=str(ROOT / "params-paper.yaml"))
+    parser.add_argument("--params", default="paper", help="a profile's name or a params file")
     parser.add_argument("--tasks", nargs="*", default=["gmm", "dgmm", "bmnist"])
     parser.add_argument("--methods", nargs="*", default=["apg"])
     parser.add_argument("--steps", type=int, default=15)
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [r for r in plan(Path(args.params), args.tasks) if r["method"] in args.methods]
+    rows = [r for r in plan(args.params, args.tasks) if r["method"] in args.methods]
     seen, out = set(), []
     print(
         "| task | method | K | L | compile (s) | native (ms) | torch (ms) | compiled (ms) | torch / native | compiled / native |"

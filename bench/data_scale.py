@@ -6,7 +6,7 @@ Two measurements, each in a fresh process so its peak resident memory (VmHWM) is
    96 x 96 frames stored as float16) with the ``generate`` stage's own code
    (``pipeline.generate.simulate_chunks`` + ``save_reproducible``: chunks of at most
    ``CHUNK_BYTES``);
-2. ``train``: one trial of each method of ``params-paper.yaml``'s Bouncing MNIST grid built
+2. ``train``: one trial of each method of the ``paper`` profile's Bouncing MNIST grid built
    as the sweep builds it (paper batch size, K, L, networks), reading that file as a sweep
    trial does (``pipeline.common.training_rows``: a file over ``IN_MEMORY_MAX_BYTES`` stays
    on disk, a batch read per step), for a warm-up step and ``--steps`` steps; and, for
@@ -38,11 +38,11 @@ def generate(path: str, videos: int) -> dict:
     import numpy as np
     import torch
 
-    from pipeline.config import load_params
     from pipeline.generate import save_reproducible, simulate_chunks
+    from pipeline.profiles import resolve
 
     torch.set_num_threads(1)
-    data = load_params(REPO / "params-paper.yaml")["bmnist"]["data"]
+    data = resolve("paper")["bmnist"]["data"]
     train, x_dtype = data["train"], np.dtype(data.get("x_dtype", "float32"))
     start = time.perf_counter()
     chunks = simulate_chunks("bmnist", {}, videos, train["seed"], train["sizes"])
@@ -64,7 +64,7 @@ def train(path: str, method: str, steps: int, whole: bool) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    row = next(r for r in plan(REPO / "params-paper.yaml", ["bmnist"]) if r["method"] == method)
+    row = next(r for r in plan("paper", ["bmnist"]) if r["method"] == method)
     x = torch.from_numpy(load_dataset(path)["x"]) if whole else training_rows(path)
     trainer = Trainer(TrainConfig.from_dict(row["train"]), x)
     times = []

@@ -1,6 +1,6 @@
 """How far the numbers behind a numerics fingerprint move when only the arithmetic changes.
 
-For every distinct training config of a params file's grids (``apg.fingerprint.shrunk``), the
+For every distinct training config of a params file's (or a profile's) grids (``apg.fingerprint.shrunk``), the
 fingerprinted numbers are computed under several arithmetic variants of the same code, each
 in its own process, and compared with the default build's:
 
@@ -42,9 +42,10 @@ def difference(u: float, v: float) -> float:
 def configs(params_file: str) -> list[tuple[str, dict]]:
     """``(task, shrunk TrainConfig as a dict)`` for every distinct config of the grids."""
     from apg.fingerprint import shrunk
-    from pipeline.config import grid_cells, load_params
+    from pipeline.config import grid_cells
+    from pipeline.profiles import load
 
-    params = load_params(params_file)
+    params = load(params_file)
     seen: dict[str, tuple[str, dict]] = {}
     for task in params["tasks"]:
         for cell in grid_cells(params, task):
@@ -65,10 +66,10 @@ def measure(params_file: str, out: str) -> None:
 
     from apg.fingerprint import BATCH, numbers
     from apg.training import TrainConfig
-    from pipeline.config import load_params
     from pipeline.generate import simulate_set
+    from pipeline.profiles import load
 
-    params = load_params(params_file)
+    params = load(params_file)
     rows = []
     for task, cfg in configs(params_file):
         section = params[task]
@@ -81,7 +82,7 @@ def measure(params_file: str, out: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", default="params.yaml")
+    parser.add_argument("--params", default="params.yaml", help="a params file or a profile's name (smoke)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # the child process's output file
     args = parser.parse_args()
     if args.measure:

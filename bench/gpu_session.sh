@@ -16,10 +16,10 @@
 #      every cell stopped at the latest DEADLINE - 30 seconds after the start;
 #   4. evaluated on the GPU if EVAL_MIN seconds are left, else later elsewhere:
 #      apg-pipeline record $PROFILE --direct --stages evaluate --dir runs/$PROFILE
-# With COMPILE_TRAIN=1, steps 2-4 derive the profile from params-paper.yaml with train.compile
-# on for every cell whose method compiles (Bouncing MNIST: per block; AVF stays eager); the
-# gpu-bmnist-compiled profile has it built in. On a GPU every compiled graph has CUDA graphs,
-# Bouncing MNIST's per-block ones included (4x faster on the H200; docs/benchmarks.md).
+# Compiled training (train.compile on for every cell whose method compiles; Bouncing MNIST:
+# per block, AVF eager) is the gpu-bmnist-compiled profile: PROFILE=gpu-bmnist-compiled.
+# On a GPU every compiled graph has CUDA graphs, Bouncing MNIST's per-block ones included
+# (4x faster on the H200; docs/benchmarks.md).
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
 # tarred and split under 15 MB (the device tool's file limit), and the timings.
 # Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.
@@ -28,7 +28,7 @@
 set -u
 OUT=${OUT:?set OUT}; PROFILE=${PROFILE:-gpu-bmnist}; MINUTES=${MINUTES:-6}; DEADLINE=${DEADLINE:-570}; DEVICE=${DEVICE:-cuda}
 EVAL_MIN=${EVAL_MIN:-150}; TIMINGS=${TIMINGS:-1}; COMPILE=${COMPILE:-0}; CHECK=${CHECK:-0}; AGREE=${AGREE:-.device/agree}
-SHARE=${SHARE:-0}; TRAIN=${TRAIN:-1}; PARAMS=${PARAMS:-params-paper.yaml}  # the per-step sizes timed
+SHARE=${SHARE:-0}; TRAIN=${TRAIN:-1}; PARAMS=${PARAMS:-paper}  # the per-step sizes timed: a profile or a params file
 export APG_MNIST_DIR=${MNIST_DIR:-.device/mnist} PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export APG_NATIVE_KERNELS=0   # the C kernels are for CPU tensors: nothing to build on a GPU machine
 start=$(date +%s)
@@ -86,23 +86,13 @@ finish_timings() {  # the compiled timings (if any) run now, then every timing i
 [ "${TIME_AFTER_TRAIN:-0}" = 1 ] && [ "$TRAIN" = 1 ] || finish_timings
 [ "$TRAIN" = 1 ] || { ls -la "$OUT"; exit 0; }
 
-RECORD_PARAMS=params-paper.yaml
 if [ "${COMPILE_TRAIN:-0}" = 1 ]; then
-  RECORD_PARAMS=runs/params-paper-compiled.yaml
-  mkdir -p runs && python3 - "$RECORD_PARAMS" <<'PY'
-import sys, yaml
-from pipeline.recorded import compile_where_possible
-params = yaml.safe_load(open("params-paper.yaml"))
-for task in params["tasks"]:
-    compile_where_possible(params, task)
-yaml.safe_dump(params, open(sys.argv[1], "w"), sort_keys=False)
-PY
-  echo "== training compiled: $RECORD_PARAMS"
+  echo "COMPILE_TRAIN is gone: run PROFILE=gpu-bmnist-compiled (profiles/gpu-bmnist-compiled.yaml)"; exit 2
 fi
 
 if [ "$CHECK" = 1 ]; then
   echo "== 2. $PROFILE check $(date +%T)"
-  if ! timeout 150 python3 -m pipeline.cli record "$PROFILE" --params "$RECORD_PARAMS" --direct --device "$DEVICE" --check; then
+  if ! timeout 150 python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --check; then
     echo "check failed: not training"; exit 1
   fi
 fi
@@ -120,13 +110,13 @@ else
   echo "== 3. $PROFILE, $minutes min of training $(date +%T), $(left) s left"
 fi
 deadline=$(python3 -c "print(($(left) - 30 - $after) / 60)")
-python3 -m pipeline.cli record "$PROFILE" --params "$RECORD_PARAMS" --direct --device "$DEVICE" --stages train \
+python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --stages train \
   "${sized[@]}" --deadline "$deadline" || { echo "training failed"; [ "$after" = 0 ] || finish_timings; pack; exit 1; }
 [ "$after" = 0 ] || finish_timings
 
 if (( $(left) > EVAL_MIN )); then
   echo "== 4. evaluate on $DEVICE $(date +%T), $(left) s left"
-  python3 -m pipeline.cli record "$PROFILE" --params "$RECORD_PARAMS" --direct --device "$DEVICE" --stages evaluate &
+  python3 -m pipeline.cli record "$PROFILE" --direct --device "$DEVICE" --stages evaluate &
   pid=$!
   while kill -0 $pid 2>/dev/null; do
     if (( $(left) < 15 )); then echo "deadline: evaluation stopped"; kill $pid; rm -rf "recorded/$PROFILE"; break; fi

@@ -79,7 +79,7 @@ def shared(row: dict, procs: int, device: str, seconds: float, warmup: int) -> d
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--params", default=str(REPO / "params-paper.yaml"))
+    parser.add_argument("--params", default="paper", help="a profile's name or a params file")
     parser.add_argument("--task", default="gmm")
     parser.add_argument("--method", default="apg")
     parser.add_argument("--pair", type=int, nargs=2, default=(10, 10))
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return []
     from paper_scale import plan
 
-    found = plan(Path(args.params), [args.task], [args.method], [f"{args.pair[0]}x{args.pair[1]}"])
+    found = plan(args.params, [args.task], [args.method], [f"{args.pair[0]}x{args.pair[1]}"])
     if not found:
         raise SystemExit(f"{args.params} has no {args.task} {args.method} cell at K, L = {tuple(args.pair)}")
     rows = []

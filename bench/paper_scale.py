@@ -1,7 +1,8 @@
 """Benchmark: every cell of the paper's configuration at its per-step sizes, and what the
 full paper-scale run would cost.
 
-For each task of ``params-paper.yaml`` and each distinct (method, K, L) of its grid, a
+For each task of the ``paper`` profile (``profiles/paper.yaml``) and each distinct (method,
+K, L) of its grid, a
 fresh process builds the cell's trainer exactly as the sweep would (paper batch size,
 dataset sizes, networks, method options), trains it for a warm-up step and ``--steps``
 timed steps on ``B`` simulated datasets, and reports the median seconds per step and the
@@ -10,7 +11,7 @@ The training set's size on disk comes from the same simulated datasets (bytes pe
 in the params' storage dtype, times the paper's dataset count). The full cost is then
 cells x iterations x seconds per step, shown per row with its arithmetic.
 
-    python bench/paper_scale.py [--params params-paper.yaml] [--steps 3] [--threads 1]
+    python bench/paper_scale.py [--params paper] [--steps 3] [--threads 1]
         [--tasks gmm dgmm bmnist] [--methods apg rws-mlp] [--pairs 10x10] [--json OUT]
         [--markdown OUT] [--device cuda] [--compile] [--wait-for FILE]
 
@@ -55,16 +56,18 @@ def vm_hwm_mb() -> float:
 
 
 def plan(
-    params_file: Path,
+    params_file: str | Path,
     tasks: list[str] | None,
     methods: list[str] | None = None,
     pairs: list[str] | None = None,
 ) -> list[dict]:
     """One row per (task, method, K, L) of the grid: the cell's config and how many cells
-    (seeds, roles) of the grid share it; only ``methods`` and ``pairs`` ("KxL") if given."""
-    from pipeline.config import grid_cells, load_params
+    (seeds, roles) of the grid share it; only ``methods`` and ``pairs`` ("KxL") if given.
+    ``params_file``: a params file or a profile's name."""
+    from pipeline.config import grid_cells
+    from pipeline.profiles import load
 
-    params = load_params(params_file)
+    params = load(params_file)
     rows: dict[tuple, dict] = {}
     for task in tasks or params["tasks"]:
         section = params[task]
@@ -235,7 +238,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> str:
 
         machine = f"{torch.cuda.get_device_name(args.device)}, torch {torch.__version__}; host {machine}"
     meta = {
-        "params": os.path.relpath(args.params, REPO),
+        "params": os.path.relpath(args.params, REPO) if Path(args.params).is_file() else args.params,
         "steps": args.steps,
         "threads": args.threads,
         "device": args.device,
@@ -252,7 +255,7 @@ def write(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--params", default=str(REPO / "params-paper.yaml"))
+    parser.add_argument("--params", default="paper", help="a profile's name or a params file")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tasks", nargs="*", default=None)
@@ -277,7 +280,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             flush=True,
         )
         return []
-    rows = plan(Path(args.params), args.tasks, args.methods, args.pairs)
+    rows = plan(args.params, args.tasks, args.methods, args.pairs)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     done: list[dict] = []
     text = write(done, args)

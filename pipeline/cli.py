@@ -8,6 +8,7 @@ Subcommands::
     apg-pipeline evaluate --checkpoint ckpt.pt --data test.npz --sweeps 10 --particles 10 --out metrics.json
     apg-pipeline impute   --checkpoint ckpt.pt --data obs.npz --mask mask.npz --out imputed.npz \\
                           [--iterations 20 --sweeps 5 --particles 10 --fill sample|mean --network num_digits=2]
+    apg-pipeline config   --profile paper [--check] [--out params.yaml]   # a profile's params (profiles/)
     apg-pipeline sweep    --task gmm          # the DVC stages, with params.yaml
     apg-pipeline eval-sweep --task gmm
     apg-pipeline report
@@ -84,19 +85,40 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_smoke(args: argparse.Namespace) -> None:
+    from pipeline.profiles import load, params_file
     from pipeline.smoke import run_smoke, timing_table
 
-    times, total = run_smoke(Path(args.params), Path(args.dir))
-    print(f"\nsmoke profile {args.params}: dvc repro from scratch in {total / 60:.1f} min\n")
+    with params_file(load(args.params)) as path:
+        times, total = run_smoke(path, Path(args.dir))
+    print(f"\nsmoke run of {args.params}: dvc repro from scratch in {total / 60:.1f} min\n")
     print(timing_table(times, total))
 
 
+def cmd_config(args: argparse.Namespace) -> None:
+    from pipeline.profiles import dump, extends, resolve
+
+    params = resolve(args.profile, args.check)
+    variant = f"profiles/check/{args.profile}.yaml over " if args.check else ""
+    text = dump(
+        params,
+        f"apg-pipeline config --profile {args.profile}{' --check' if args.check else ''}: "
+        f"{variant}profiles/{args.profile}.yaml over {extends(args.profile)}, resolved.\n"
+        "Generated: edit the overlays in profiles/ (pipeline/profiles.py), not this.",
+    )
+    if args.out is None:
+        sys.stdout.write(text)
+        return
+    # Read before written: the base (params.yaml) is often the file replaced.
+    path = atomic_write(args.out, lambda tmp: tmp.write_text(text))
+    print(f"wrote {path}: profile {args.profile}")
+
+
 def cmd_record(args: argparse.Namespace) -> None:
-    from pipeline.recorded import profile_base, record
+    from pipeline.recorded import record
 
     record(
         args.profile,
-        Path(args.params or profile_base(args.profile)),
+        args.params,
         Path(args.dir) if args.dir else None,
         args.fresh,
         direct=args.direct,
@@ -316,14 +338,27 @@ def build_parser() -> argparse.ArgumentParser:
         "smoke", help="the whole pipeline from scratch on small params in a throwaway repo (minutes)"
     )
     smoke.add_argument(
-        "--params", default="params-smoke.yaml", help="params file to run (default: the smoke profile)"
+        "--params", default="smoke", help="a profile's name or a params file to run (default: smoke)"
     )
     smoke.add_argument("--dir", default="results/smoke", help="where the throwaway repo goes (replaced)")
     smoke.set_defaults(func=cmd_smoke)
 
+    config = sub.add_parser(
+        "config",
+        help="print a profile's params (its overlays in profiles/ laid over params.yaml), validated",
+    )
+    config.add_argument(
+        "--profile", required=True, help="smoke, paper, or a recorded profile (paper-gmm, ...)"
+    )
+    config.add_argument("--check", action="store_true", help="its check variant (profiles/check/)")
+    config.add_argument(
+        "--out", default=None, help="write to this file (params.yaml: the profile for dvc repro)"
+    )
+    config.set_defaults(func=cmd_config)
+
     rec = sub.add_parser(
         "record",
-        help="run a profile of params-paper.yaml (paper-gmm: GMM Table 1 at paper scale) and keep "
+        help="run a profile (profiles/; paper-gmm: GMM Table 1 at paper scale) and keep "
         "its results in recorded/ for the report; resumes a stopped run (not with --direct)",
     )
     rec.add_argument(
@@ -334,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     rec.add_argument(
         "--params",
         default=None,
-        help="the params the profile derives from (default: params.yaml for "
-        "replicate, params-paper.yaml for the others)",
+        help="a params file or profile laid under the profile in place of what it extends "
+        "(default: its overlay's extends: paper, or params.yaml for replicate)",
     )
     rec.add_argument("--dir", default=None, help="the sandbox repo (default runs/<profile>)")
     rec.add_argument("--fresh", action="store_true", help="start over instead of resuming")

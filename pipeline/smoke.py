@@ -1,7 +1,8 @@
 """``apg-pipeline smoke``: the whole pipeline from scratch on small params, in a throwaway repo.
 
-Copies the code, ``dvc.yaml`` and a params file (default ``params-smoke.yaml``: every
-task, every stage, minutes on 2 cores) into a fresh git + DVC repo under ``--dir``, runs
+Copies the code, ``dvc.yaml`` and a profile's params (default the ``smoke`` profile,
+``profiles/smoke.yaml``: every task, every stage, minutes on 2 cores) or a params file into a
+fresh git + DVC repo under ``--dir``, runs
 ``dvc repro`` there and prints the time each stage took. The project's own ``data/``,
 ``results/``, ``reports/`` and ``mlflow.db`` are never touched, so it is safe to run
 beside a full reproduction. CI runs it; use it to try a change before a full ``dvc repro``.

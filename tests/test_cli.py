@@ -425,7 +425,7 @@ def test_an_os_error_is_one_line_naming_the_path(files, tmp_path, capsys):
 def test_params_with_a_key_given_twice_are_refused(tmp_path):
     from pipeline.config import ParamsError, load_params
 
-    text = Path("params-smoke.yaml").read_text()
+    text = (Path(__file__).resolve().parents[1] / "params.yaml").read_text()
     doubled = text.replace("tasks:", "tasks: [gmm]\ntasks:", 1)
     (tmp_path / "p.yaml").write_text(doubled)
     with pytest.raises(ParamsError, match=r"key 'tasks' given twice \(lines \d+ and \d+\)"):

@@ -21,7 +21,7 @@ from pipeline import direct, recorded
 from pipeline.common import seed_everything
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = REPO / "params-smoke.yaml"
+SMOKE = "smoke"  # the profile laid under paper-gmm in place of the paper's sizes
 
 
 def gmm_job(tmp_path: Path, iterations: int, deadline: float | None) -> dict:
@@ -215,7 +215,7 @@ def test_direct_options_need_direct():
     with pytest.raises(ValueError, match="need --direct"):
         recorded.record("paper-gmm", SMOKE, minutes=1.0)
     with pytest.raises(ValueError, match="starts from gpu-bmnist's weights: run it with --direct"):
-        recorded.record("gpu-bmnist-3d", REPO / "params-paper.yaml", directory=Path("/nonexistent/box"))
+        recorded.record("gpu-bmnist-3d", directory=Path("/nonexistent/box"))
     with pytest.raises(ValueError, match="stages must be"):
         recorded.record("paper-gmm", SMOKE, direct=True, stages="sweep")
 
@@ -225,7 +225,7 @@ def test_direct_record_trains_to_the_clock_on_one_machine_and_evaluates_on_anoth
     # paper-gmm derived from the smoke profile, trained in one call and evaluated in another
     # (as a GPU machine trains and the CPU evaluates), with nothing but PyTorch in the way.
     env = {**os.environ, "APG_PROJECT_ROOT": str(tmp_path), "OMP_NUM_THREADS": "1", "APG_COMMIT": "c0ffee1"}
-    base = [sys.executable, "-m", "pipeline.cli", "record", "paper-gmm", "--params", str(SMOKE), "--direct"]
+    base = [sys.executable, "-m", "pipeline.cli", "record", "paper-gmm", "--params", SMOKE, "--direct"]
     proc = subprocess.run(
         [*base, "--stages", "train", "--minutes", "0.1"],
         cwd=tmp_path,

@@ -302,11 +302,10 @@ def test_sweep_stage_fails_before_ray_starts(tmp_path, capsys):
     assert not ray.is_initialized()
 
 
-@pytest.mark.parametrize("name", ["params.yaml", "params-paper.yaml"])
-def test_committed_params_files_are_valid(name):
+def test_committed_params_file_is_valid():
     from pipeline.config import load_params
 
-    params = load_params(REPO / name)
+    params = load_params(REPO / "params.yaml")  # the profiles: tests/test_config_overlays.py
     assert all(grid_cells(params, task) for task in params["tasks"])
 
 
@@ -664,7 +663,9 @@ def test_sweep_progress_counts_cells_and_estimates_the_time_left(capsys):
 
 def test_smoke_profile_mirrors_the_defaults():
     # The smoke profile is only worth running if it exercises what params.yaml runs.
-    full, smoke = (yaml.safe_load((REPO / name).read_text()) for name in ("params.yaml", "params-smoke.yaml"))
+    from pipeline.profiles import resolve
+
+    full, smoke = yaml.safe_load((REPO / "params.yaml").read_text()), resolve("smoke")
     assert smoke["tasks"] == full["tasks"]
     assert set(smoke["sweep"]) == set(full["sweep"])
     for task in full["tasks"]:
@@ -678,7 +679,7 @@ def test_smoke_profile_mirrors_the_defaults():
 def test_a_sandbox_replaces_only_a_sandbox(tmp_path):
     from pipeline.smoke import MARKER, make_sandbox
 
-    params = REPO / "params-smoke.yaml"
+    params = REPO / "params.yaml"
     kept = tmp_path / "kept"
     kept.mkdir()
     (kept / "notes.txt").write_text("precious")
@@ -713,12 +714,14 @@ def test_smoke_profile_runs_every_stage_of_every_task_from_scratch(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    tasks = yaml.safe_load((REPO / "params-smoke.yaml").read_text())["tasks"]
+    from pipeline.profiles import resolve
+
+    tasks = resolve("smoke")["tasks"]
     for task in tasks:
         for stage in ("generate", "sweep", "evaluate"):
             assert f"`{stage}@{task}`" in proc.stdout, (stage, task)
         assert f"sweep {task}: " in proc.stdout  # progress lines
-    assert "smoke profile params-smoke.yaml: dvc repro from scratch in" in proc.stdout
+    assert "smoke run of smoke: dvc repro from scratch in" in proc.stdout
     report = (box / "reports" / "README.md").read_text()
     assert "Claims of the paper" in report
     from pipeline import provenance

@@ -1,5 +1,5 @@
-"""Recorded runs (``apg-pipeline record``): profiles of the paper's params, the resumable
-sandbox, what is kept, and the report's section."""
+"""Recorded runs (``apg-pipeline record``): profiles of the paper's params (overlays in
+``profiles/``), the resumable sandbox, what is kept, and the report's section."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import provenance, recorded, stages
-from pipeline.config import grid_cells, load_params
+from pipeline import profiles, provenance, recorded, stages
+from pipeline.config import grid_cells
 
 REPO = Path(__file__).resolve().parents[1]
-PAPER = REPO / "params-paper.yaml"
+RECORDED_PROFILES = sorted(set(profiles.profile_names()) - {"smoke", "paper"})
+TABLE1_METHODS = ("apg", "rws-mlp", "rws-lstm")  # section 5.1: the methods the paper compares
+
+
+def load_paper() -> dict:
+    return profiles.resolve("paper")
 
 
 def cell_keys(params: dict, task: str) -> set[tuple]:
@@ -26,13 +31,13 @@ def cell_keys(params: dict, task: str) -> set[tuple]:
 @pytest.mark.parametrize(
     "profile",
     sorted(
-        set(recorded.PROFILES)
-        - {"gpu-bmnist", "gpu-bmnist-3d", "gpu-bmnist-compiled", "gpu-gmm", "paper-gmm-std"}
+        set(RECORDED_PROFILES)
+        - {"gpu-bmnist", "gpu-bmnist-3d", "gpu-bmnist-compiled", "gpu-gmm", "paper-gmm-std", "replicate"}
     ),
 )
 def test_profiles_keep_the_papers_per_step_sizes(profile):
-    paper = load_params(PAPER)
-    derived = recorded.derive(profile, PAPER)
+    paper = load_paper()
+    derived = recorded.derive(profile)
     for task in derived["tasks"]:
         ours, theirs = derived[task], paper[task]
         for key in ("model", "network"):
@@ -51,7 +56,7 @@ def test_profiles_keep_the_papers_per_step_sizes(profile):
 
 
 def test_paper_check_runs_every_cell_of_the_paper_for_a_few_steps():
-    paper, check = load_params(PAPER), recorded.derive("paper-check", PAPER)
+    paper, check = load_paper(), recorded.derive("paper-check")
     assert check["tasks"] == paper["tasks"]
     for task in paper["tasks"]:
         assert cell_keys(check, task) == cell_keys(paper, task)
@@ -60,10 +65,10 @@ def test_paper_check_runs_every_cell_of_the_paper_for_a_few_steps():
 
 
 def test_paper_gmm_is_table_1_at_the_papers_training_length():
-    paper, run = load_params(PAPER), recorded.derive("paper-gmm", PAPER)
+    paper, run = load_paper(), recorded.derive("paper-gmm")
     cells = {c.method: c for c in grid_cells(run, "gmm")}
     assert set(cells) == {"apg", "rws-mlp", "rws-lstm", "gibbs"}
-    for method in recorded.TABLE1_METHODS:
+    for method in TABLE1_METHODS:
         assert (cells[method].sweeps, cells[method].particles) == (10, 10)
         assert cells[method].train.iterations == paper["gmm"]["train"]["iterations"] == 200_000
         assert cells[method].seed == 0
@@ -73,7 +78,7 @@ def test_paper_gmm_is_table_1_at_the_papers_training_length():
 
 
 def test_paper_gmm_std_is_paper_gmms_apg_on_standardized_offsets():
-    narrow, std = recorded.derive("paper-gmm", PAPER), recorded.derive("paper-gmm-std", PAPER)
+    narrow, std = recorded.derive("paper-gmm"), recorded.derive("paper-gmm-std")
     assert std["gmm"]["network"] == {**narrow["gmm"]["network"], "c_inputs": "standardized"}
     cells = {c.method: c for c in grid_cells(std, "gmm")}
     apg = {c.method: c for c in grid_cells(narrow, "gmm")}["apg"]
@@ -92,11 +97,7 @@ def test_paper_gmm_std_is_paper_gmms_apg_on_standardized_offsets():
 
 
 def test_gpu_gmm_is_table_1_compiled_four_trials_to_a_gpu():
-    paper, std, run = (
-        load_params(PAPER),
-        recorded.derive("paper-gmm-std", PAPER),
-        recorded.derive("gpu-gmm", PAPER),
-    )
+    paper, std, run = load_paper(), recorded.derive("paper-gmm-std"), recorded.derive("gpu-gmm")
     cells = grid_cells(run, "gmm")
     trained = [c for c in cells if c.method != "gibbs"]
     assert sorted((c.method, c.seed) for c in trained) == [
@@ -112,15 +113,18 @@ def test_gpu_gmm_is_table_1_compiled_four_trials_to_a_gpu():
     # four trials to a GPU, every step compiled where the method allows it
     assert run["sweep"]["gpus_per_trial"] == 0.25 and len(trained) == 4
     assert {c.method for c in trained if c.train.compile} == {"apg", "rws-mlp"}
+    # a tenth of the paper's iterations, at params.yaml's gmm schedule
+    default = yaml.safe_load((REPO / "params.yaml").read_text())["gmm"]["train"]
+    schedule = {k: default[k] for k in ("lr", "lr_schedule", "lr_final_factor", "lr_hold_fraction")}
     for c in trained:
-        assert c.train.iterations == recorded.GPU_GMM_ITERATIONS
-        assert {k: getattr(c.train, k) for k in recorded.GPU_GMM_SCHEDULE} == recorded.GPU_GMM_SCHEDULE
+        assert c.train.iterations == 20_000
+        assert {k: getattr(c.train, k) for k in schedule} == schedule
     assert [c.train.iterations for c in cells if c.method == "gibbs"] == [0]
     assert "compiled" in run["report"]["scale"]
 
 
 def test_gpu_bmnist_keeps_the_papers_budgets_and_test_sets_and_trains_on_one_digit():
-    paper, run = load_params(PAPER), recorded.derive("gpu-bmnist", PAPER)
+    paper, run = load_paper(), recorded.derive("gpu-bmnist")
     ours, theirs = run["bmnist"], paper["bmnist"]
     assert run["tasks"] == ["bmnist"]
     assert (
@@ -142,17 +146,13 @@ def test_gpu_bmnist_keeps_the_papers_budgets_and_test_sets_and_trains_on_one_dig
     assert [t["network"] for t in ours["data"]["tests"]] == [t["network"] for t in theirs["data"]["tests"]]
     assert all(0 < t["num_datasets"] <= 20 for t in ours["data"]["tests"])
     assert ours["evaluate"]["pairs"] == [[5, 10]]
-    check = recorded.derive("gpu-bmnist", PAPER, check=True)
+    check = recorded.derive("gpu-bmnist", check=True)
     assert all(c.train.iterations <= recorded.CHECK_ITERATIONS for c in grid_cells(check, "bmnist"))
     assert len(check["bmnist"]["data"]["tests"]) == 1
 
 
 def test_gpu_bmnist_3d_trains_the_papers_three_digit_videos_from_gpu_bmnists_cells():
-    paper, first, run = (
-        load_params(PAPER),
-        recorded.derive("gpu-bmnist", PAPER),
-        recorded.derive("gpu-bmnist-3d", PAPER),
-    )
+    paper, first, run = load_paper(), recorded.derive("gpu-bmnist"), recorded.derive("gpu-bmnist-3d")
     ours, theirs = run["bmnist"], paper["bmnist"]
     assert recorded.STARTS_FROM["gpu-bmnist-3d"] == "gpu-bmnist"
     # The paper's training videos and networks (three digits), its K, L, B and test sets.
@@ -167,9 +167,13 @@ def test_gpu_bmnist_3d_trains_the_papers_three_digit_videos_from_gpu_bmnists_cel
 
 
 def test_gpu_bmnist_compiled_is_gpu_bmnist_with_every_step_that_compiles_compiled():
-    first, run = recorded.derive("gpu-bmnist", PAPER), recorded.derive("gpu-bmnist-compiled", PAPER)
+    from apg.baselines import METHODS
+
+    first, run = recorded.derive("gpu-bmnist"), recorded.derive("gpu-bmnist-compiled")
     compiled = {c.method: c.train.compile for c in grid_cells(run, "bmnist")}
     assert compiled == {"apg": True, "rws-mlp": True, "avf": False}
+    # eager exactly where the method cannot compile (the overlay states it; the methods know it)
+    assert {m: not METHODS[m].not_compiled_because for m in compiled} == compiled
     assert not any(c.train.compile for c in grid_cells(first, "bmnist"))
     # Otherwise the same run: data, networks, schedule and cells.
     for key in ("data", "network", "model", "evaluate"):
@@ -179,24 +183,23 @@ def test_gpu_bmnist_compiled_is_gpu_bmnist_with_every_step_that_compiles_compile
 
 
 def test_an_unknown_profile_is_a_one_line_error():
-    with pytest.raises(
-        ValueError, match="unknown profile 'nope'; known: paper-gmm, paper-gmm-std, paper-check"
-    ):
-        recorded.derive("nope", PAPER)
+    with pytest.raises(ValueError, match="unknown profile 'nope'; known: gpu-bmnist, gpu-bmnist-3d"):
+        recorded.derive("nope")
 
 
 def test_a_sandbox_is_resumed_only_by_the_code_and_params_that_made_it(tmp_path):
     box = tmp_path / "box"
-    _, first = recorded.sandbox_for("paper-gmm", PAPER, box, fresh=False)
+    _, first = recorded.sandbox_for("paper-gmm", None, box, fresh=False)
     assert first["code_digest"] == {"gmm": stages.code_digest("sweep", "gmm", stages.package_root())}
-    _, again = recorded.sandbox_for("paper-gmm", PAPER, box, fresh=False)
+    assert first["base"] == "profiles/paper.yaml"
+    _, again = recorded.sandbox_for("paper-gmm", None, box, fresh=False)
     assert again["resumed"] == 1 and again["started"] == first["started"]
     with pytest.raises(ValueError, match="started by other code or params"):
-        recorded.sandbox_for("paper-gmm", REPO / "params-smoke.yaml", box, fresh=False)
+        recorded.sandbox_for("paper-gmm", "smoke", box, fresh=False)
     other = tmp_path / "other"
     other.mkdir()
     with pytest.raises(ValueError, match="not a recorded run's sandbox"):
-        recorded.sandbox_for("paper-gmm", PAPER, other, fresh=False)
+        recorded.sandbox_for("paper-gmm", None, other, fresh=False)
 
 
 @pytest.mark.slow
@@ -216,7 +219,7 @@ def test_record_keeps_a_run_that_the_report_shows_without_retraining(tmp_path):
         "record",
         "paper-gmm",
         "--params",
-        str(REPO / "params-smoke.yaml"),
+        "smoke",
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -257,16 +260,17 @@ def test_the_report_has_no_recorded_section_without_recorded_runs(tmp_path):
 
 
 def test_the_replicate_profile_moves_every_seed_and_its_check_keeps_the_imputed_set():
-    from pipeline.recorded import REPLICATE_SEED_OFFSET, derive, profile_base
-
-    base = REPO / profile_base("replicate")
-    assert base.name == "params.yaml"
-    defaults = yaml.safe_load(base.read_text())
-    params = derive("replicate", base)
+    assert profiles.extends("replicate") == "params.yaml"
+    defaults = yaml.safe_load((REPO / "params.yaml").read_text())
+    params = recorded.derive("replicate")
     for task in defaults["tasks"]:
         for entry, moved in zip(defaults[task]["grid"], params[task]["grid"], strict=True):
-            assert moved["seeds"] == [s + REPLICATE_SEED_OFFSET for s in entry["seeds"]]
+            assert moved["seeds"] == [s + 100 for s in entry["seeds"]]
+            assert {**moved, "seeds": entry["seeds"]} == entry  # the grid restated, seeds apart
         assert params[task]["data"] == defaults[task]["data"]  # the same data and held-out sets
-    checked = derive("replicate", base, check=True)
+    assert {k: v for k, v in params.items() if k not in defaults["tasks"] + ["report"]} == {
+        k: v for k, v in defaults.items() if k not in defaults["tasks"] + ["report"]
+    }
+    checked = recorded.derive("replicate", check=True)
     names = [t["name"] for t in checked["bmnist"]["data"]["tests"]]
     assert names == ["T5_D1", defaults["bmnist"]["evaluate"]["imputation"]["test_set"]]
