@@ -87,7 +87,7 @@ def paper_gmm(paper: dict[str, Any]) -> dict[str, Any]:
 
 def paper_gmm_std(paper: dict[str, Any]) -> dict[str, Any]:
     """``paper-gmm``'s APG cell (beside exact Gibbs) with the assignment network reading
-    standardized offsets, ``network.c_inputs: standardized`` (apg/tasks/gmm.py,
+    standardized offsets, ``network.c_inputs: standardized`` (apg/tasks/gmm/proposals.py,
     AssignmentProposal): the one profile whose networks depart from the paper's settings, in
     their inputs only (width and layers are Appendix E's), and its report says so. With raw
     offsets, paper-gmm's inclusive KL of {c} was ~0.03 (the paper: 0.004). Its RWS baselines

@@ -1,7 +1,9 @@
-"""Task registry: a task is one module here that defines ``TASK`` (an ``apg.blocks.TaskSpec``).
+"""Task registry: a task is one package here whose ``__init__`` defines ``TASK`` (an
+``apg.blocks.TaskSpec``).
 
-Modules are imported on first use, so a task's heavy dependencies (MNIST files, say)
-cost nothing to the others. Adding a task is one module plus one line below.
+Packages are imported on first use, so a task's heavy dependencies (MNIST files, say)
+cost nothing to the others. Adding a task is one package plus one line below (and its
+params section).
 """
 
 from __future__ import annotations
