@@ -3,8 +3,8 @@ public names.
 
 Modules: ``config`` (sizes, hyperparameters, block names), ``likelihood`` (placing digits,
 the frames' likelihood, correlations), ``model`` (the generative model), ``simulator``
-(bouncing videos), ``proposals`` (the networks), ``metrics`` (tracking error), ``plots``
-(frames with boxes, GIFs).
+(bouncing videos), ``proposals`` (the networks), ``metrics`` (tracking error),
+``imputation`` (occlusions hidden and scored), ``plots`` (frames with boxes, GIFs).
 
 Legend: L particles, B videos, T frames, D digits, H canvas side.
 Data ``x``: ``(B, T, H, H)`` in [0, 1].
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from apg.blocks import TaskSpec
 from apg.tasks.bmnist.config import CANVAS, DIGIT, FRAME_CHUNK, BMNISTConfig, stack_where, where_key
+from apg.tasks.bmnist.imputation import IMPUTATION, occlusion_mask, occlusion_name
 from apg.tasks.bmnist.likelihood import (
     blend,
     correlate,
@@ -24,7 +25,15 @@ from apg.tasks.bmnist.likelihood import (
     place,
     render,
 )
-from apg.tasks.bmnist.metrics import TRACK_TOLERANCE_PX, ink_centres, position_errors
+from apg.tasks.bmnist.metrics import (
+    TRACK,
+    TRACK_TOLERANCE_PX,
+    ink_centres,
+    position_errors,
+    position_truth,
+    tracked_positions,
+    tracking_errors,
+)
 from apg.tasks.bmnist.model import BouncingMNIST, Decoder, build_model, reconstruct, sample_data
 from apg.tasks.bmnist.plots import animate, draw
 from apg.tasks.bmnist.proposals import (
@@ -47,6 +56,8 @@ TASK = TaskSpec(
     sample_data=sample_data,
     draw=draw,
     animate=animate,
+    tracking=TRACK,
+    imputation=IMPUTATION,
 )
 
 __all__ = [
@@ -58,7 +69,9 @@ __all__ = [
     "Decoder",
     "ExplainingAwayWhere",
     "FRAME_CHUNK",
+    "IMPUTATION",
     "TASK",
+    "TRACK",
     "TRACK_TOLERANCE_PX",
     "WhatNet",
     "WhereNet",
@@ -72,9 +85,12 @@ __all__ = [
     "draw",
     "frame_log_likelihood",
     "ink_centres",
+    "occlusion_mask",
+    "occlusion_name",
     "pixel_offsets",
     "place",
     "position_errors",
+    "position_truth",
     "reconstruct",
     "reflect",
     "render",
@@ -82,5 +98,7 @@ __all__ = [
     "simulate",
     "simulate_trajectories",
     "stack_where",
+    "tracked_positions",
+    "tracking_errors",
     "where_key",
 ]

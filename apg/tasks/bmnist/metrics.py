@@ -1,4 +1,5 @@
-"""Tracking error: inferred digit positions against the simulator's.
+"""Tracking error: inferred digit positions against the simulator's (``TRACK``, the task's
+``TrackingSpec``).
 
 Legend: L particles, B videos, T frames, F a subset (chunk) of frames, D digits,
 H canvas side (96), S digit side (28), P = (S + 1)^2 patch pixels, Z = 10 (z_what dim).
@@ -9,12 +10,14 @@ Data ``x``: ``(B, T, H, H)`` in [0, 1].
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from apg.tasks.bmnist.config import BMNISTConfig
+from apg.blocks import TrackingSpec
+from apg.tasks.bmnist.config import BMNISTConfig, stack_where
 
 # A frame is "tracked" when every digit is within this many pixels of its true position.
 TRACK_TOLERANCE_PX = 3.0
@@ -113,3 +116,33 @@ def position_errors(
         "swapped": (tracked_frame & ~tracked).double().mean(1).numpy(),
         **out,
     }
+
+
+def position_truth(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The simulator's digit positions ``z_where (M, T, D, 2)`` and the ink centres of its
+    digits ``centres (M, D, 2)`` from a held-out video file's arrays."""
+    if "centres" not in arrays:
+        raise ValueError("has no digit centres: it was made by an older generate")
+    return {"z_where": arrays["z_where"], "centres": arrays["centres"]}
+
+
+def tracked_positions(model, x: Tensor, z: Mapping[str, Tensor]) -> dict[str, np.ndarray]:
+    """The boxes ``z_where (B, T, D, 2)`` and the decoded digits' ink centres
+    ``centres (B, D, 2)`` of one particle per video, ``z`` shaped ``(1, B, ...)``; videos
+    ``x (B, T, H, H)`` give the number of frames."""
+    with torch.no_grad():
+        where = stack_where(z, x.shape[1])[0]
+        centres = ink_centres(model.templates(z["z_what"])[0])
+    return {"z_where": where.cpu().numpy(), "centres": centres.cpu().numpy()}
+
+
+def tracking_errors(
+    truth: Mapping[str, np.ndarray], positions: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``position_errors`` of ``tracked_positions`` against ``position_truth``, per video."""
+    return position_errors(
+        truth["z_where"], positions["z_where"], true_centres=truth["centres"], centres=positions["centres"]
+    )
+
+
+TRACK = TrackingSpec(position_truth, tracked_positions, tracking_errors, pictured=("z_where",))

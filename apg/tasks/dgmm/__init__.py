@@ -23,7 +23,7 @@ from apg.tasks.dgmm.distributions import (
     sample_von_mises,
     von_mises_log_prob,
 )
-from apg.tasks.dgmm.metrics import true_ring_log_joint
+from apg.tasks.dgmm.metrics import common_log_joint, true_ring_log_joint
 from apg.tasks.dgmm.model import (
     DATA_DIM,
     DGMM,
@@ -51,6 +51,7 @@ TASK = TaskSpec(
     reconstruct=reconstruct,
     sample_data=sample_data,
     draw=draw,
+    common_log_joint=common_log_joint,
 )
 
 __all__ = [
@@ -70,6 +71,7 @@ __all__ = [
     "assigned_centres",
     "build_model",
     "build_proposals",
+    "common_log_joint",
     "draw",
     "gaussian_mu",
     "pool_assigned",

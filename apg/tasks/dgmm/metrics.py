@@ -6,11 +6,14 @@ Legend: M datasets, N points, I clusters.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from apg.tasks.dgmm.model import DATA_DIM, TWO_PI
+from apg.tasks.dgmm.model import DATA_DIM, TWO_PI, DGMMConfig
 
 
 def true_ring_log_joint(
@@ -36,3 +39,21 @@ def true_ring_log_joint(
     per_point = -(rho**2 + radius**2) / (2 * s2) + bessel - math.log(TWO_PI * s2) - math.log(num_clusters)
     prior_mu = (-0.5 * (mu / sigma0) ** 2 - math.log(sigma0) - 0.5 * math.log(TWO_PI)).sum((-2, -1))
     return prior_mu + per_point.sum(-1)
+
+
+def common_log_joint(
+    arrays: Mapping[str, np.ndarray],
+    particle: Mapping[str, np.ndarray],
+    model_hparams: Mapping[str, Any],
+    sizes: Mapping[str, Any],
+) -> np.ndarray:
+    """``TaskSpec.common_log_joint``: per-dataset ``log p(x, mu, c)`` ``(M,)`` of a particle's
+    centres and assignments under the rings' true generative model (the simulator's circles
+    of the set's ``radius``, the model's noise and prior; angles integrated out:
+    ``true_ring_log_joint``), the same model for every method, whatever ring shape each
+    learned."""
+    cfg = DGMMConfig(**model_hparams)
+    x, mu = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (arrays["x"], particle["mu"]))
+    c = torch.from_numpy(particle["c"].astype(np.int64))
+    radius = float(sizes.get("radius", 2.0))
+    return true_ring_log_joint(x, mu, c, cfg.num_clusters, cfg.sigma0, radius, cfg.noise).numpy()

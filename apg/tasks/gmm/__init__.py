@@ -2,7 +2,8 @@
 
 Modules: ``model`` (the generative model, its simulator and the exact Gibbs kernels),
 ``conjugate`` (the NormalGamma family and the exact assignment logits), ``proposals`` (the
-neural-sufficient-statistics networks), ``plots`` (sample pictures).
+neural-sufficient-statistics networks), ``metrics`` (the best-possible assignments),
+``imputation`` (held-out coordinates hidden and scored), ``plots`` (sample pictures).
 
 Legend: L particles, B datasets, N points, I clusters, D data dimensions.
 Data ``x``: ``(B, N, D)``.
@@ -26,6 +27,8 @@ from apg.tasks.gmm.conjugate import (
     normal_gamma_from_sums,
     normal_gamma_posterior,
 )
+from apg.tasks.gmm.imputation import IMPUTATION, hidden_coordinates, oracle_imputation
+from apg.tasks.gmm.metrics import bayes_assignments
 from apg.tasks.gmm.model import GMM, ExactGibbs, GMMConfig, build_model, one_hot_points_last, sample_data
 from apg.tasks.gmm.plots import draw
 from apg.tasks.gmm.proposals import (
@@ -53,11 +56,14 @@ TASK = TaskSpec(
     exact_gibbs=ExactGibbs,
     sample_data=sample_data,
     draw=draw,
+    assignment_ceiling=bayes_assignments,
+    imputation=IMPUTATION,
 )
 
 __all__ = [
     "C_INPUTS",
     "GMM",
+    "IMPUTATION",
     "TASK",
     "AssignmentProposal",
     "ExactGibbs",
@@ -68,16 +74,19 @@ __all__ = [
     "NormalGammaFromSums",
     "assignment_logits",
     "assignment_posterior",
+    "bayes_assignments",
     "build_model",
     "build_proposals",
     "cluster_moments",
     "cluster_sums",
     "draw",
+    "hidden_coordinates",
     "moments_from_sums",
     "normal_gamma_from_moments",
     "normal_gamma_from_sums",
     "normal_gamma_posterior",
     "one_hot_points_last",
+    "oracle_imputation",
     "sample_data",
     "simulate",
 ]
