@@ -17,7 +17,7 @@ _MODULES = {"gmm": "apg.tasks.gmm", "dgmm": "apg.tasks.dgmm", "bmnist": "apg.tas
 
 
 def task_names() -> list[str]:
-    """Names of the registered tasks whose module is present."""
+    """Names of the registered tasks whose package is present."""
     return [name for name, module in _MODULES.items() if importlib.util.find_spec(module) is not None]
 
 

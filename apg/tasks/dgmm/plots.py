@@ -1,4 +1,7 @@
-"""Pictures of the rings: one dataset with one sample of its latents (Figure 1)."""
+"""Pictures of the rings: one dataset with one sample of its latents (Figure 1).
+
+Legend: N points, I clusters; numpy arrays of one dataset (no particle or batch dims).
+"""
 
 from __future__ import annotations
 
