@@ -216,6 +216,54 @@ def check_particles(name: str, t: Tensor, num_particles: int, batch: int) -> Non
         raise ValueError(f"{name} must be shaped (L={num_particles}, B={batch}, ...), got {tuple(t.shape)}")
 
 
+class TrackingSpec(NamedTuple):
+    """What a task whose latents place objects in its data (Bouncing MNIST) adds to held-out
+    evaluation: per-dataset errors of the positions one particle infers.
+
+    Attributes
+    ----------
+    truth: ``(arrays) -> {name: array}``: from a held-out file's arrays, the simulator's
+        positions the errors are measured against; raises ``ValueError`` with the reason
+        (not naming the file) when the file lacks them.
+    positions: ``(model, x, z) -> {name: array}``: the positions that one particle per
+        dataset infers, numpy arrays with leading dim B; ``x (B, ...)`` the data, ``z`` the
+        particle shaped ``(1, B, ...)``.
+    errors: ``(truth, positions) -> {metric: (M,)}``: per-dataset errors of ``M`` datasets'
+        positions against their truth.
+    pictured: the names of ``truth``'s entries that are latents too, which sample pictures
+        draw beside the inferred ones.
+    """
+
+    truth: Callable[[Mapping[str, Any]], dict[str, Any]]
+    positions: Callable[..., dict[str, Any]]
+    errors: Callable[[Mapping[str, Any], Mapping[str, Any]], dict[str, Any]]
+    pictured: tuple[str, ...] = ()
+
+
+class ImputationSpec(NamedTuple):
+    """How a task's held-out evaluation hides entries of its data and scores their imputation
+    (``apg.imputation``); ``settings`` is the task's imputation settings (a mapping of keys
+    such as ``fraction`` or ``occlusions``, as the pipeline's params give them).
+
+    Attributes
+    ----------
+    masks: ``(settings, x) -> [(setting, mask)]``: the entries each setting hides, ``mask``
+        bool shaped like ``x (M, ...)``; ``setting`` names it in tables.
+    scores: ``(settings, x, mask, arrays, model, result) -> [(metric, (M,), iteration)]``: the
+        errors of one chain's imputation (``result``: ``apg.imputation.Imputation``) against
+        ``x``'s hidden entries, in the order they are recorded; ``arrays`` are the held-out
+        file's (the truth beside ``x``, first ``M`` rows).
+    check: optional ``(settings, model_hparams, test_set, where) -> None``: raise
+        ``ValueError`` (one line, naming the key under ``where``) for settings that do not
+        fit the model or the held-out set (a mapping with its ``name`` and simulator
+        ``sizes``).
+    """
+
+    masks: Callable[..., list[tuple[str, Tensor]]]
+    scores: Callable[..., list[tuple[str, Any, int]]]
+    check: Callable[..., None] | None = None
+
+
 class TaskSpec(NamedTuple):
     """What the rest of the package needs to know about a task (one per task module).
 
@@ -244,6 +292,15 @@ class TaskSpec(NamedTuple):
         the report uses it for Figure 1/3-style sample pictures.
     animate: optional ``(model, x, z) -> uint8 array (frames, H, W, 3)`` for one dataset
         and one sample (torch, no particle or batch dims); the report writes it as a GIF.
+    assignment_ceiling: optional ``(arrays) -> (M, N)``: the best-possible assignments of a
+        held-out file's points from its true parameters (its arrays); enables the
+        ``ari_ceiling`` metric.
+    common_log_joint: optional ``(arrays, particle, model_hparams, sizes) -> (M,)``: the
+        log joint of one particle per dataset (numpy dict, ``(M, ...)`` each) under one model
+        common to every method (the simulator's), for tasks whose cells learn their own
+        generative model; enables the ``log_joint_true`` metric.
+    tracking: optional ``TrackingSpec``: position errors of the objects the latents place.
+    imputation: optional ``ImputationSpec``: the hidden entries held-out imputation scores.
     """
 
     name: str
@@ -257,3 +314,7 @@ class TaskSpec(NamedTuple):
     sample_data: Callable[..., Tensor] | None = None
     draw: Callable[..., None] | None = None
     animate: Callable[..., Any] | None = None
+    assignment_ceiling: Callable[[Mapping[str, Any]], Any] | None = None
+    common_log_joint: Callable[..., Any] | None = None
+    tracking: TrackingSpec | None = None
+    imputation: ImputationSpec | None = None

@@ -66,7 +66,7 @@ def videos(count: int, frames: int, digits: int, seed: int) -> dict[str, torch.T
 def peak(args) -> None:
     data = videos(args.videos, args.frames, args.digits, args.seed)
     x, truth = data["x"], data["z_where"]
-    tmpl = bmnist._mean_digit_blob()
+    tmpl = bmnist.proposals._mean_digit_blob()
     size = tmpl.shape[-1]
     auto = F.conv2d(F.pad(tmpl, (size - 1,) * 4)[None, None], tmpl[None, None])[0, 0]
     corr = F.conv2d(x.reshape(-1, 1, 96, 96), tmpl[None, None])[:, 0]  # (M T, 69, 69)

@@ -196,46 +196,6 @@ def final_particle(
     return {name: np.concatenate(parts) for name, parts in chunks.items()}
 
 
-def gmm_bayes_assignments(arrays: dict[str, np.ndarray]) -> np.ndarray:
-    """``argmax_i p(c_n = i | x_n, mu, tau)`` at the true ``mu, tau`` of each dataset, ``(M, N)``:
-    the best any sampler can do per point (the prior on ``c`` is uniform, so the
-    likelihood decides)."""
-    from apg.tasks.gmm import assignment_logits
-
-    x, mu, tau = (torch.from_numpy(arrays[k]).to(torch.float64) for k in ("x", "mu", "tau"))
-    return assignment_logits(x, mu[None], tau[None])[0].argmax(-1).numpy()
-
-
-# Tasks whose held-out files hold enough truth for a best-possible assignment rule.
-# (A ``TaskSpec`` hook would be the natural home; the rings would need their true ring
-# shape, which the simulator fixes but the model learns.)
-ASSIGNMENT_CEILINGS = {"gmm": gmm_bayes_assignments}
-
-
-def rings_common_log_joint(
-    arrays: dict[str, np.ndarray],
-    particle: dict[str, np.ndarray],
-    model_hparams: dict[str, Any],
-    sizes: dict[str, Any],
-) -> np.ndarray:
-    """Per-dataset ``log p(x, mu, c)`` ``(M,)`` of a particle's centres and assignments under
-    the rings' true generative model (the simulator's circles of the set's ``radius``, the
-    model's noise and prior; angles integrated out: ``apg.tasks.dgmm.true_ring_log_joint``),
-    the same model for every method, whatever ring shape each learned."""
-    from apg.tasks.dgmm import DGMMConfig, true_ring_log_joint
-
-    cfg = DGMMConfig(**model_hparams)
-    x, mu = (torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in (arrays["x"], particle["mu"]))
-    c = torch.from_numpy(particle["c"].astype(np.int64))
-    radius = float(sizes.get("radius", 2.0))
-    return true_ring_log_joint(x, mu, c, cfg.num_clusters, cfg.sigma0, radius, cfg.noise).numpy()
-
-
-# Tasks whose inferred latents are also scored under one model common to every method
-# (``log_joint_true``): the rings, whose ring shape each cell learns for itself.
-COMMON_MODEL_SCORES = {"dgmm": rings_common_log_joint}
-
-
 def ari_scores(true_c: np.ndarray, pred_c: np.ndarray | None) -> np.ndarray:
     """Per-dataset ARI ``(M,)`` of ``pred_c (M, N)`` against ``true_c (M, N)``; NaN when
     there are no predicted assignments."""
@@ -252,7 +212,7 @@ def latent_truth(task: str, path: Path) -> dict[str, Any] | None:
     if "c" not in arrays:
         return None
     true_c = arrays["c"].astype(np.int64)
-    rule = ASSIGNMENT_CEILINGS.get(task)
+    rule = get_task(task).assignment_ceiling
     return {"arrays": arrays, "c": true_c, "ari_ceiling": ari_scores(true_c, rule(arrays)) if rule else None}
 
 
@@ -265,8 +225,8 @@ def particle_scores(
 ) -> dict[str, np.ndarray]:
     """Final metrics ``(M,)`` of the highest-weight particles (``final_particle``) against the
     truth (``latent_truth``): ``ari``; ``centre_err`` (``apg.metrics.matched_centre_error``)
-    when both hold centres ``mu``; ``log_joint_true`` for the tasks of
-    ``COMMON_MODEL_SCORES``; ``ari_ceiling`` where the task has one. NaN where the
+    when both hold centres ``mu``; ``log_joint_true`` for the tasks with a
+    ``TaskSpec.common_log_joint``; ``ari_ceiling`` where the task has one. NaN where the
     particles lack what a metric reads."""
     size = len(truth["c"])
     scores = {"ari": ari_scores(truth["c"], None if particle is None else particle["c"])}
@@ -278,12 +238,11 @@ def particle_scores(
                 for a in (truth["arrays"]["mu"], particle["mu"])
             )
             scores["centre_err"] = matched_centre_error(true_mu, mu).numpy()
-    if task in COMMON_MODEL_SCORES:
+    common_log_joint = get_task(task).common_log_joint
+    if common_log_joint is not None:
         scores["log_joint_true"] = np.full(size, np.nan)
         if particle is not None and "mu" in particle:
-            scores["log_joint_true"] = COMMON_MODEL_SCORES[task](
-                truth["arrays"], particle, model_hparams, sizes
-            )
+            scores["log_joint_true"] = common_log_joint(truth["arrays"], particle, model_hparams, sizes)
     if truth["ari_ceiling"] is not None:
         scores["ari_ceiling"] = truth["ari_ceiling"]
     return scores
@@ -293,17 +252,16 @@ def particle_scores(
 
 
 def position_truth(task: str, path: Path) -> dict[str, np.ndarray] | None:
-    """The simulator's digit positions ``z_where (M, T, D, 2)`` and the ink centres of its
-    digits ``centres (M, D, 2)`` of a held-out video file, for tasks that track (Bouncing
-    MNIST); None otherwise."""
-    if task != "bmnist":
+    """The simulator's positions in a held-out file, for tasks that track
+    (``TaskSpec.tracking``: Bouncing MNIST's digits); None otherwise."""
+    tracking = get_task(task).tracking
+    if tracking is None:
         return None
     data = load_dataset(path)
-    if "centres" not in data:
-        raise ValueError(
-            f"{path} has no digit centres: it was made by an older generate; run `dvc repro generate@bmnist`"
-        )
-    return {"z_where": data["z_where"], "centres": data["centres"]}
+    try:
+        return tracking.truth(data)
+    except ValueError as err:
+        raise ValueError(f"{path} {err}; run `dvc repro generate@{task}`") from None
 
 
 def tracking_errors(
@@ -317,23 +275,21 @@ def tracking_errors(
     batch_size: int,
     resample_mode: str,
 ) -> dict[str, np.ndarray]:
-    """Curves ``(K, M)``: the position error (pixels, at the digits' ink centres), the
-    boxes' error, the motion error and the tracked-frame fraction of each video's
-    highest-weight particle after each sweep, against the simulator's (``truth`` from
-    ``position_truth``; ``apg.tasks.bmnist.position_errors``). A run of its own, like
-    ``final_particle``."""
-    from apg.tasks.bmnist import ink_centres, position_errors, stack_where
-
+    """Curves ``(K, M)``: the task's position errors (``TaskSpec.tracking``; Bouncing MNIST:
+    the position error in pixels at the digits' ink centres, the boxes' error, the motion
+    error and the tracked-frame fraction) of each dataset's highest-weight particle after
+    each sweep, against the simulator's (``truth`` from ``position_truth``). A run of its
+    own, like ``final_particle``."""
+    tracking = get_task(cfg.task).tracking
     device = _device(model, proposals, x)
     method = make_method(cfg)
-    per_sweep: dict[int, list[np.ndarray]] = {}
+    per_sweep: dict[int, list[dict[str, np.ndarray]]] = {}
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         rows = torch.arange(log_w.shape[1], device=log_w.device)
         best = log_w.argmax(0)
-        where = stack_where(z, x.shape[1])[best, rows]  # (B, T, D, 2)
-        centres = ink_centres(model.templates(z["z_what"][best, rows][None])[0])  # (B, D, 2)
-        per_sweep.setdefault(k, []).append((where.cpu().numpy(), centres.cpu().numpy()))
+        chosen = {name: t[best, rows][None] for name, t in z.items()}  # (1, B, ...)
+        per_sweep.setdefault(k, []).append(tracking.positions(model, x, chosen))
 
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
@@ -343,8 +299,8 @@ def tracking_errors(
             )
     curves: dict[str, list[np.ndarray]] = {}
     for k in sorted(per_sweep):
-        where, centres = (np.concatenate(part) for part in zip(*per_sweep[k], strict=True))
-        errors = position_errors(truth["z_where"], where, true_centres=truth["centres"], centres=centres)
+        found = {name: np.concatenate([part[name] for part in per_sweep[k]]) for name in per_sweep[k][0]}
+        errors = tracking.errors(truth, found)
         for name, value in errors.items():
             curves.setdefault(name, []).append(value)
     return {name: np.stack(values) for name, values in curves.items()}
@@ -388,7 +344,7 @@ def evaluate_task(
     if not summary_path.is_file():
         raise ValueError(f"sweep summary {summary_path} not found; run the sweep stage first")
     summary = json.loads(summary_path.read_text())
-    section = params[task]
+    section, spec = params[task], get_task(task)
     ev = section.get("evaluate", {})
     plan = evaluation_pairs(params, task)
     model_hparams = section.get("model", {})
@@ -522,7 +478,8 @@ def evaluate_task(
             stem, x = entry["stem"], entry["x"]
             samples[f"x__{stem}"] = x.numpy()
             if entry["truth"] is not None:
-                samples[f"truth__{stem}__z_where"] = entry["truth"]["z_where"]
+                for name in spec.tracking.pictured:
+                    samples[f"truth__{stem}__{name}"] = entry["truth"][name]
             set_cfg, set_proposals = with_network(cfg, model, proposals, entry.get("network"), device)
             seed_everything(ev.get("seed", 0) + i)
             best = best_particles(

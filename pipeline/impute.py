@@ -1,6 +1,8 @@
-"""Missing-data imputation in the pipeline (issue 22): the masks each task's evaluation
-hides, the errors of the imputations against what was hidden, and one observation and
-mask file imputed from the command line.
+"""Missing-data imputation in the pipeline (issue 22): the chains of each cell on what the
+task's evaluation hides and the rows of their errors (which entries are hidden and how
+their imputation is scored is the task's ``TaskSpec.imputation``: ``apg/tasks/gmm/imputation.py``,
+``apg/tasks/bmnist/imputation.py``), and one observation and mask file imputed from the
+command line.
 
 The chain itself is ``apg.imputation.impute`` (Rezende et al. 2014, Appendix F). The
 ``evaluate`` stage calls :func:`imputation_frame` for every cell of the methods listed in
@@ -39,7 +41,7 @@ import torch
 
 from apg.data import DatasetError
 from apg.imputation import MaskError, check_mask, impute
-from apg.tasks import get_task
+from apg.tasks import get_task, task_names
 from apg.training import make_method
 from pipeline.present import pm, write_gif
 
@@ -60,59 +62,6 @@ COLUMNS = [
 ]
 
 
-# --------------------------------------------------------------------------- masks
-
-
-def gmm_mask(x: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
-    """``(M, N, 2)`` bool: in every dataset, ``round(fraction * N)`` points (at least one)
-    with one of their two coordinates hidden, both drawn uniformly."""
-    num_datasets, num_points, dims = x.shape
-    hidden = max(1, round(fraction * num_points))
-    mask = torch.zeros(x.shape, dtype=torch.bool)
-    for m in range(num_datasets):
-        points = torch.randperm(num_points, generator=generator)[:hidden]
-        coords = torch.randint(dims, (hidden,), generator=generator)
-        mask[m, points, coords] = True
-    return mask
-
-
-def occlusion_mask(shape: tuple[int, ...], occlusion: dict[str, Any]) -> torch.Tensor:
-    """``(M, T, H, W)`` bool for one Bouncing MNIST occlusion: frames ``start..start+frames-1``
-    (1-based) blanked whole, or the pixels ``rows x cols`` hidden in every frame."""
-    mask = torch.zeros(shape, dtype=torch.bool)
-    if "frames" in occlusion:
-        start, count = int(occlusion.get("start", 2)), int(occlusion["frames"])
-        if not 1 <= start <= start + count - 1 <= shape[1]:
-            raise ValueError(f"occlusion {occlusion} does not fit videos of {shape[1]} frames")
-        mask[:, start - 1 : start - 1 + count] = True
-    else:
-        (r0, r1), (c0, c1) = occlusion["rows"], occlusion["cols"]
-        mask[:, :, r0:r1, c0:c1] = True
-    return mask
-
-
-def occlusion_name(occlusion: dict[str, Any]) -> str:
-    if "frames" in occlusion:
-        start, count = int(occlusion.get("start", 2)), int(occlusion["frames"])
-        return f"frames {start}-{start + count - 1}" if count > 1 else f"frame {start}"
-    (r0, r1), (c0, c1) = occlusion["rows"], occlusion["cols"]
-    return f"region {r0}:{r1}x{c0}:{c1}"
-
-
-def gmm_oracle(x: torch.Tensor, mask: torch.Tensor, mu: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """E[hidden coordinate | the point's observed coordinates, true mu and tau] for every
-    hidden entry (in ``x[mask]`` order; ``x (M, N, D)``, ``mu`` and ``tau (M, I, D)``):
-    clusters weighed by the likelihood of the point's observed coordinates (the simulator's
-    assignments are uniform)."""
-    m, n, d = mask.nonzero().unbind(1)
-    point, seen = x[m, n].unsqueeze(1), (~mask[m, n]).unsqueeze(1)  # (E, 1, D)
-    mean, prec = mu[m], tau[m]  # (E, I, D)
-    log_lik = 0.5 * torch.log(prec) - 0.5 * prec * (point - mean) ** 2
-    log_w = torch.where(seen, log_lik, 0).sum(-1)  # (E, I)
-    hidden_means = mean.gather(-1, d[:, None, None].expand(-1, mean.shape[1], 1)).squeeze(-1)
-    return (torch.softmax(log_w, -1) * hidden_means).sum(-1).to(x.dtype)
-
-
 # --------------------------------------------------------------------------- settings
 
 
@@ -124,27 +73,21 @@ def check_settings(
     where = f"{task}.evaluate.imputation"
     spec = get_task(task)
     fill = settings.get("fill", "sample")
-    if task not in ("gmm", "bmnist"):
-        raise ValueError(f"{where}: imputation is evaluated for gmm and bmnist only, not {task}")
+    if spec.imputation is None:
+        raise ValueError(
+            f"{where}: imputation is evaluated for {' and '.join(imputing_tasks())} only, not {task}"
+        )
     if (spec.sample_data if fill == "sample" else spec.reconstruct) is None:
         raise ValueError(
             f"{where}.fill: task {task} cannot {'draw' if fill == 'sample' else 'reconstruct'} data"
         )
-    if task == "bmnist":
-        occlusions = settings.get("occlusions") or []
-        if not occlusions:
-            raise ValueError(f"{where}.occlusions: list at least one (frames blanked or a region)")
-        frames = int(test_set.get("sizes", {}).get("num_frames", 10))
-        canvas = int(section.get("model", {}).get("canvas_size", 96))
-        for j, occ in enumerate(occlusions):
-            if "frames" in occ and int(occ.get("start", 2)) + int(occ["frames"]) - 1 > frames:
-                raise ValueError(
-                    f"{where}.occlusions[{j}]: {occ} does not fit the {frames}-frame videos of {test_set['name']}"
-                )
-            if "rows" in occ and max(occ["rows"][1], occ["cols"][1]) > canvas:
-                raise ValueError(
-                    f"{where}.occlusions[{j}]: {occ} reaches outside the {canvas} x {canvas} frames"
-                )
+    if spec.imputation.check is not None:
+        spec.imputation.check(settings, section.get("model", {}), test_set, where)
+
+
+def imputing_tasks() -> list[str]:
+    """The registered tasks whose evaluation scores imputations (``TaskSpec.imputation``)."""
+    return [name for name in task_names() if get_task(name).imputation is not None]
 
 
 # --------------------------------------------------------------------------- per cell
@@ -199,70 +142,21 @@ def imputation_frame(
                 }
             )
 
-    if task == "gmm":
-        mask = gmm_mask(x, float(settings.get("fraction", 0.25)), torch.Generator().manual_seed(seed))
-        truth = x[mask]
+    if spec.imputation is None:
+        raise ValueError(
+            f"task {task!r} has no imputation evaluation ({' and '.join(imputing_tasks())} have)"
+        )
+    for j, (setting, mask) in enumerate(spec.imputation.masks(settings, x)):
         torch.manual_seed(chain_seed)
         result = impute(method, model, proposals, spec, x, mask, *run)
-        owner = mask.nonzero()[:, 0]  # each hidden entry's dataset
-        burn_in = int(settings.get("burn_in", 0))
-        oracle = gmm_oracle(
-            x,
-            mask,
-            torch.from_numpy(arrays["mu"][:count]).to(dtype),
-            torch.from_numpy(arrays["tau"][:count]).to(dtype),
-        )
-        setting = f"one coordinate of {float(settings.get('fraction', 0.25)):.0%} of the points"
-        keep(0, mask, result.x)
-        add(setting, "rmse_oracle", _rmse_per_dataset(oracle - truth, owner, count), iterations)
-        for i in range(iterations):
-            draws = result.history[: i + 1]
-            kept = draws[min(burn_in, i) :]
-            add(setting, "rmse", _rmse_per_dataset(kept.mean(0) - truth, owner, count), i + 1)
-            add(setting, "rmse_draw", _rmse_per_dataset(draws[-1] - truth, owner, count), i + 1)
-    elif task == "bmnist":
-        from apg.tasks.bmnist import ink_centres, position_errors, stack_where
-
-        for j, occlusion in enumerate(settings.get("occlusions", [])):
-            setting = occlusion_name(occlusion)
-            mask = occlusion_mask(tuple(x.shape), occlusion)
-            truth = x[mask]
-            owner = mask.nonzero()[:, 0]
-            torch.manual_seed(chain_seed)
-            result = impute(method, model, proposals, spec, x, mask, *run)
-            keep(j, mask, result.x)
-            for i in range(iterations):
-                add(setting, "mse", _mse_per_dataset(result.history[i] - truth, owner, count), i + 1)
-            if "z_where" in arrays:
-                frames = mask.flatten(2).any(-1).any(0)  # (T,) the frames the occlusion touches
-                where = stack_where(result.z, x.shape[1])[0]  # (M, T, D, 2)
-                with torch.no_grad():
-                    centres = ink_centres(model.templates(result.z["z_what"])[0])
-                errors = position_errors(
-                    arrays["z_where"][:count][:, frames.numpy()],
-                    where[:, frames].numpy(),
-                    true_centres=arrays["centres"][:count],
-                    centres=centres.numpy(),
-                )
-                add(setting, "pos_err", errors["pos_err"], iterations)
-                add(setting, "tracked", errors["tracked"], iterations)
-    else:
-        raise ValueError(f"task {task!r} has no imputation evaluation (gmm and bmnist have)")
+        keep(j, mask, result.x)
+        for metric, values, iteration in spec.imputation.scores(settings, x, mask, arrays, model, result):
+            add(setting, metric, values, iteration)
     frame = pd.DataFrame(rows)
     for key, value in ids.items():
         frame[key] = value
     frame["task"], frame["K"], frame["L"] = task, sweeps, particles
     return frame[COLUMNS], examples
-
-
-def _rmse_per_dataset(err: torch.Tensor, owner: torch.Tensor, count: int) -> np.ndarray:
-    return np.sqrt(_mse_per_dataset(err, owner, count))
-
-
-def _mse_per_dataset(err: torch.Tensor, owner: torch.Tensor, count: int) -> np.ndarray:
-    total = torch.zeros(count, dtype=torch.float64).index_add_(0, owner, err.double() ** 2)
-    n = torch.bincount(owner, minlength=count).double()
-    return (total / n).numpy()
 
 
 # --------------------------------------------------------------------------- one file, from the CLI
@@ -516,4 +410,4 @@ def report_imputation(
     return {"md": md, "figures": figures, "headline": headline}
 
 
-__all__ = ["imputation_frame", "impute_file", "gmm_mask", "occlusion_mask", "gmm_oracle", "report_imputation"]
+__all__ = ["imputation_frame", "impute_file", "report_imputation"]

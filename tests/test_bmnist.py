@@ -125,7 +125,7 @@ def test_correlate_matches_direct_sum(f64):
 
 
 def test_the_device_path_correlates_every_particle_as_the_cpu_path_does_its_originals(f64):
-    from apg.tasks.bmnist import _correlate_all, _correlate_distinct, _first_copies
+    from apg.tasks.bmnist.likelihood import _correlate_all, _correlate_distinct, _first_copies
 
     frames = torch.rand(2, 9, 9)
     templates = torch.rand(4, 2, 3, 4, 4)  # (L, B, D, S, S)
@@ -191,7 +191,7 @@ def test_blanket_of_copies_equals_per_particle(f64):
     model = BouncingMNIST(BMNISTConfig(canvas_size=48))
     x = torch.rand(B, T, 48, 48) * (torch.rand(B, T, 48, 48) < 0.2)
     z = _with_copies(_random_latents(L, B, T, D), L, B)
-    assert bmnist._distinct_particles([z["z_what"]]) is not None
+    assert bmnist.likelihood._distinct_particles([z["z_what"]]) is not None
     for block in ("what", "where_1", "where_2"):
         got = model.log_blanket(block, x, z)
         model._memo = None  # decode afresh: the per-particle reference shares nothing
@@ -297,7 +297,7 @@ def test_where_net_fused_softmax_linear_matches_autograd(f64):
         assert torch.allclose(a, b, atol=1e-12)
     tiny = torch.finfo(torch.float64).tiny
     g = torch.tensor([tiny / 4, -tiny / 8, tiny, 1.0])
-    assert torch.equal(bmnist._flush_denormals(g), torch.tensor([0.0, 0.0, tiny, 1.0]))
+    assert torch.equal(bmnist.model._flush_denormals(g), torch.tensor([0.0, 0.0, tiny, 1.0]))
 
 
 def test_explaining_away_is_correlation_of_residual(f64):
@@ -548,7 +548,7 @@ def test_animate_and_draw():
     frames = bmnist.animate(model, x, z)
     assert frames.shape == (4, 96, 196, 3) and frames.dtype == np.uint8
     corner = np.round((z["z_where_1"][0].numpy() + 1) * 34).astype(int)
-    assert (frames[0, corner[1], corner[0]] == bmnist._COLORS[0]).all()
+    assert (frames[0, corner[1], corner[0]] == bmnist.plots._COLORS[0]).all()
     matplotlib = pytest.importorskip("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

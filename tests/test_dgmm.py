@@ -1,4 +1,4 @@
-"""Tests of the rings task (apg/tasks/dgmm.py): simulator, model, proposals, sampler identities."""
+"""Tests of the rings task (apg/tasks/dgmm/): simulator, model, proposals, sampler identities."""
 
 from __future__ import annotations
 
@@ -255,7 +255,7 @@ def test_von_mises_sampler_matches_its_density(kernel_path):
 def test_the_device_path_of_the_von_mises_sampler_draws_the_same_distribution():
     # On a GPU (no Philox key) one round of DEVICE_CANDIDATES proposals per element, no loop:
     # the same moments as above, within 4 SE, and every element accepted one.
-    from apg.tasks.dgmm import _von_mises_torch
+    from apg.tasks.dgmm.distributions import _von_mises_torch
 
     loc = torch.tensor([0.1, 3.0, 6.2, 1.0])
     conc = torch.tensor([0.05, 2.0, 50.0, 500.0])

@@ -194,9 +194,9 @@ def test_renaming_moving_and_commenting_code_keeps_every_fingerprint(tmp_path):
 def test_a_change_in_one_tasks_arithmetic_changes_only_that_tasks_fingerprints(tmp_path):
     def edit(root: Path) -> None:
         # the GMM's log joint off by one part in a thousand: a bug a refactor could bring
-        replace_in(root / "tasks" / "gmm.py", "def log_joint(", "def _exact_log_joint(")
+        replace_in(root / "tasks" / "gmm" / "model.py", "def log_joint(", "def _exact_log_joint(")
         replace_in(
-            root / "tasks" / "gmm.py",
+            root / "tasks" / "gmm" / "model.py",
             "\n    def _exact_log_joint(",
             "\n    def log_joint(self, *args, **kwargs):\n"
             "        return 1.001 * self._exact_log_joint(*args, **kwargs)\n\n"

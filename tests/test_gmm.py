@@ -262,7 +262,8 @@ def test_normal_gamma_log_prob_is_the_textbook_density_with_its_gradients(f64, k
     # gradients in the parameters and the values.
     from torch.distributions import Gamma, Normal
 
-    from apg.tasks.gmm import NormalGamma, _native_log_prob
+    from apg.tasks.gmm import NormalGamma
+    from apg.tasks.gmm.conjugate import _native_log_prob
 
     m, nu, alpha, beta, mu, tau = _normal_gamma_cases()
     assert (_native_log_prob(m, nu, alpha, beta, mu, tau) is not None) == (kernel_path == "native")
@@ -414,6 +415,7 @@ def test_assignment_network_compiled_matches_its_layers(f64, num_points):
     # network's PyTorch layers, outputs and weight gradients, for any N (blocks of 64).
     import apg.kernels
     import apg.tasks.gmm as gmm
+    import apg.tasks.gmm.proposals as gmm_proposals
 
     if apg.kernels.native_library() is None:
         pytest.skip("no C compiler: the native kernels cannot be built here")
@@ -422,12 +424,12 @@ def test_assignment_network_compiled_matches_its_layers(f64, num_points):
     x = torch.randn(3, num_points, 2)
     mu, tau = torch.randn(4, 3, 3, 2), torch.rand(4, 3, 3, 2) + 0.2
     weights = (net.offset.weight, net.offset.bias, net.log_precision.weight, net.out.weight, net.out.bias)
-    assert gmm._native_assignment(x, mu, tau, *weights) is not None
+    assert gmm_proposals._native_assignment(x, mu, tau, *weights) is not None
     g = torch.randn(4, 3, num_points, 3)
     out = net(x, mu, tau)
     grads = torch.autograd.grad((out * g).sum(), list(net.parameters()))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gmm, "_native_assignment", lambda *args: None)
+        patch.setattr(gmm_proposals, "_native_assignment", lambda *args: None)
         want = net(x, mu, tau)
         want_grads = torch.autograd.grad((want * g).sum(), list(net.parameters()))
     assert torch.allclose(out, want, rtol=0, atol=1e-12)

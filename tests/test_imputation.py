@@ -12,7 +12,8 @@ import torch
 from apg.baselines import get_method
 from apg.imputation import MaskError, check_mask, impute, initial_fill
 from apg.tasks import get_task
-from pipeline.impute import gmm_mask, gmm_oracle, occlusion_mask
+from apg.tasks.bmnist import occlusion_mask
+from apg.tasks.gmm import hidden_coordinates, oracle_imputation
 
 
 def _gmm(num_datasets: int = 4, num_points: int = 40, seed: int = 0):
@@ -43,7 +44,7 @@ def test_the_chain_changes_only_missing_entries_and_records_them():
     torch.manual_seed(0)
     spec, model, arrays = _gmm()
     x = arrays["x"]
-    mask = gmm_mask(x, 0.25, torch.Generator().manual_seed(1))
+    mask = hidden_coordinates(x, 0.25, torch.Generator().manual_seed(1))
     assert (mask.sum(-1) <= 1).all() and (mask.flatten(1).sum(1) == 10).all()
     start = initial_fill(x, mask)
     observed_mean = (x * ~mask).flatten(1).sum(1) / (~mask).flatten(1).sum(1)
@@ -75,11 +76,11 @@ def test_exact_gibbs_imputation_approaches_the_true_parameter_predictor():
     torch.manual_seed(0)
     spec, model, arrays = _gmm(num_datasets=40, num_points=60, seed=10)
     x = arrays["x"]
-    mask = gmm_mask(x, 0.3, torch.Generator().manual_seed(20))
+    mask = hidden_coordinates(x, 0.3, torch.Generator().manual_seed(20))
     truth = x[mask]
     result = impute(get_method("gibbs"), model, spec.exact_gibbs(model), spec, x, mask, 150, 5, 10)
     chain_sq = (result.history[30:].mean(0) - truth) ** 2
-    oracle_sq = (gmm_oracle(x, mask, arrays["mu"], arrays["tau"]) - truth) ** 2
+    oracle_sq = (oracle_imputation(x, mask, arrays["mu"], arrays["tau"]) - truth) ** 2
     start_sq = (initial_fill(x, mask)[mask] - truth) ** 2
 
     def paired(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
@@ -102,7 +103,7 @@ def test_the_gmm_oracle_is_the_cluster_posterior_mean():
     tau = torch.tensor([[[4.0, 1.0], [0.25, 1.0], [1.0, 1.0]]])
     log_w = 0.5 * torch.log(tau[0, :, 0]) - 0.5 * tau[0, :, 0] * (0.5 - mu[0, :, 0]) ** 2
     expected = (torch.softmax(log_w, 0) * mu[0, :, 1]).sum()
-    assert torch.allclose(gmm_oracle(x, mask, mu, tau), expected.reshape(1))
+    assert torch.allclose(oracle_imputation(x, mask, mu, tau), expected.reshape(1))
     x3 = torch.tensor([[[1.0, -1.0, 7.0]]])
     mask3 = torch.tensor([[[False, False, True]]])
     mu3, tau3 = (
@@ -113,7 +114,7 @@ def test_the_gmm_oracle_is_the_cluster_posterior_mean():
         -1
     )
     assert torch.allclose(
-        gmm_oracle(x3, mask3, mu3, tau3), (torch.softmax(lw, 0) * mu3[0, :, 2]).sum().reshape(1)
+        oracle_imputation(x3, mask3, mu3, tau3), (torch.softmax(lw, 0) * mu3[0, :, 2]).sum().reshape(1)
     )
 
 
@@ -155,9 +156,11 @@ def test_occlusions_hide_frames_or_a_region():
 
 def test_gmm_masks_are_seeded():
     x = torch.zeros(3, 20, 2)
-    a, b = (gmm_mask(x, 0.3, torch.Generator().manual_seed(7)) for _ in range(2))
+    a, b = (hidden_coordinates(x, 0.3, torch.Generator().manual_seed(7)) for _ in range(2))
     assert torch.equal(a, b) and (a.flatten(1).sum(1) == 6).all()
-    assert np.isclose(gmm_mask(x, 0.01, torch.Generator()).flatten(1).sum(1).float().mean().item(), 1.0)
+    assert np.isclose(
+        hidden_coordinates(x, 0.01, torch.Generator()).flatten(1).sum(1).float().mean().item(), 1.0
+    )
 
 
 def test_pipeline_imputation_rows_for_both_tasks():

@@ -3,7 +3,7 @@
  * In eager PyTorch each is ~15 small ops on (L, B, I, D) or (L, B, I, N) tensors (a
  * one-hot, a matrix product of moments, broadcasts over a cluster axis of 3), and a GMM
  * training step evaluates them at every block update. The model has no parameters, so
- * these run only where nothing asks for a gradient (apg/tasks/gmm.py keeps the PyTorch
+ * these run only where nothing asks for a gradient (apg/tasks/gmm/ keeps the PyTorch
  * twins for the rest; tests/test_gmm.py checks both agree).
  *
  * Shapes: x (B, N, D); mu, tau (L, B, I, D); c (L, B, N) cluster indices.
@@ -26,7 +26,7 @@
  *   by the caller. gmm_soft_moments_backward accumulates gWr, gbr, gWs, gbs (zeroed) from
  *   gsums. The heads come apart, so the caller concatenates nothing (nor its backward).
  *
- * The globals proposals' NormalGamma (apg/tasks/gmm.py: NormalGamma, NormalGammaFromSums):
+ * The globals proposals' NormalGamma (apg/tasks/gmm/conjugate.py: NormalGamma, NormalGammaFromSums):
  *   in eager PyTorch its conjugate update is ~20 small ops on (L, B, I, D) tensors and its
  *   log-density ~20 more (lgamma alone ~140 us), with as many again in the backward, at
  *   every globals update. gmm_ng_log_prob (and _backward, into all six inputs) scores values

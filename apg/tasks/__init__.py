@@ -1,7 +1,9 @@
-"""Task registry: a task is one module here that defines ``TASK`` (an ``apg.blocks.TaskSpec``).
+"""Task registry: a task is one package here whose ``__init__`` defines ``TASK`` (an
+``apg.blocks.TaskSpec``).
 
-Modules are imported on first use, so a task's heavy dependencies (MNIST files, say)
-cost nothing to the others. Adding a task is one module plus one line below.
+Packages are imported on first use, so a task's heavy dependencies (MNIST files, say)
+cost nothing to the others. Adding a task is one package plus one line below (and its
+params section).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ _MODULES = {"gmm": "apg.tasks.gmm", "dgmm": "apg.tasks.dgmm", "bmnist": "apg.tas
 
 
 def task_names() -> list[str]:
-    """Names of the registered tasks whose module is present."""
+    """Names of the registered tasks whose package is present."""
     return [name for name, module in _MODULES.items() if importlib.util.find_spec(module) is not None]
 
 
