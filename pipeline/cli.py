@@ -67,8 +67,8 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from pipeline.config import check_sizes
     from pipeline.generate import simulate_set
+    from pipeline.params_schema import check_sizes
 
     if args.num_datasets < 1:
         raise ValueError(f"--num-datasets must be >= 1, got {args.num_datasets}")
