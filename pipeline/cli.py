@@ -67,8 +67,8 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from pipeline.config import check_sizes
     from pipeline.generate import simulate_set
+    from pipeline.params_schema import check_sizes
 
     if args.num_datasets < 1:
         raise ValueError(f"--num-datasets must be >= 1, got {args.num_datasets}")
@@ -251,12 +251,8 @@ def cmd_stage(module: str) -> Callable[[argparse.Namespace], None]:
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="apg-pipeline", description="APG samplers: train, evaluate, sweep, report."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub) -> None:
+    """``generate``: simulate a task's datasets."""
     gen = sub.add_parser("generate", help="simulate datasets of a task into an .npz file")
     gen.add_argument("--task", default="gmm")
     gen.add_argument("--out", required=True)
@@ -269,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_train(sub) -> None:
+    """``train``: one method on one dataset file."""
     train = sub.add_parser("train", help="train a method on a dataset file and save a checkpoint")
     train.add_argument("--task", default="gmm")
     train.add_argument("--method", default="apg")
@@ -305,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--out", required=True)
     train.set_defaults(func=cmd_train)
 
+
+def _add_evaluate(sub) -> None:
+    """``evaluate``: one checkpoint on held-out datasets."""
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on held-out datasets, write JSON")
     ev.add_argument("--checkpoint", required=True)
     ev.add_argument("--data", required=True)
@@ -317,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--out", required=True)
     ev.set_defaults(func=cmd_evaluate)
 
+
+def _add_impute(sub) -> None:
+    """``impute``: fill in the entries a mask marks missing."""
     imp = sub.add_parser(
         "impute",
         help="fill in the entries of x a mask marks missing (1), by the chain of inference and "
@@ -334,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--seed", type=int, default=0)
     imp.set_defaults(func=cmd_impute)
 
+
+def _add_smoke(sub) -> None:
+    """``smoke``: the whole pipeline on small params in a throwaway repo."""
     smoke = sub.add_parser(
         "smoke", help="the whole pipeline from scratch on small params in a throwaway repo (minutes)"
     )
@@ -343,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     smoke.add_argument("--dir", default="results/smoke", help="where the throwaway repo goes (replaced)")
     smoke.set_defaults(func=cmd_smoke)
 
+
+def _add_config(sub) -> None:
+    """``config``: a profile's params."""
     config = sub.add_parser(
         "config",
         help="print a profile's params (its overlays in profiles/ laid over params.yaml), validated",
@@ -356,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config.set_defaults(func=cmd_config)
 
+
+def _add_record(sub) -> None:
+    """``record``: a profile's run, kept in ``recorded/``."""
     rec = sub.add_parser(
         "record",
         help="run a profile (profiles/; paper-gmm: GMM Table 1 at paper scale) and keep "
@@ -395,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rec.set_defaults(func=cmd_record)
 
+
+def _add_stages(sub) -> None:
+    """The stages (``sweep``, ``eval-sweep``, ``report``, ``tune``): each hands its arguments to the
+    stage's own parser."""
     for name, module, text in (
         ("sweep", "sweep", "stage: Ray Tune sweep of one task's grid (params.yaml)"),
         ("eval-sweep", "evaluate", "stage: evaluate every trained cell of a sweep"),
@@ -404,6 +422,21 @@ def build_parser() -> argparse.ArgumentParser:
         stage = sub.add_parser(name, help=text, add_help=False)
         stage.add_argument("rest", nargs=argparse.REMAINDER)
         stage.set_defaults(func=cmd_stage(module))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="apg-pipeline", description="APG samplers: train, evaluate, sweep, report."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_train(sub)
+    _add_evaluate(sub)
+    _add_impute(sub)
+    _add_smoke(sub)
+    _add_config(sub)
+    _add_record(sub)
+    _add_stages(sub)
     return parser
 
 

@@ -1,7 +1,8 @@
 """``params.yaml``: loading, validation and the grid of sweep cells.
 
 Everything is checked here, before Ray or MLflow start, so that a bad params file
-fails in well under a second with one line naming the key (``ParamsError``).
+fails in well under a second with one line naming the key (``ParamsError``). The keys each
+section allows and the checks of single values are ``pipeline.params_schema``.
 
 Layout (see params.yaml for the documented defaults)::
 
@@ -22,7 +23,6 @@ grid entry's ``axes`` crosses any ``train``, ``network`` or ``model`` key as wel
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import itertools
 import json
@@ -35,108 +35,29 @@ import yaml
 from apg.baselines import METHODS, get_method
 from apg.tasks import get_task, task_names
 from apg.training import TrainConfig
-
-
-class ParamsError(ValueError):
-    """An invalid params file; the message names the key and the reason."""
-
-
-# Allowed keys per section, with their expected types. ``dict`` values under ``model``,
-# ``network`` and ``sizes`` are free-form (they are the task's own keyword arguments and
-# are checked by calling the task's builders).
-SWEEP_KEYS: dict[str, Any] = {
-    "ray_address": (str, type(None)),
-    "num_cpus": (int, type(None)),
-    "cpus_per_trial": (int, float),
-    "gpus_per_trial": (int, float),
-    "max_concurrent": int,
-    "max_failures": int,
-    "checkpoint_every": int,
-    "log_every": int,
-    "torch_threads": int,
-    "storage": str,
-    "reuse_across_code": bool,  # development only: reuse cells trained by other code
-}
-TRACKING_KEYS: dict[str, Any] = {"experiment": str}
-REPORT_KEYS: dict[str, Any] = {"out": str, "figure_format": str, "scale": str}
-TASK_KEYS: dict[str, Any] = {
-    "model": dict,
-    "network": dict,
-    "data": dict,
-    "train": dict,
-    "grid": list,
-    "evaluate": dict,
-}
-DATA_SET_KEYS: dict[str, Any] = {
-    "num_datasets": int,
-    "seed": int,
-    "sizes": dict,
-    "name": str,
-    "network": dict,
-}
-# ``<task>.data`` itself: the training set, held-out test sets (one ``test`` or several
-# named ``tests``), figure sets, and the dtype ``x`` is stored in.
-DATA_KEYS: dict[str, Any] = {"train": dict, "test": dict, "tests": list, "figures": list, "x_dtype": str}
-# Storage dtypes for ``x``: a plain cast back to the default dtype on load, so every
-# reader (sweep, evaluate, cli) works unchanged. float16 halves the files (grey levels in
-# [0, 1] keep 11 significant bits); integer quantization would need a scale every reader knows.
-X_DTYPES = ("float32", "float64", "float16")
-TRAIN_KEYS: dict[str, Any] = {
-    "batch_size": int,
-    "iterations": int,
-    "lr": (int, float),
-    "lr_schedule": str,  # constant | cosine (apg.training.learning_rate)
-    "lr_final_factor": (int, float),
-    "lr_hold_fraction": (int, float),  # cosine: the last fraction of steps at the floor rate
-    "compile": bool,  # torch.compile the step (Bouncing MNIST APG: per block): GPU trials (apg.training)
-    "resample_mode": str,
-    "resampler": str,
-    "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}
-}
-# ``train``: overrides of ``<task>.train`` for this entry's cells only (e.g. one iteration
-# for exact Gibbs, which has nothing to learn).
-# ``axes``: ``{section.key: [values]}`` crossed with the entry's methods, budgets and seeds;
-# section is one of AXIS_SECTIONS (``train.lr``, ``network.hidden``, ``model.sigma0``).
-GRID_KEYS: dict[str, Any] = {
-    "methods": list,
-    "pairs": list,
-    "budget": dict,
-    "seeds": list,
-    "train": dict,
-    "axes": dict,
-}
-AXIS_SECTIONS = ("train", "network", "model")
-BUDGET_KEYS: dict[str, Any] = {"total": int, "sweeps": list}
-EVALUATE_KEYS: dict[str, Any] = {
-    "batch_size": int,
-    "resample_mode": str,
-    # Also run every cell resampling once per sweep, for the paper's overall ESS {all blocks}
-    # (Table 1's ESS column, section 5.3): the metric ``sweep_ess``.
-    "sweep_resampling": bool,
-    "seed": int,
-    "pairs": list,
-    "budget": dict,
-    "baseline": str,
-    "figure_sweeps": list,
-    "figure_particles": int,
-    "threads": int,  # torch threads of the evaluate stage (default: sweep.torch_threads)
-    "imputation": dict,
-}
-# evaluate.imputation (issue 22, pipeline/impute.py): which cells impute hidden entries of
-# which held-out set, and how.
-IMPUTATION_KEYS: dict[str, Any] = {
-    "methods": list,
-    "test_set": str,
-    "num_datasets": int,
-    "pair": list,
-    "iterations": int,
-    "burn_in": int,
-    "fill": str,
-    "seed": int,
-    "fraction": (int, float),  # gmm: the share of points with one coordinate hidden
-    "occlusions": list,  # bmnist: [{start, frames}] blanked frames or [{rows, cols}] regions
-}
-TOP_KEYS = ("tasks", "sweep", "tracking", "report")
+from pipeline.params_schema import (
+    AXIS_SECTIONS,
+    DATA_KEYS,
+    EVALUATE_KEYS,
+    GRID_KEYS,
+    IMPUTATION_KEYS,
+    REPORT_KEYS,
+    SWEEP_KEYS,
+    TASK_KEYS,
+    TOP_KEYS,
+    TRACKING_KEYS,
+    TRAIN_KEYS,
+    X_DTYPES,
+    ParamsError,
+    budget_pairs,
+    check_data_set,
+    check_mapping,
+    check_pair,
+    check_section,
+    first_line,
+    require,
+    unknown_key,
+)
 
 
 @dataclass(frozen=True)
@@ -244,9 +165,9 @@ def validate_params(params: dict[str, Any]) -> None:
     for key in params:
         if key not in TOP_KEYS and key not in known_tasks:
             raise ParamsError(
-                _unknown(key, [*TOP_KEYS, *known_tasks], "top-level section or registered task")
+                unknown_key(key, [*TOP_KEYS, *known_tasks], "top-level section or registered task")
             )
-    tasks = _require(params, "tasks", list, "tasks")
+    tasks = require(params, "tasks", list, "tasks")
     if not tasks:
         raise ParamsError("tasks: list at least one task")
     for i, task in enumerate(tasks):
@@ -254,7 +175,7 @@ def validate_params(params: dict[str, Any]) -> None:
             raise ParamsError(f"tasks[{i}]: unknown task {task!r}; registered tasks: {known_tasks}")
         if task not in params:
             raise ParamsError(f"tasks[{i}]: task {task!r} has no section {task}: in the params file")
-    _check_section(params, "sweep", SWEEP_KEYS, required=True)
+    check_section(params, "sweep", SWEEP_KEYS, required=True)
     sweep = params["sweep"]
     for key in ("cpus_per_trial", "gpus_per_trial"):
         if sweep.get(key, 0) < 0:
@@ -265,23 +186,23 @@ def validate_params(params: dict[str, Any]) -> None:
     for key in ("checkpoint_every", "log_every", "torch_threads"):
         if key in sweep and sweep[key] < 1:
             raise ParamsError(f"sweep.{key}: must be >= 1, got {sweep[key]}")
-    _check_section(params, "tracking", TRACKING_KEYS, required=False)
-    _check_section(params, "report", REPORT_KEYS, required=False)
+    check_section(params, "tracking", TRACKING_KEYS, required=False)
+    check_section(params, "report", REPORT_KEYS, required=False)
     for task in tasks:
         validate_task(params, task)
 
 
 def validate_task(params: dict[str, Any], task: str) -> None:
-    section = _check_section(params, task, TASK_KEYS, required=True)
+    section = check_section(params, task, TASK_KEYS, required=True)
     spec = get_task(task)
     try:
         model = spec.build_model(**section.get("model", {}))
     except (TypeError, ValueError) as err:
-        raise ParamsError(f"{task}.model: {_first_line(err)}") from None
-    data = _check_mapping(section.get("data"), f"{task}.data", DATA_KEYS)
+        raise ParamsError(f"{task}.model: {first_line(err)}") from None
+    data = check_mapping(section.get("data"), f"{task}.data", DATA_KEYS)
     if "train" not in data:
         raise ParamsError(f"{task}.data.train: missing")
-    _check_data_set(data["train"], f"{task}.data.train")
+    check_data_set(data["train"], f"{task}.data.train")
     if "network" in data["train"]:
         raise ParamsError(
             f"{task}.data.train.network: training uses {task}.network; overrides are for held-out sets"
@@ -289,7 +210,7 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     if data.get("x_dtype", "float32") not in X_DTYPES:
         raise ParamsError(f"{task}.data.x_dtype: must be one of {list(X_DTYPES)}, got {data['x_dtype']!r}")
     sets = evaluation_sets(section, where=f"{task}.data")  # checks names and each entry
-    _check_mapping(section.get("train"), f"{task}.train", TRAIN_KEYS)
+    check_mapping(section.get("train"), f"{task}.train", TRAIN_KEYS)
     cells = grid_cells(params, task)  # validates every cell's TrainConfig
     network = section.get("network", {})
     overrides = {json.dumps(s.get("network", {}), sort_keys=True): s["where"] for s in sets}
@@ -302,7 +223,7 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         try:
             spec.build_model(**cell.train.model)  # a model an entry's axes set
         except (TypeError, ValueError) as err:
-            raise ParamsError(f"{task}.grid ({cell.name}): {_first_line(err)}") from None
+            raise ParamsError(f"{task}.grid ({cell.name}): {first_line(err)}") from None
     # Every network a cell trains (the task's, or one its axes set) under every override.
     for (method, cell_network), cell in networks.items():
         for key, where in overrides.items():
@@ -314,12 +235,12 @@ def validate_task(params: dict[str, Any], task: str) -> None:
                 at = f"{where}.network" if key != "{}" else f"{task}.network"
                 if json.loads(cell_network) != network:
                     at = f"{task}.grid ({cell.name})"
-                raise ParamsError(f"{at}: {_first_line(err)} (method {method})") from None
-    ev = _check_mapping(section.get("evaluate"), f"{task}.evaluate", EVALUATE_KEYS)
+                raise ParamsError(f"{at}: {first_line(err)} (method {method})") from None
+    ev = check_mapping(section.get("evaluate"), f"{task}.evaluate", EVALUATE_KEYS)
     for j, pair in enumerate(ev.get("pairs", [])):
-        _check_pair(pair, f"{task}.evaluate.pairs[{j}]")
+        check_pair(pair, f"{task}.evaluate.pairs[{j}]")
     if "budget" in ev:
-        _budget_pairs(ev["budget"], f"{task}.evaluate.budget")
+        budget_pairs(ev["budget"], f"{task}.evaluate.budget")
     if "baseline" in ev and ev["baseline"] not in METHODS:
         raise ParamsError(
             f"{task}.evaluate.baseline: unknown method {ev['baseline']!r}; choose one of {sorted(METHODS)}"
@@ -335,7 +256,7 @@ def validate_task(params: dict[str, Any], task: str) -> None:
 
 
 def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) -> None:
-    imp = _check_mapping(imp, where, IMPUTATION_KEYS)
+    imp = check_mapping(imp, where, IMPUTATION_KEYS)
     if not imp.get("methods"):
         raise ParamsError(f"{where}.methods: list the methods whose cells impute (e.g. [apg])")
     for j, method in enumerate(imp["methods"]):
@@ -347,7 +268,7 @@ def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) 
     if "test_set" in imp and imp["test_set"] not in names:
         raise ParamsError(f"{where}.test_set: {imp['test_set']!r} is not a test set of this task ({names})")
     if "pair" in imp:
-        _check_pair(imp["pair"], f"{where}.pair")
+        check_pair(imp["pair"], f"{where}.pair")
     for key, low in (("num_datasets", 1), ("iterations", 1), ("burn_in", 0)):
         if key in imp and imp[key] < low:
             raise ParamsError(f"{where}.{key}: must be >= {low}, got {imp[key]}")
@@ -400,7 +321,7 @@ def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[s
     data = section.get("data") or {}
     sets: list[dict[str, Any]] = []
     if "test" in data:
-        _check_data_set(data["test"], f"{where}.test")
+        check_data_set(data["test"], f"{where}.test")
         sets.append(
             {
                 **data["test"],
@@ -415,7 +336,7 @@ def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[s
         raise ParamsError(f"{where}.tests: must be a list of data sets, got {tests!r}")
     for i, entry in enumerate(tests):
         at = f"{where}.tests[{i}]"
-        _check_data_set(entry, at)
+        check_data_set(entry, at)
         name = entry.get("name")
         if not name or not all(ch.isalnum() or ch in "-_." for ch in name):
             raise ParamsError(
@@ -430,7 +351,7 @@ def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[s
             raise ParamsError(f"{where}.tests: duplicate test set name {name!r}")
     for i, entry in enumerate(data.get("figures") or []):
         at = f"{where}.figures[{i}]"
-        _check_data_set(entry, at)
+        check_data_set(entry, at)
         sets.append(
             {
                 **entry,
@@ -453,35 +374,20 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
     """
     section = params[task]
     train = dict(section.get("train", {}))
-    options = train.pop("method_options", None) or {}
-    for name, opts in options.items():
-        if name not in METHODS:
-            raise ParamsError(
-                f"{task}.train.method_options.{name}: unknown method; choose one of {sorted(METHODS)}"
-            )
-        if not isinstance(opts, dict):
-            raise ParamsError(
-                f"{task}.train.method_options.{name}: must be a mapping of options, got {opts!r}"
-            )
+    options = _method_options(train.pop("method_options", None) or {}, task)
     cells: dict[str, Cell] = {}
     grid = section.get("grid")
     if not isinstance(grid, list) or not grid:
         raise ParamsError(f"{task}.grid: must be a non-empty list of entries")
     for i, entry in enumerate(grid):
         where = f"{task}.grid[{i}]"
-        entry = _check_mapping(entry, where, GRID_KEYS)
+        entry = check_mapping(entry, where, GRID_KEYS)
         methods = entry.get("methods")
         if not methods:
             raise ParamsError(f"{where}.methods: list at least one method")
-        pairs: list[tuple[int, int]] = []
-        for j, pair in enumerate(entry.get("pairs", [])):
-            pairs.append(_check_pair(pair, f"{where}.pairs[{j}]"))
-        if "budget" in entry:
-            pairs += _budget_pairs(entry["budget"], f"{where}.budget")
-        if not pairs:
-            raise ParamsError(f"{where}: give pairs: [[K, L], ...] or budget: {{total: ..., sweeps: [...]}}")
+        pairs = _entry_pairs(entry, where)
         overrides = entry.get("train") or {}
-        _check_mapping(
+        check_mapping(
             overrides, f"{where}.train", {k: v for k, v in TRAIN_KEYS.items() if k != "method_options"}
         )
         entry_train = {**train, **overrides}
@@ -507,19 +413,7 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
                     **entry_train,
                 )
                 cfg = TrainConfig.from_dict(apply_setting(base.to_dict(), dict(setting)))
-                try:
-                    cfg.validate()
-                except ValueError as err:
-                    field = _first_line(err).split(" ")[0]
-                    head, _, rest = field.partition(".")
-                    if head == "method_options":
-                        key = f"{task}.train.method_options.{method}" + (f".{rest}" if rest else "")
-                    elif f"train.{field}" in axes:
-                        key = f"{where}.axes.train.{field}"
-                    else:
-                        section_key = f"{where}.train" if field in overrides else f"{task}.train"
-                        key = f"{section_key}.{field}" if field in TRAIN_KEYS else where
-                    raise ParamsError(f"{key}: {_first_line(err)}") from None
+                _validate_config(cfg, task, where, axes, overrides)
                 cell = Cell(task, method, k, l, seed, cfg, axes=setting)
                 # One cell per experiment: an axis value equal to the task's own setting is
                 # the cell another entry already trains (it keeps that entry's name).
@@ -534,6 +428,52 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
     return list(cells.values())
 
 
+def _method_options(options: dict[str, Any], task: str) -> dict[str, Any]:
+    """``<task>.train.method_options`` (``{method name: {option: value}}``), checked."""
+    for name, opts in options.items():
+        if name not in METHODS:
+            raise ParamsError(
+                f"{task}.train.method_options.{name}: unknown method; choose one of {sorted(METHODS)}"
+            )
+        if not isinstance(opts, dict):
+            raise ParamsError(
+                f"{task}.train.method_options.{name}: must be a mapping of options, got {opts!r}"
+            )
+    return options
+
+
+def _entry_pairs(entry: dict[str, Any], where: str) -> list[tuple[int, int]]:
+    """A grid entry's training budgets: its ``pairs``, then its ``budget``'s pairs."""
+    pairs: list[tuple[int, int]] = []
+    for j, pair in enumerate(entry.get("pairs", [])):
+        pairs.append(check_pair(pair, f"{where}.pairs[{j}]"))
+    if "budget" in entry:
+        pairs += budget_pairs(entry["budget"], f"{where}.budget")
+    if not pairs:
+        raise ParamsError(f"{where}: give pairs: [[K, L], ...] or budget: {{total: ..., sweeps: [...]}}")
+    return pairs
+
+
+def _validate_config(
+    cfg: TrainConfig, task: str, where: str, axes: dict[str, list[Any]], overrides: dict[str, Any]
+) -> None:
+    """``cfg.validate()``, its error raised as ``ParamsError`` naming the key that set the bad
+    value: the method's options, the entry's axis, the entry's ``train`` or the task's."""
+    try:
+        cfg.validate()
+    except ValueError as err:
+        field = first_line(err).split(" ")[0]
+        head, _, rest = field.partition(".")
+        if head == "method_options":
+            key = f"{task}.train.method_options.{cfg.method}" + (f".{rest}" if rest else "")
+        elif f"train.{field}" in axes:
+            key = f"{where}.axes.train.{field}"
+        else:
+            section_key = f"{where}.train" if field in overrides else f"{task}.train"
+            key = f"{section_key}.{field}" if field in TRAIN_KEYS else where
+        raise ParamsError(f"{key}: {first_line(err)}") from None
+
+
 def check_axes(axes: dict[str, Any], where: str) -> dict[str, list[Any]]:
     """A grid entry's ``axes`` (``{section.key: [values]}``), checked; ParamsError otherwise."""
     out: dict[str, list[Any]] = {}
@@ -545,7 +485,7 @@ def check_axes(axes: dict[str, Any], where: str) -> dict[str, list[Any]]:
             )
         if section == "train" and (name not in TRAIN_KEYS or name == "method_options"):
             known = [k for k in TRAIN_KEYS if k != "method_options"]
-            raise ParamsError(_unknown(f"{where}.{key}", known, "training key"))
+            raise ParamsError(unknown_key(f"{where}.{key}", known, "training key"))
         if not isinstance(values, list) or not values:
             raise ParamsError(f"{where}.{key}: must be a non-empty list of values, got {values!r}")
         if section == "train":
@@ -593,100 +533,5 @@ def evaluation_pairs(params: dict[str, Any], task: str) -> dict[str, list[tuple[
     ev = params[task].get("evaluate", {})
     out = {"pairs": [tuple(p) for p in ev.get("pairs", [])]}
     if "budget" in ev:
-        out["budget"] = _budget_pairs(ev["budget"], f"{task}.evaluate.budget")
+        out["budget"] = budget_pairs(ev["budget"], f"{task}.evaluate.budget")
     return out
-
-
-def _budget_pairs(budget: Any, where: str) -> list[tuple[int, int]]:
-    budget = _check_mapping(budget, where, BUDGET_KEYS)
-    total = budget.get("total")
-    sweeps = budget.get("sweeps")
-    if not isinstance(total, int) or isinstance(total, bool) or total < 2:
-        raise ParamsError(f"{where}.total: must be an integer K*L >= 2, got {total!r}")
-    if not sweeps:
-        raise ParamsError(f"{where}.sweeps: list at least one K")
-    pairs = []
-    for j, k in enumerate(sweeps):
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ParamsError(f"{where}.sweeps[{j}]: K must be an integer >= 1, got {k!r}")
-        if total < k:
-            raise ParamsError(f"{where}.total: budget {total} is smaller than K={k}")
-        if total // k < 2:
-            raise ParamsError(f"{where}.sweeps[{j}]: budget {total} // K={k} leaves L < 2 particles")
-        pairs.append((k, total // k))
-    return pairs
-
-
-def _check_pair(pair: Any, where: str) -> tuple[int, int]:
-    if not (
-        isinstance(pair, (list, tuple))
-        and len(pair) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
-    ):
-        raise ParamsError(f"{where}: must be a pair [K, L] of integers, got {pair!r}")
-    k, l = pair
-    if k < 1:
-        raise ParamsError(f"{where}: K must be >= 1, got {k}")
-    if l < 2:
-        raise ParamsError(f"{where}: L must be >= 2, got {l}")
-    return k, l
-
-
-def _check_data_set(entry: Any, where: str) -> None:
-    entry = _check_mapping(entry, where, DATA_SET_KEYS)
-    if entry.get("num_datasets", 0) < 1:
-        raise ParamsError(f"{where}.num_datasets: must be an integer >= 1, got {entry.get('num_datasets')!r}")
-    if "seed" not in entry:
-        raise ParamsError(f"{where}.seed: missing (datasets are always seeded)")
-    check_sizes(entry.get("sizes") or {}, f"{where}.sizes")
-
-
-def check_sizes(sizes: dict[str, Any], where: str) -> None:
-    """Every numeric simulator size (points, frames, digits, a radius) is positive: a dataset
-    of no points would pass through training and evaluation with meaningless numbers."""
-    for key, value in sizes.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
-            raise ParamsError(f"{where}.{key}: must be positive, got {value!r}")
-
-
-def _check_section(params: dict[str, Any], name: str, keys: dict[str, Any], required: bool) -> dict[str, Any]:
-    if name not in params:
-        if required:
-            raise ParamsError(f"{name}: missing section")
-        return {}
-    return _check_mapping(params[name], name, keys)
-
-
-def _check_mapping(value: Any, where: str, keys: dict[str, Any]) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ParamsError(f"{where}: must be a mapping, got {type(value).__name__}")
-    for key, item in value.items():
-        if key not in keys:
-            raise ParamsError(_unknown(f"{where}.{key}", list(keys), "key"))
-        want = keys[key]
-        if isinstance(item, bool) and want is not bool or not isinstance(item, want):
-            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
-            raise ParamsError(f"{where}.{key}: must be {names}, got {item!r}")
-    return value
-
-
-def _unknown(key: str, known: list[str], what: str) -> str:
-    leaf = key.rsplit(".", 1)[-1]
-    close = difflib.get_close_matches(leaf, known, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(known)}"
-    return f"{key}: unknown {what}{hint}"
-
-
-def _require(params: dict[str, Any], key: str, kind: type, where: str) -> Any:
-    if key not in params:
-        raise ParamsError(f"{where}: missing")
-    if not isinstance(params[key], kind):
-        raise ParamsError(f"{where}: must be a {kind.__name__}, got {params[key]!r}")
-    return params[key]
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__

@@ -296,12 +296,7 @@ def record(
     then evaluates that sandbox, possibly on another machine or device, and keeps the run.
     """
     root = project_root()
-    if not direct and (minutes is not None or stages != "all" or deadline_minutes is not None):
-        raise ValueError("--minutes, --stages and --deadline need --direct (dvc repro runs every stage)")
-    if name in STARTS_FROM and not direct:
-        raise ValueError(f"profile {name} starts from {STARTS_FROM[name]}'s weights: run it with --direct")
-    if stages not in ("all", "train", "evaluate"):
-        raise ValueError(f"stages must be all, train or evaluate, got {stages!r}")
+    _check_record_options(name, direct, minutes, stages, deadline_minutes)
     label = f"{name}-check" if check and name != CHECK_PROFILE else name
     directory = (directory or root / "runs" / label).resolve()
     if stages == "evaluate":
@@ -314,38 +309,9 @@ def record(
     else:
         sandbox, info = sandbox_for(name, under, directory, fresh or direct, check, direct)
     if direct:
-        from pipeline.direct import run_direct
-
-        print(
-            f"record {label}: {stages} stages in-process on {device} in {sandbox} (commit {info['commit']})",
-            flush=True,
+        info, wall = _record_direct(
+            name, label, sandbox, info, root, device, None if check else minutes, stages, deadline_minutes
         )
-        params = yaml.safe_load((sandbox / "params.yaml").read_text())
-        deadline = time.time() + 60 * deadline_minutes if deadline_minutes is not None else None
-        starts = starting_weights(name, root) if stages != "evaluate" else None
-        if starts is not None:
-            cells = {t: {k: c["sha256"] for k, c in by_key.items()} for t, by_key in starts["cells"].items()}
-            info["starts_from"] = {"profile": starts["profile"], "commit": starts["commit"], "cells": cells}
-            print(
-                f"record {label}: every cell starts from {starts['profile']}'s (commit {starts['commit']})",
-                flush=True,
-            )
-        run_direct(
-            sandbox,
-            device,
-            None if check else minutes,
-            params["sweep"]["log_every"],
-            stages,
-            deadline,
-            starts["cells"] if starts is not None else None,
-        )
-        key = "eval_device" if stages == "evaluate" else "device"
-        info = {**info, key: _device_name(device)}
-        if stages == "all":
-            info["eval_device"] = info["device"]
-        info["params_sha"] = _digest(yaml.safe_load((sandbox / "params.yaml").read_text()))
-        (sandbox / SANDBOX_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        wall = sum(stage_times(sandbox).values())
         if stages == "train":
             print(
                 f"record {label}: trained; evaluate with `apg-pipeline record {name} --direct --stages evaluate --dir {sandbox}`"
@@ -364,6 +330,67 @@ def record(
         f"record {name}: done in {wall / 60:.1f} min; kept in {dest} (commit it; `dvc repro report` shows it)"
     )
     return dest
+
+
+def _check_record_options(
+    name: str, direct: bool, minutes: float | None, stages: str, deadline_minutes: float | None
+) -> None:
+    """``record``'s options that only ``--direct`` takes, and the stages it knows."""
+    if not direct and (minutes is not None or stages != "all" or deadline_minutes is not None):
+        raise ValueError("--minutes, --stages and --deadline need --direct (dvc repro runs every stage)")
+    if name in STARTS_FROM and not direct:
+        raise ValueError(f"profile {name} starts from {STARTS_FROM[name]}'s weights: run it with --direct")
+    if stages not in ("all", "train", "evaluate"):
+        raise ValueError(f"stages must be all, train or evaluate, got {stages!r}")
+
+
+def _record_direct(
+    name: str,
+    label: str,
+    sandbox: Path,
+    info: dict[str, Any],
+    root: Path,
+    device: str,
+    minutes: float | None,
+    stages: str,
+    deadline_minutes: float | None,
+) -> tuple[dict[str, Any], float]:
+    """``record --direct``: the stages in-process on ``device`` (``pipeline.direct``), the
+    training sized to ``minutes`` when given; the sandbox's updated info (written to it) and
+    the stages' wall seconds."""
+    from pipeline.direct import run_direct
+
+    print(
+        f"record {label}: {stages} stages in-process on {device} in {sandbox} (commit {info['commit']})",
+        flush=True,
+    )
+    params = yaml.safe_load((sandbox / "params.yaml").read_text())
+    deadline = time.time() + 60 * deadline_minutes if deadline_minutes is not None else None
+    starts = starting_weights(name, root) if stages != "evaluate" else None
+    if starts is not None:
+        cells = {t: {k: c["sha256"] for k, c in by_key.items()} for t, by_key in starts["cells"].items()}
+        info["starts_from"] = {"profile": starts["profile"], "commit": starts["commit"], "cells": cells}
+        print(
+            f"record {label}: every cell starts from {starts['profile']}'s (commit {starts['commit']})",
+            flush=True,
+        )
+    run_direct(
+        sandbox,
+        device,
+        minutes,
+        params["sweep"]["log_every"],
+        stages,
+        deadline,
+        starts["cells"] if starts is not None else None,
+    )
+    key = "eval_device" if stages == "evaluate" else "device"
+    info = {**info, key: _device_name(device)}
+    if stages == "all":
+        info["eval_device"] = info["device"]
+    info["params_sha"] = _digest(yaml.safe_load((sandbox / "params.yaml").read_text()))
+    (sandbox / SANDBOX_INFO).write_text(json.dumps(info, indent=2) + "\n")
+    wall = sum(stage_times(sandbox).values())
+    return info, wall
 
 
 def _device_name(device: str) -> str:

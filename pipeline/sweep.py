@@ -452,33 +452,8 @@ def _run_sweep(
             source,
         )
     if todo:
-        run_ids = {
-            cid: tracking.open_child(
-                client,
-                exp_id,
-                parent,
-                cid,
-                cell.name,
-                # The swept keys under their grid names too (train.lr beside lr): columns in the UI.
-                {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict(), **dict(cell.axes)},
-                source,
-            )
-            for cid, cell in todo.items()
-        }
-        import ray
-
-        start_ray(params)
-        try:
-            check_resources(params)
-            configs = trial_configs(todo, params, data, sweep_dir, uri, run_ids)
-            sweep = params["sweep"]
-            parallel = int(ray.cluster_resources().get("CPU", 1) // max(sweep.get("cpus_per_trial", 1), 1e-9))
-            if sweep.get("max_concurrent"):
-                parallel = min(parallel, sweep["max_concurrent"])
-            progress = SweepProgress(task, configs, len(cells) - len(todo), parallel)
-            run_tuner(configs, params, sweep_dir, shipped_data(data), progress)
-        finally:
-            ray.shutdown()
+        done = len(cells) - len(todo)
+        train_on_ray(params, task, todo, done, data, sweep_dir, uri, client, exp_id, parent, source)
     failed = [cells[cid].name for cid in todo if not is_done(sweep_dir, cid)]
     if failed:
         tracking.finish(client, parent, "FAILED")
@@ -502,6 +477,50 @@ def _run_sweep(
         tracking.finish(client, parent)
     print(tracking.browse_hint(uri, exp_id))
     return summary
+
+
+def train_on_ray(
+    params: dict[str, Any],
+    task: str,
+    todo: dict[str, Cell],
+    done: int,
+    data: Path,
+    sweep_dir: Path,
+    uri: str,
+    client,
+    exp_id: str,
+    parent: str,
+    source: dict[str, str],
+) -> None:
+    """Train ``todo``'s cells as Ray Tune trials (``done``: the sweep's cells already done, for
+    the progress lines), each logging to an MLflow child run of the sweep's ``parent`` run."""
+    run_ids = {
+        cid: tracking.open_child(
+            client,
+            exp_id,
+            parent,
+            cid,
+            cell.name,
+            # The swept keys under their grid names too (train.lr beside lr): columns in the UI.
+            {"cell_id": cid, "seed": cell.seed, **cell.train.to_dict(), **dict(cell.axes)},
+            source,
+        )
+        for cid, cell in todo.items()
+    }
+    import ray
+
+    start_ray(params)
+    try:
+        check_resources(params)
+        configs = trial_configs(todo, params, data, sweep_dir, uri, run_ids)
+        sweep = params["sweep"]
+        parallel = int(ray.cluster_resources().get("CPU", 1) // max(sweep.get("cpus_per_trial", 1), 1e-9))
+        if sweep.get("max_concurrent"):
+            parallel = min(parallel, sweep["max_concurrent"])
+        progress = SweepProgress(task, configs, done, parallel)
+        run_tuner(configs, params, sweep_dir, shipped_data(data), progress)
+    finally:
+        ray.shutdown()
 
 
 def fetch_cells(client, exp_name: str, sweep_key: str, todo: dict[str, Cell], sweep_dir: Path) -> str:

@@ -530,7 +530,7 @@ def test_unsatisfiable_gpu_request_fails_before_trials(tmp_path):
 def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
     # A sweep whose grid changed gets a new parent run; its cells trained by the earlier
     # sweep are reused, and the report must still trace them to their training runs.
-    from pipeline.evaluate import mlflow_run_ids
+    from pipeline.evaluate_mlflow import mlflow_run_ids
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = tracking.client(uri)
@@ -549,12 +549,12 @@ def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
 def test_run_ids_of_a_sweep_run_in_a_moved_project(tmp_path, monkeypatch):
     # The sweep ran in a copy of the project whose store is gone (its mlflow.db copied into
     # this one): the lookup must use this project's store, not create an empty one there.
-    from pipeline import evaluate
+    from pipeline import evaluate_mlflow
 
     project = tmp_path / "project"
     project.mkdir()
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(evaluate, "project_root", lambda: project)
+    monkeypatch.setattr(evaluate_mlflow, "project_root", lambda: project)
     client = tracking.client(tracking.tracking_uri(project))
     exp = tracking.experiment_id(client, "apg-test", None)
     parent = tracking.open_parent(client, exp, "grid-1", "gmm sweep", {})
@@ -564,7 +564,7 @@ def test_run_ids_of_a_sweep_run_in_a_moved_project(tmp_path, monkeypatch):
         "mlflow": {"tracking_uri": f"sqlite:///{gone}", "experiment_id": exp, "parent_run_id": parent},
         "cells": [{"cell_id": "apg-K2-L3-s0-abc"}],
     }
-    assert evaluate.mlflow_run_ids(summary) == {"apg-K2-L3-s0-abc": child}
+    assert evaluate_mlflow.mlflow_run_ids(summary) == {"apg-K2-L3-s0-abc": child}
     assert not gone.parent.exists()
 
 

@@ -234,7 +234,7 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
 def test_figure_samples_carry_reconstructions_only_for_small_data():
     from apg.tasks import get_task
     from apg.training import TrainConfig, build
-    from pipeline.evaluate import best_particles
+    from pipeline.evaluate_particles import best_particles
 
     cfg = TrainConfig(task="dgmm", method="apg", sweeps=2, particles=3).validate()
     model, proposals = build(cfg)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from apg.data import atomic_write
 from pipeline import provenance
@@ -69,22 +70,13 @@ def report_task(
 ) -> dict[str, Any]:
     """One task's tables, figures and claims; ``keep_frames``: keep the GIF's frames with the
     committed rows (the default run's report, whose checkpoints a clone does not have)."""
-    meta, everything = results["meta"], results["metrics"]
-    all_sets = main_rows(everything, meta)
+    meta = results["meta"]
+    all_sets = main_rows(results["metrics"], meta)
     frame = primary_test_set(all_sets, meta)
-    retrained = retrained_rows(primary_test_set(everything, meta), meta)
     caption = scale_caption(meta, label)
-    tables, figures = out / "tables", out / "figures"
-    training = training_table(results["training"], meta)
+    tables = out / "tables"
+    training, training_md = training_tables(task, results, meta, paper, tables)
     flags = cell_flags(training)
-    atomic_write(tables / f"{task}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
-    training_md = training_markdown(training)
-    if (paper or {}).get("stalled_margin") is not None:
-        stalled = stalled_seeds(training, paper["stalled_margin"])
-        atomic_write(tables / f"{task}_stalled.csv", lambda tmp: stalled.to_csv(tmp, index=False))
-        if not stalled.empty:
-            training_md += "\n\n" + stalled_markdown(stalled, paper["stalled_margin"])
-    atomic_write(tables / f"{task}_training.md", lambda tmp: tmp.write_text(training_md + "\n"))
     table = with_flags(table1(frame, meta, paper), frame, ["method", "K", "L"], flags)
     atomic_write(tables / f"{task}_table1.csv", lambda tmp: table.to_csv(tmp, index=False))
     md = table_markdown(
@@ -96,21 +88,93 @@ def report_task(
     atomic_write(tables / f"{task}_methods.csv", lambda tmp: methods.to_csv(tmp, index=False))
     methods_md = comparison_markdown(methods)
     atomic_write(tables / f"{task}_methods.md", lambda tmp: tmp.write_text(methods_md + "\n"))
-    mse = set_table(all_sets, meta)
-    mse_md = ""
-    if not mse.empty:
-        mse = with_flags(mse, all_sets.assign(test_set=all_sets.get("test_set", "test")), MSE_KEYS, flags)
-        atomic_write(tables / f"{task}_mse.csv", lambda tmp: mse.to_csv(tmp, index=False))
-        mse_md = "\n".join(
-            ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
-            + [
-                f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | {pm(r.mean, r.std)} |"
-                for r in mse.itertuples(index=False)
-            ]
-        ) + _footnote(mse)
+    mse, mse_md = mse_tables(task, all_sets, meta, flags, tables)
     tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking.csv")
     axes_md = axes_markdown(frame, meta, caption, out, task, fmt)
     claims = task_claims(task, results, paper)
+    made = task_figures(task, results, all_sets, frame, training, paper, out, caption, fmt, keep_frames, root)
+    imputation = report_imputation(
+        task, results.get("imputation"), out, fmt, lambda fig, path: _save(fig, path, caption)
+    )
+    if imputation is not None:
+        made.update(imputation["figures"])
+    sets = meta.get("test_sets") or []
+    return {
+        "task": task,
+        "imputation_md": (imputation or {}).get("md", ""),
+        "imputation_set": (meta.get("imputation") or {}).get("test_set"),
+        "caption": caption,
+        "table_md": md,
+        "methods_md": methods_md,
+        "figures": made,
+        "metrics": headline_numbers(table, mse, all_sets, meta, imputation),
+        "paper": paper,
+        "mse_md": mse_md,
+        "tracking_md": tracking_md,
+        "axes_md": axes_md,
+        "training_md": training_md,
+        "cell_flags": flags,
+        "claims": claims,
+        "cells": meta["cells"],
+        "primary": sets[0]["name"] if len(sets) > 1 else None,
+    }
+
+
+def training_tables(
+    task: str, results: dict[str, Any], meta: dict[str, Any], paper: dict[str, Any] | None, tables: Path
+) -> tuple[pd.DataFrame, str]:
+    """The training table (has every cell plateaued?) and the stalled seeds, written; the table
+    and its Markdown."""
+    training = training_table(results["training"], meta)
+    atomic_write(tables / f"{task}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
+    training_md = training_markdown(training)
+    if (paper or {}).get("stalled_margin") is not None:
+        stalled = stalled_seeds(training, paper["stalled_margin"])
+        atomic_write(tables / f"{task}_stalled.csv", lambda tmp: stalled.to_csv(tmp, index=False))
+        if not stalled.empty:
+            training_md += "\n\n" + stalled_markdown(stalled, paper["stalled_margin"])
+    atomic_write(tables / f"{task}_training.md", lambda tmp: tmp.write_text(training_md + "\n"))
+    return training, training_md
+
+
+def mse_tables(
+    task: str, all_sets: pd.DataFrame, meta: dict[str, Any], flags: dict[str, str], tables: Path
+) -> tuple[pd.DataFrame, str]:
+    """Final-sweep reconstruction MSE per held-out set, written where the task has it; the
+    table (empty otherwise) and its Markdown."""
+    mse = set_table(all_sets, meta)
+    if mse.empty:
+        return mse, ""
+    mse = with_flags(mse, all_sets.assign(test_set=all_sets.get("test_set", "test")), MSE_KEYS, flags)
+    atomic_write(tables / f"{task}_mse.csv", lambda tmp: mse.to_csv(tmp, index=False))
+    mse_md = "\n".join(
+        ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
+        + [
+            f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | {pm(r.mean, r.std)} |"
+            for r in mse.itertuples(index=False)
+        ]
+    ) + _footnote(mse)
+    return mse, mse_md
+
+
+def task_figures(
+    task: str,
+    results: dict[str, Any],
+    all_sets: pd.DataFrame,
+    frame: pd.DataFrame,
+    training: pd.DataFrame,
+    paper: dict[str, Any] | None,
+    out: Path,
+    caption: str,
+    fmt: str,
+    keep_frames: bool,
+    root: Path,
+) -> dict[str, str]:
+    """Every figure the task's results allow, drawn; ``{name: path relative to out}``.
+    ``all_sets``: the main cells' rows on every held-out set, ``frame`` on the first."""
+    meta = results["meta"]
+    retrained = retrained_rows(primary_test_set(results["metrics"], meta), meta)
+    figures = out / "figures"
     made = {}
     for name, ok in (
         *(
@@ -150,11 +214,18 @@ def report_task(
     ):
         if ok:
             made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
-    imputation = report_imputation(
-        task, results.get("imputation"), out, fmt, lambda fig, path: _save(fig, path, caption)
-    )
-    if imputation is not None:
-        made.update(imputation["figures"])
+    return made
+
+
+def headline_numbers(
+    table: pd.DataFrame,
+    mse: pd.DataFrame,
+    all_sets: pd.DataFrame,
+    meta: dict[str, Any],
+    imputation: dict[str, Any] | None,
+) -> dict[str, dict[str, float]]:
+    """``{method/K/L: {metric: value}}``: the task's headline numbers, from Table 1, the
+    per-set tables and the imputation."""
     headline = {
         f"{row.method}/K{row.K}/L{row.L}": {
             m: float(getattr(row, m))
@@ -169,26 +240,7 @@ def report_task(
                 headline.setdefault(f"{r.method}/K{r.K}/L{r.L}", {})[f"{metric}_{r.test_set}"] = float(r.mean)
     for key, values in (imputation or {}).get("headline", {}).items():
         headline.setdefault(key, {}).update(values)
-    sets = meta.get("test_sets") or []
-    return {
-        "task": task,
-        "imputation_md": (imputation or {}).get("md", ""),
-        "imputation_set": (meta.get("imputation") or {}).get("test_set"),
-        "caption": caption,
-        "table_md": md,
-        "methods_md": methods_md,
-        "figures": made,
-        "metrics": headline,
-        "paper": paper,
-        "mse_md": mse_md,
-        "tracking_md": tracking_md,
-        "axes_md": axes_md,
-        "training_md": training_md,
-        "cell_flags": flags,
-        "claims": claims,
-        "cells": meta["cells"],
-        "primary": sets[0]["name"] if len(sets) > 1 else None,
-    }
+    return headline
 
 
 FIGURE_TEXT = {
@@ -237,6 +289,90 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str, reco
     return "\n".join(lines + task_sections(parts))
 
 
+TABLE1_TEXT = (
+    "Mean ± std over seeds and held-out datasets at each test-time budget (K, L); `paper`: the "
+    "paper's value for the column to its left (Table 1), where it reports one. Δ log p(x,z): "
+    "paired difference (same dataset) to the baseline method at the same budget; ESS/L: eq. 11; "
+    "`ess`/`kl` per block: ESS/L after the block update and inclusive KL (eq. 4); numbered "
+    "blocks (one per video frame) are averaged over t. ARI: adjusted Rand index of the "
+    "highest-weight particle's assignments c against the true c (1: the true clustering up to "
+    "relabeling, 0: chance); blank for a method whose particles carry no c. ARI ceiling: the "
+    "ARI of argmax_i p(c_n = i | x_n, true mu, true tau), the best any sampler can do, the same "
+    "for every row (GMM only). RWS rows "
+    "spend K*L particles in one step. Rows average the cells trained at each method's grid "
+    "pair (Figure 2's retrained cells appear only there). The CSV has every column unrounded."
+)
+METHODS_TEXT = (
+    "Every method at each test-time budget K×L: held-out log joint, ESS/L, the SMC estimate "
+    "of log p(x) and the importance-sampled one from the method's encoder with K×L samples "
+    "(Rezende et al. 2014, appendix E). Mean ± std over seeds (each seed first averaged over "
+    "the held-out datasets). RWS, reparam and AVF draw K×L samples in one step (AVF: K×L "
+    "independent variational filters); HMC-RWS runs L chains through K-1 HMC transitions "
+    "(extra gradient evaluations per transition; `HMC accept`: its mean Metropolis acceptance "
+    "probability, also logged per training step as `accept` in MLflow); gibbs uses the exact "
+    "conditionals. Each row names the sweep cells (and MLflow child runs, tag `apg.cell_id`) "
+    "it averages."
+)
+TRAINING_TEXT = (
+    "Per cell, over the last fifth of its training iterations: the mean training log joint "
+    "(`final`), the change Δ an ordinary least-squares line through the logged values makes "
+    "across that window, its standard error, and z = Δ / se(Δ); the same for the training "
+    "ESS/L (the proposals' objective, an inclusive KL, shows there after the log joint is "
+    "flat). A cell has plateaued when "
+    f"|z| < {PLATEAU_Z:g} for both; with fewer than {PLATEAU_MIN_POINTS} logged points in the window "
+    "it is not assessable. Rows elsewhere whose numbers come from a cell that has not "
+    f"plateaued carry {NOT_PLATEAUED} (not assessable: {NOT_ASSESSABLE}). Where the rate "
+    "still falls in that window, the curves rise with it (less gradient noise) whether or "
+    "not more steps would help; where the schedule holds its floor rate there "
+    "(`lr_hold_fraction: 0.2`, as params.yaml's do), a trend is one that more steps would "
+    "extend."
+)
+MSE_TEXT = "Final-sweep MSE per pixel, mean ± std over seeds x videos (Figure 4's last points)."
+TRACKING_TEXT = (
+    "The highest-weight particle after the last sweep, per video: pixels between each "
+    "inferred digit and its true digit after the best matching of digits (one "
+    "permutation per video: a digit keeps its identity), averaged over frames and digits; "
+    "and the fraction of frames whose every digit is within 3 px. Mean ± std over seeds x videos. "
+    "A digit is where its ink is: the position error compares the centres of the ink "
+    "(box corner plus the ink centre of the decoded template, against box corner plus "
+    "the ink centre of the MNIST digit). The boxes' error compares box corners alone; it "
+    "also counts where the learned decoder draws a digit inside its 28 x 28 box, which "
+    "the data cannot pin down (a digit drawn 2 px to the right in a box 2 px to the "
+    "left makes the same frame). Motion error: the position error after removing each "
+    "digit's mean offset over its video."
+)
+AXES_TEXT = (
+    "Each point: the cells trained at one value of the key (the task's own cells at "
+    "theirs), evaluated at their training pair on the first held-out set after the last "
+    "sweep; mean over seeds of the per-seed mean over datasets, error bars the 95% "
+    "interval over seeds (with 3 or more). In the tables above such cells are rows "
+    "`method [key=value]`."
+)
+
+
+def imputation_text(test_set: str | None) -> str:
+    """The imputation table's explanation, naming the held-out set it hides entries of."""
+    return (
+        "Missing data filled in by a Markov chain that alternates inference and generation "
+        "(Rezende et al. 2014, Appendix F; `apg.imputation`): each cell infers the latents of "
+        "the data with its hidden entries at their current values (its method at the budget "
+        "K, L; exact Gibbs uses the exact conditionals), picks one particle by its weight, and "
+        "redraws the hidden entries from p(x | z) (or sets them to its mean), from a start at "
+        "the dataset's mean, on held-out set "
+        f"`{test_set}`. Numbers at the chain's last iteration, mean ± std over "
+        "seeds x datasets. GMM: RMSE of the hidden coordinates, for the mean of the chain's "
+        "draws (after burn-in), for the last draw alone, and for the Bayes predictor at the "
+        "simulator's true parameters (the best possible on average, which no method knows). "
+        "Bouncing MNIST: pixel MSE on the hidden pixels, and the position error and tracked "
+        "fraction of the digits the chain's last inference places on the occluded frames."
+    )
+
+
+def _section(heading: str, text: str, body: str) -> list[str]:
+    """A subsection's lines: its heading, what its numbers are, then the numbers."""
+    return [heading, "", text, "", body, ""]
+
+
 def task_sections(parts: list[dict[str, Any]]) -> list[str]:
     """Each task's tables and figures (links relative to the report holding them)."""
     lines: list[str] = []
@@ -251,119 +387,42 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
             ]
         if (part["paper"] or {}).get("scale"):
             lines += [f"Paper scale: {part['paper']['scale']}.", ""]
-        lines += [
+        lines += _section(
             f"### Table 1 ([csv](tables/{task}_table1.csv))",
-            "",
-            "Mean ± std over seeds and held-out datasets at each test-time budget (K, L); `paper`: the "
-            "paper's value for the column to its left (Table 1), where it reports one. Δ log p(x,z): "
-            "paired difference (same dataset) to the baseline method at the same budget; ESS/L: eq. 11; "
-            "`ess`/`kl` per block: ESS/L after the block update and inclusive KL (eq. 4); numbered "
-            "blocks (one per video frame) are averaged over t. ARI: adjusted Rand index of the "
-            "highest-weight particle's assignments c against the true c (1: the true clustering up to "
-            "relabeling, 0: chance); blank for a method whose particles carry no c. ARI ceiling: the "
-            "ARI of argmax_i p(c_n = i | x_n, true mu, true tau), the best any sampler can do, the same "
-            "for every row (GMM only). RWS rows "
-            "spend K*L particles in one step. Rows average the cells trained at each method's grid "
-            "pair (Figure 2's retrained cells appear only there). The CSV has every column unrounded.",
-            "",
+            TABLE1_TEXT,
             part["table_md"],
-            "",
+        )
+        lines += _section(
             f"### Methods at equal sample budgets ([csv](tables/{task}_methods.csv))",
-            "",
-            "Every method at each test-time budget K×L: held-out log joint, ESS/L, the SMC estimate "
-            "of log p(x) and the importance-sampled one from the method's encoder with K×L samples "
-            "(Rezende et al. 2014, appendix E). Mean ± std over seeds (each seed first averaged over "
-            "the held-out datasets). RWS, reparam and AVF draw K×L samples in one step (AVF: K×L "
-            "independent variational filters); HMC-RWS runs L chains through K-1 HMC transitions "
-            "(extra gradient evaluations per transition; `HMC accept`: its mean Metropolis acceptance "
-            "probability, also logged per training step as `accept` in MLflow); gibbs uses the exact "
-            "conditionals. Each row names the sweep cells (and MLflow child runs, tag `apg.cell_id`) "
-            "it averages.",
-            "",
+            METHODS_TEXT,
             part["methods_md"],
-            "",
-        ]
-        if part.get("training_md"):
-            lines += [
+        )
+        optional = (
+            (
+                "training_md",
                 f"### Training: has every cell plateaued? ([csv](tables/{task}_training.csv))",
-                "",
-                "Per cell, over the last fifth of its training iterations: the mean training log joint "
-                "(`final`), the change Δ an ordinary least-squares line through the logged values makes "
-                "across that window, its standard error, and z = Δ / se(Δ); the same for the training "
-                "ESS/L (the proposals' objective, an inclusive KL, shows there after the log joint is "
-                "flat). A cell has plateaued when "
-                f"|z| < {PLATEAU_Z:g} for both; with fewer than {PLATEAU_MIN_POINTS} logged points in the window "
-                "it is not assessable. Rows elsewhere whose numbers come from a cell that has not "
-                f"plateaued carry {NOT_PLATEAUED} (not assessable: {NOT_ASSESSABLE}). Where the rate "
-                "still falls in that window, the curves rise with it (less gradient noise) whether or "
-                "not more steps would help; where the schedule holds its floor rate there "
-                "(`lr_hold_fraction: 0.2`, as params.yaml's do), a trend is one that more steps would "
-                "extend.",
-                "",
-                part["training_md"],
-                "",
-            ]
-        if part.get("mse_md"):
-            lines += [
+                TRAINING_TEXT,
+            ),
+            (
+                "mse_md",
                 f"### Reconstruction MSE per held-out set ([csv](tables/{task}_mse.csv))",
-                "",
-                "Final-sweep MSE per pixel, mean ± std over seeds x videos (Figure 4's last points).",
-                "",
-                part["mse_md"],
-                "",
-            ]
-        if part.get("tracking_md"):
-            lines += [
+                MSE_TEXT,
+            ),
+            (
+                "tracking_md",
                 f"### Tracking against the simulator's positions ([csv](tables/{task}_tracking.csv))",
-                "",
-                "The highest-weight particle after the last sweep, per video: pixels between each "
-                "inferred digit and its true digit after the best matching of digits (one "
-                "permutation per video: a digit keeps its identity), averaged over frames and digits; "
-                "and the fraction of frames whose every digit is within 3 px. Mean ± std over seeds x videos. "
-                "A digit is where its ink is: the position error compares the centres of the ink "
-                "(box corner plus the ink centre of the decoded template, against box corner plus "
-                "the ink centre of the MNIST digit). The boxes' error compares box corners alone; it "
-                "also counts where the learned decoder draws a digit inside its 28 x 28 box, which "
-                "the data cannot pin down (a digit drawn 2 px to the right in a box 2 px to the "
-                "left makes the same frame). Motion error: the position error after removing each "
-                "digit's mean offset over its video.",
-                "",
-                part["tracking_md"],
-                "",
-            ]
-        if part.get("imputation_md"):
-            lines += [
+                TRACKING_TEXT,
+            ),
+            (
+                "imputation_md",
                 f"### Imputation of hidden entries ([csv](tables/{task}_imputation.csv))",
-                "",
-                "Missing data filled in by a Markov chain that alternates inference and generation "
-                "(Rezende et al. 2014, Appendix F; `apg.imputation`): each cell infers the latents of "
-                "the data with its hidden entries at their current values (its method at the budget "
-                "K, L; exact Gibbs uses the exact conditionals), picks one particle by its weight, and "
-                "redraws the hidden entries from p(x | z) (or sets them to its mean), from a start at "
-                "the dataset's mean, on held-out set "
-                f"`{part.get('imputation_set')}`. Numbers at the chain's last iteration, mean ± std over "
-                "seeds x datasets. GMM: RMSE of the hidden coordinates, for the mean of the chain's "
-                "draws (after burn-in), for the last draw alone, and for the Bayes predictor at the "
-                "simulator's true parameters (the best possible on average, which no method knows). "
-                "Bouncing MNIST: pixel MSE on the hidden pixels, and the position error and tracked "
-                "fraction of the digits the chain's last inference places on the occluded frames.",
-                "",
-                part["imputation_md"],
-                "",
-            ]
-        if part.get("axes_md"):
-            lines += [
-                "### Swept settings (grid entries' `axes`)",
-                "",
-                "Each point: the cells trained at one value of the key (the task's own cells at "
-                "theirs), evaluated at their training pair on the first held-out set after the last "
-                "sweep; mean over seeds of the per-seed mean over datasets, error bars the 95% "
-                "interval over seeds (with 3 or more). In the tables above such cells are rows "
-                "`method [key=value]`.",
-                "",
-                part["axes_md"],
-                "",
-            ]
+                imputation_text(part.get("imputation_set")),
+            ),
+            ("axes_md", "### Swept settings (grid entries' `axes`)", AXES_TEXT),
+        )
+        for key, heading, text in optional:
+            if part.get(key):
+                lines += _section(heading, text, part[key])
         for name, rel in part["figures"].items():
             lines += [
                 f"### {name}",

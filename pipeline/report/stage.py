@@ -165,6 +165,61 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+def recorded_parts(
+    run_dir: Path, out: Path, root: Path, paper_all: dict[str, Any], fmt: str, label: str
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A recorded run's report parts (``report_task`` per task, under ``out``) and the claims
+    it can test."""
+    params = yaml.safe_load((run_dir / "params.yaml").read_text())
+    parts, claims = [], []
+    for task in params["tasks"]:
+        paper = paper_all.get(task) or {}
+        paper = {**paper, "claims": (paper.get("claims") or []) + (paper.get("paper_scale_claims") or [])}
+        part = report_task(task, load_results(run_dir / "eval" / task), paper, out, root, label, fmt)
+        parts.append(part)
+        # A run at another scale has other held-out sets and budgets: the claims it cannot
+        # test (the CPU defaults' sets) are left out of its table, not listed as not run.
+        claims += [c for c in part["claims"] if c.note != "not run"]
+    return parts, claims
+
+
+def recorded_about(run_dir: Path, manifest: dict[str, Any], parts: list[dict[str, Any]]) -> str:
+    """Where a recorded run comes from: the commit and machine that trained it, whether the
+    training code is still that code, its profile, and what a clone cannot re-check; links
+    start with ``{up}``, the way from the page to the repository's root."""
+    same = all(
+        stages.code_digest("sweep", t, stages.package_root()) == d for t, d in manifest["code_digest"].items()
+    )
+    about = (
+        f"Trained by commit `{manifest['commit']}` ({manifest.get('started', '?')} to "
+        f"{manifest['finished']}, last run {manifest['wall_minutes_last_run']} min wall; "
+        f"{manifest['machine']}). Training code today: {'the same' if same else '**changed since**'}. "
+        f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
+        f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
+    )
+    partial = [
+        c["name"]
+        for part in parts
+        for c in part.get("cells", [])
+        if Path(c["checkpoint"]).name == GENERATIVE_ONLY
+    ]
+    if partial:  # weights too large for git: the proposals were left out
+        about += (
+            f" Not re-checkable from a clone: {len(partial)} of its cells ({', '.join(f'`{n}`' for n in partial)}) "
+            "keep their generative model's weights alone (their proposals were over the size kept in git), "
+            "so their numbers are those their evaluation recorded and cannot be recomputed."
+        )
+    start = manifest.get("starts_from")
+    if start:  # a curriculum's later step: its training continues another run's
+        about += (
+            f" A curriculum's later step: every cell started from the weights of the same method, K, L "
+            f"and seed in the recorded run [`{start['profile']}`]({{up}}reports/recorded/{start['profile']}/README.md) "
+            f"(commit `{start['commit']}`; checkpoints' sha256 in the manifest), so its training is "
+            f"on top of that run's."
+        )
+    return about
+
+
 def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str) -> str:
     """Each recorded run (``apg-pipeline record``, results kept in ``recorded/``): its own
     report under ``reports/recorded/<name>/``, and here its Table 1 beside the paper's, labelled
@@ -184,50 +239,11 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
     ]
     for run_dir, manifest in runs:
         sub = out / "recorded" / run_dir.name
-        params = yaml.safe_load((run_dir / "params.yaml").read_text())
         label = manifest["scale"]
-        parts, claims = [], []
-        for task in params["tasks"]:
-            paper = paper_all.get(task) or {}
-            paper = {**paper, "claims": (paper.get("claims") or []) + (paper.get("paper_scale_claims") or [])}
-            part = report_task(task, load_results(run_dir / "eval" / task), paper, sub, root, label, fmt)
-            parts.append(part)
-            # A run at another scale has other held-out sets and budgets: the claims it cannot
-            # test (the CPU defaults' sets) are left out of its table, not listed as not run.
-            claims += [c for c in part["claims"] if c.note != "not run"]
+        parts, claims = recorded_parts(run_dir, sub, root, paper_all, fmt, label)
         flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
         claims_md = claims_markdown(claims, flags, [])
-        same = all(
-            stages.code_digest("sweep", t, stages.package_root()) == d
-            for t, d in manifest["code_digest"].items()
-        )
-        about = (
-            f"Trained by commit `{manifest['commit']}` ({manifest.get('started', '?')} to "
-            f"{manifest['finished']}, last run {manifest['wall_minutes_last_run']} min wall; "
-            f"{manifest['machine']}). Training code today: {'the same' if same else '**changed since**'}. "
-            f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
-            f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
-        )
-        partial = [
-            c["name"]
-            for part in parts
-            for c in part.get("cells", [])
-            if Path(c["checkpoint"]).name == GENERATIVE_ONLY
-        ]
-        if partial:  # weights too large for git: the proposals were left out
-            about += (
-                f" Not re-checkable from a clone: {len(partial)} of its cells ({', '.join(f'`{n}`' for n in partial)}) "
-                "keep their generative model's weights alone (their proposals were over the size kept in git), "
-                "so their numbers are those their evaluation recorded and cannot be recomputed."
-            )
-        start = manifest.get("starts_from")
-        if start:  # a curriculum's later step: its training continues another run's
-            about += (
-                f" A curriculum's later step: every cell started from the weights of the same method, K, L "
-                f"and seed in the recorded run [`{start['profile']}`]({{up}}reports/recorded/{start['profile']}/README.md) "
-                f"(commit `{start['commit']}`; checkpoints' sha256 in the manifest), so its training is "
-                f"on top of that run's."
-            )
+        about = recorded_about(run_dir, manifest, parts)
         body = [
             f"# Recorded run `{run_dir.name}`: {label}",
             "",

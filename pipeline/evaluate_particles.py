@@ -1,0 +1,206 @@
+"""Evaluation runs that read each held-out dataset's highest-weight particle.
+
+``apg.training.evaluate`` returns the sampler's own numbers (log-joint, ESS, evidence,
+model evaluations); the metrics here need the particles themselves, so each is a run of its
+own: the figure samples (``best_particles``), cluster recovery against the true
+assignments and centres (``final_particle``, ``particle_scores``) and tracking against the
+simulator's positions (``tracking_errors``). ``pipeline.evaluate`` calls them per cell.
+
+Shapes: M held-out datasets, N points, I clusters, D dimensions, K sweeps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from apg.data import load_dataset
+from apg.metrics import adjusted_rand_index, matched_centre_error
+from apg.tasks import get_task
+from apg.training import make_method
+
+# Save a figure particle's reconstruction when one dataset has at most this many numbers:
+# the rings' points, and Bouncing MNIST figure videos up to ~27 frames of 96x96 (Figure 3's
+# reconstruction row); longer videos are reconstructed by the report from the model.
+RECON_MAX_ELEMENTS = 250_000
+
+
+def best_particles(
+    cfg, model, proposals, x: torch.Tensor, sweeps: list[int], particles: int
+) -> dict[int, dict[str, np.ndarray]]:
+    """``{sweep: {latent: (M, ...)}}``: each dataset's highest-weight particle after each sweep.
+
+    RWS methods run one step whatever K is, so they only have sweep 1. When the task can
+    reconstruct and a dataset is small (at most ``RECON_MAX_ELEMENTS`` numbers: the
+    rings' points, short videos), the particle's reconstruction is saved as ``recon``
+    (``(M, ...)``, like ``x``) for the pictures; larger data are reconstructed by the
+    report from the model instead (``animate``), so samples.npz stays small.
+    """
+    reconstruct = get_task(cfg.task).reconstruct
+    keep_recon = reconstruct is not None and x[0].numel() <= RECON_MAX_ELEMENTS
+    out: dict[int, dict[str, np.ndarray]] = {}
+
+    def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
+        if k in sweeps:
+            best = log_w.argmax(0)  # (B,)
+            rows = torch.arange(log_w.shape[1], device=log_w.device)
+            chosen = {name: t[best, rows] for name, t in z.items()}
+            out[k] = {name: t.cpu().numpy() for name, t in chosen.items()}
+            if keep_recon:
+                recon = reconstruct(model, x, {name: t[None] for name, t in chosen.items()})[0]
+                out[k]["recon"] = recon.cpu().numpy()
+
+    x = x.to(_device(model, proposals, x), torch.get_default_dtype())
+    with torch.no_grad():
+        make_method(cfg).run(
+            model, proposals, x, max(sweeps), particles, "block", cfg.resampler, collectors=[collect]
+        )
+    return out
+
+
+# --------------------------------------------------------------------------- cluster recovery
+
+
+def _device(model, proposals, x: torch.Tensor) -> torch.device:
+    """Where the trained networks live (``x``'s device for a method without parameters)."""
+    return next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+
+
+def final_particle(
+    cfg, model, proposals, x: torch.Tensor, sweeps: int, particles: int, batch_size: int, resample_mode: str
+) -> dict[str, np.ndarray] | None:
+    """Each dataset's highest-weight particle after the method's last sweep at budget
+    ``(sweeps, particles)``: its assignments ``c (M, N)`` and, when the particles have them,
+    its centres ``mu (M, I, D)``; ``None`` when the method's particles have no ``c``
+    (nothing to score).
+
+    A run of its own: ``apg.training.evaluate`` does not hand out its final particles.
+    """
+    method = make_method(cfg)
+    device = _device(model, proposals, x)
+    chunks: dict[str, list[np.ndarray]] = {}
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
+            result = method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler)
+            if "c" not in result.z:
+                return None
+            best = result.log_weights.argmax(0)  # (B,)
+            rows = torch.arange(xb.shape[0], device=device)
+            for name in ("c", "mu"):
+                if name in result.z:
+                    chunks.setdefault(name, []).append(result.z[name][best, rows].cpu().numpy())
+    return {name: np.concatenate(parts) for name, parts in chunks.items()}
+
+
+def ari_scores(true_c: np.ndarray, pred_c: np.ndarray | None) -> np.ndarray:
+    """Per-dataset ARI ``(M,)`` of ``pred_c (M, N)`` against ``true_c (M, N)``; NaN when
+    there are no predicted assignments."""
+    if pred_c is None:
+        return np.full(len(true_c), np.nan)
+    return adjusted_rand_index(torch.from_numpy(true_c), torch.from_numpy(pred_c)).numpy()
+
+
+def latent_truth(task: str, path: Path) -> dict[str, Any] | None:
+    """What a held-out file holds of the truth for scoring a final particle: its arrays
+    (``x`` and the true ``c``, ``mu``) and the ceiling's per-dataset ARI ``ari_ceiling``
+    ``(M,)`` (None for tasks without a ceiling rule); None without true assignments."""
+    arrays = load_dataset(path)
+    if "c" not in arrays:
+        return None
+    true_c = arrays["c"].astype(np.int64)
+    rule = get_task(task).assignment_ceiling
+    return {"arrays": arrays, "c": true_c, "ari_ceiling": ari_scores(true_c, rule(arrays)) if rule else None}
+
+
+def particle_scores(
+    task: str,
+    truth: dict[str, Any],
+    particle: dict[str, np.ndarray] | None,
+    model_hparams: dict[str, Any],
+    sizes: dict[str, Any],
+) -> dict[str, np.ndarray]:
+    """Final metrics ``(M,)`` of the highest-weight particles (``final_particle``) against the
+    truth (``latent_truth``): ``ari``; ``centre_err`` (``apg.metrics.matched_centre_error``)
+    when both hold centres ``mu``; ``log_joint_true`` for the tasks with a
+    ``TaskSpec.common_log_joint``; ``ari_ceiling`` where the task has one. NaN where the
+    particles lack what a metric reads."""
+    size = len(truth["c"])
+    scores = {"ari": ari_scores(truth["c"], None if particle is None else particle["c"])}
+    if "mu" in truth["arrays"]:
+        scores["centre_err"] = np.full(size, np.nan)
+        if particle is not None and "mu" in particle:
+            true_mu, mu = (
+                torch.from_numpy(np.asarray(a, dtype=np.float64))
+                for a in (truth["arrays"]["mu"], particle["mu"])
+            )
+            scores["centre_err"] = matched_centre_error(true_mu, mu).numpy()
+    common_log_joint = get_task(task).common_log_joint
+    if common_log_joint is not None:
+        scores["log_joint_true"] = np.full(size, np.nan)
+        if particle is not None and "mu" in particle:
+            scores["log_joint_true"] = common_log_joint(truth["arrays"], particle, model_hparams, sizes)
+    if truth["ari_ceiling"] is not None:
+        scores["ari_ceiling"] = truth["ari_ceiling"]
+    return scores
+
+
+# --------------------------------------------------------------------------- tracking
+
+
+def position_truth(task: str, path: Path) -> dict[str, np.ndarray] | None:
+    """The simulator's positions in a held-out file, for tasks that track
+    (``TaskSpec.tracking``: Bouncing MNIST's digits); None otherwise."""
+    tracking = get_task(task).tracking
+    if tracking is None:
+        return None
+    data = load_dataset(path)
+    try:
+        return tracking.truth(data)
+    except ValueError as err:
+        raise ValueError(f"{path} {err}; run `dvc repro generate@{task}`") from None
+
+
+def tracking_errors(
+    cfg,
+    model,
+    proposals,
+    x: torch.Tensor,
+    truth: dict[str, np.ndarray],
+    sweeps: int,
+    particles: int,
+    batch_size: int,
+    resample_mode: str,
+) -> dict[str, np.ndarray]:
+    """Curves ``(K, M)``: the task's position errors (``TaskSpec.tracking``; Bouncing MNIST:
+    the position error in pixels at the digits' ink centres, the boxes' error, the motion
+    error and the tracked-frame fraction) of each dataset's highest-weight particle after
+    each sweep, against the simulator's (``truth`` from ``position_truth``). A run of its
+    own, like ``final_particle``."""
+    tracking = get_task(cfg.task).tracking
+    device = _device(model, proposals, x)
+    method = make_method(cfg)
+    per_sweep: dict[int, list[dict[str, np.ndarray]]] = {}
+
+    def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
+        rows = torch.arange(log_w.shape[1], device=log_w.device)
+        best = log_w.argmax(0)
+        chosen = {name: t[best, rows][None] for name, t in z.items()}  # (1, B, ...)
+        per_sweep.setdefault(k, []).append(tracking.positions(model, x, chosen))
+
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
+            method.run(
+                model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect]
+            )
+    curves: dict[str, list[np.ndarray]] = {}
+    for k in sorted(per_sweep):
+        found = {name: np.concatenate([part[name] for part in per_sweep[k]]) for name in per_sweep[k][0]}
+        errors = tracking.errors(truth, found)
+        for name, value in errors.items():
+            curves.setdefault(name, []).append(value)
+    return {name: np.stack(values) for name, values in curves.items()}

@@ -1,0 +1,208 @@
+"""The schema of ``params.yaml``: the keys each section allows with their types, and the
+checks of one value against it.
+
+Every check raises ``ParamsError`` with one line naming the key (``<task>.grid[0].pairs[1]:
+...``); ``pipeline.config`` walks the file with them (sections, held-out sets, the grid).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+
+class ParamsError(ValueError):
+    """An invalid params file; the message names the key and the reason."""
+
+
+# Allowed keys per section, with their expected types. ``dict`` values under ``model``,
+# ``network`` and ``sizes`` are free-form (they are the task's own keyword arguments and
+# are checked by calling the task's builders).
+SWEEP_KEYS: dict[str, Any] = {
+    "ray_address": (str, type(None)),
+    "num_cpus": (int, type(None)),
+    "cpus_per_trial": (int, float),
+    "gpus_per_trial": (int, float),
+    "max_concurrent": int,
+    "max_failures": int,
+    "checkpoint_every": int,
+    "log_every": int,
+    "torch_threads": int,
+    "storage": str,
+    "reuse_across_code": bool,  # development only: reuse cells trained by other code
+}
+TRACKING_KEYS: dict[str, Any] = {"experiment": str}
+REPORT_KEYS: dict[str, Any] = {"out": str, "figure_format": str, "scale": str}
+TASK_KEYS: dict[str, Any] = {
+    "model": dict,
+    "network": dict,
+    "data": dict,
+    "train": dict,
+    "grid": list,
+    "evaluate": dict,
+}
+DATA_SET_KEYS: dict[str, Any] = {
+    "num_datasets": int,
+    "seed": int,
+    "sizes": dict,
+    "name": str,
+    "network": dict,
+}
+# ``<task>.data`` itself: the training set, held-out test sets (one ``test`` or several
+# named ``tests``), figure sets, and the dtype ``x`` is stored in.
+DATA_KEYS: dict[str, Any] = {"train": dict, "test": dict, "tests": list, "figures": list, "x_dtype": str}
+# Storage dtypes for ``x``: a plain cast back to the default dtype on load, so every
+# reader (sweep, evaluate, cli) works unchanged. float16 halves the files (grey levels in
+# [0, 1] keep 11 significant bits); integer quantization would need a scale every reader knows.
+X_DTYPES = ("float32", "float64", "float16")
+TRAIN_KEYS: dict[str, Any] = {
+    "batch_size": int,
+    "iterations": int,
+    "lr": (int, float),
+    "lr_schedule": str,  # constant | cosine (apg.training.learning_rate)
+    "lr_final_factor": (int, float),
+    "lr_hold_fraction": (int, float),  # cosine: the last fraction of steps at the floor rate
+    "compile": bool,  # torch.compile the step (Bouncing MNIST APG: per block): GPU trials (apg.training)
+    "resample_mode": str,
+    "resampler": str,
+    "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}
+}
+# ``train``: overrides of ``<task>.train`` for this entry's cells only (e.g. one iteration
+# for exact Gibbs, which has nothing to learn).
+# ``axes``: ``{section.key: [values]}`` crossed with the entry's methods, budgets and seeds;
+# section is one of AXIS_SECTIONS (``train.lr``, ``network.hidden``, ``model.sigma0``).
+GRID_KEYS: dict[str, Any] = {
+    "methods": list,
+    "pairs": list,
+    "budget": dict,
+    "seeds": list,
+    "train": dict,
+    "axes": dict,
+}
+AXIS_SECTIONS = ("train", "network", "model")
+BUDGET_KEYS: dict[str, Any] = {"total": int, "sweeps": list}
+EVALUATE_KEYS: dict[str, Any] = {
+    "batch_size": int,
+    "resample_mode": str,
+    # Also run every cell resampling once per sweep, for the paper's overall ESS {all blocks}
+    # (Table 1's ESS column, section 5.3): the metric ``sweep_ess``.
+    "sweep_resampling": bool,
+    "seed": int,
+    "pairs": list,
+    "budget": dict,
+    "baseline": str,
+    "figure_sweeps": list,
+    "figure_particles": int,
+    "threads": int,  # torch threads of the evaluate stage (default: sweep.torch_threads)
+    "imputation": dict,
+}
+# evaluate.imputation (issue 22, pipeline/impute.py): which cells impute hidden entries of
+# which held-out set, and how.
+IMPUTATION_KEYS: dict[str, Any] = {
+    "methods": list,
+    "test_set": str,
+    "num_datasets": int,
+    "pair": list,
+    "iterations": int,
+    "burn_in": int,
+    "fill": str,
+    "seed": int,
+    "fraction": (int, float),  # gmm: the share of points with one coordinate hidden
+    "occlusions": list,  # bmnist: [{start, frames}] blanked frames or [{rows, cols}] regions
+}
+TOP_KEYS = ("tasks", "sweep", "tracking", "report")
+
+
+def budget_pairs(budget: Any, where: str) -> list[tuple[int, int]]:
+    budget = check_mapping(budget, where, BUDGET_KEYS)
+    total = budget.get("total")
+    sweeps = budget.get("sweeps")
+    if not isinstance(total, int) or isinstance(total, bool) or total < 2:
+        raise ParamsError(f"{where}.total: must be an integer K*L >= 2, got {total!r}")
+    if not sweeps:
+        raise ParamsError(f"{where}.sweeps: list at least one K")
+    pairs = []
+    for j, k in enumerate(sweeps):
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ParamsError(f"{where}.sweeps[{j}]: K must be an integer >= 1, got {k!r}")
+        if total < k:
+            raise ParamsError(f"{where}.total: budget {total} is smaller than K={k}")
+        if total // k < 2:
+            raise ParamsError(f"{where}.sweeps[{j}]: budget {total} // K={k} leaves L < 2 particles")
+        pairs.append((k, total // k))
+    return pairs
+
+
+def check_pair(pair: Any, where: str) -> tuple[int, int]:
+    if not (
+        isinstance(pair, (list, tuple))
+        and len(pair) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+    ):
+        raise ParamsError(f"{where}: must be a pair [K, L] of integers, got {pair!r}")
+    k, l = pair
+    if k < 1:
+        raise ParamsError(f"{where}: K must be >= 1, got {k}")
+    if l < 2:
+        raise ParamsError(f"{where}: L must be >= 2, got {l}")
+    return k, l
+
+
+def check_data_set(entry: Any, where: str) -> None:
+    entry = check_mapping(entry, where, DATA_SET_KEYS)
+    if entry.get("num_datasets", 0) < 1:
+        raise ParamsError(f"{where}.num_datasets: must be an integer >= 1, got {entry.get('num_datasets')!r}")
+    if "seed" not in entry:
+        raise ParamsError(f"{where}.seed: missing (datasets are always seeded)")
+    check_sizes(entry.get("sizes") or {}, f"{where}.sizes")
+
+
+def check_sizes(sizes: dict[str, Any], where: str) -> None:
+    """Every numeric simulator size (points, frames, digits, a radius) is positive: a dataset
+    of no points would pass through training and evaluation with meaningless numbers."""
+    for key, value in sizes.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
+            raise ParamsError(f"{where}.{key}: must be positive, got {value!r}")
+
+
+def check_section(params: dict[str, Any], name: str, keys: dict[str, Any], required: bool) -> dict[str, Any]:
+    if name not in params:
+        if required:
+            raise ParamsError(f"{name}: missing section")
+        return {}
+    return check_mapping(params[name], name, keys)
+
+
+def check_mapping(value: Any, where: str, keys: dict[str, Any]) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ParamsError(f"{where}: must be a mapping, got {type(value).__name__}")
+    for key, item in value.items():
+        if key not in keys:
+            raise ParamsError(unknown_key(f"{where}.{key}", list(keys), "key"))
+        want = keys[key]
+        if isinstance(item, bool) and want is not bool or not isinstance(item, want):
+            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+            raise ParamsError(f"{where}.{key}: must be {names}, got {item!r}")
+    return value
+
+
+def unknown_key(key: str, known: list[str], what: str) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(leaf, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(known)}"
+    return f"{key}: unknown {what}{hint}"
+
+
+def require(params: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    if key not in params:
+        raise ParamsError(f"{where}: missing")
+    if not isinstance(params[key], kind):
+        raise ParamsError(f"{where}: must be a {kind.__name__}, got {params[key]!r}")
+    return params[key]
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
