@@ -21,8 +21,8 @@
 # On a GPU every compiled graph has CUDA graphs, Bouncing MNIST's per-block ones included
 # (4x faster on the H200; docs/benchmarks.md).
 # What it makes goes under $OUT: the sandbox without its data, the recorded run if evaluated,
-# tarred and split under 15 MB (the device tool's file limit), and the timings.
-# Name the commit in APG_COMMIT: the lent machine's copy may carry a stale git HEAD.
+# tarred and split under 15 MB (the transfer's file limit), and the timings.
+# Name the commit in APG_COMMIT: the GPU machine's copy may carry a stale git HEAD.
 #   APG_COMMIT=$(git rev-parse --short HEAD) MNIST_DIR=.device/mnist AGREE=.device/agree MINUTES=6 \
 #     DEADLINE=570 OUT=/tmp/out bash bench/gpu_session.sh
 set -u

@@ -145,7 +145,7 @@ def sandbox_for(
     info = {
         "profile": name,
         "base": base_name(name, under),
-        # A copy of the code whose git history is absent or stale (a lent machine's copy of
+        # A copy of the code whose git history is absent or stale (a remote GPU machine's copy of
         # the working tree) names its commit in APG_COMMIT.
         "commit": os.environ.get("APG_COMMIT") or provenance.git_commit(code),
         "code_digest": {t: code_digest("sweep", t, code) for t in params["tasks"]},
