@@ -257,19 +257,23 @@ def current_banners(root: Path) -> dict[str, str | None]:
 def mark(root: Path, message: str | None) -> None:
     """Put ``message`` (or nothing, when None) right under each results section's heading."""
     for rel, heading in BANNER_PLACES:
-        path = root / rel
-        text = path.read_text()
-        start, end = text.find(BANNER_START), text.find(BANNER_END)
-        if 0 <= start < end:
-            text = text[:start] + text[end + len(BANNER_END) :].lstrip("\n")
-        if message is not None:
-            at = text.find(heading)
-            if at < 0:
-                raise ValueError(f"{rel} has no '{heading}' heading to put the stale line under")
-            at = text.index("\n", at) + 1
-            text = text[:at] + "\n" + banner(message) + text[at:].lstrip("\n")
-            text = text.replace(BANNER_END + "\n", BANNER_END + "\n\n", 1)
-        path.write_text(text)
+        set_banner(root / rel, heading, message)
+
+
+def set_banner(path: Path, heading: str, message: str | None) -> None:
+    """Replace the stale line of one file by ``message`` (none when None), under ``heading``."""
+    text = path.read_text()
+    start, end = text.find(BANNER_START), text.find(BANNER_END)
+    if 0 <= start < end:
+        text = text[:start] + text[end + len(BANNER_END) :].lstrip("\n")
+    if message is not None:
+        at = text.find(heading)
+        if at < 0:
+            raise ValueError(f"{path.name} has no '{heading}' heading to put the stale line under")
+        at = text.index("\n", at) + 1
+        text = text[:at] + "\n" + banner(message) + text[at:].lstrip("\n")
+        text = text.replace(BANNER_END + "\n", BANNER_END + "\n\n", 1)
+    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1125,3 +1125,20 @@ def test_the_evaluation_logs_each_cells_held_out_numbers_to_its_mlflow_run(tmp_p
     logged = client.get_run(child).data.metrics
     assert logged == {"eval.test.K5L10.log_joint": 4.0, "eval.test.K5L10.ari": pytest.approx(0.6)}
     assert log_evaluation({}, {"c1": child}, frame) == 0  # a sweep that logged nothing
+
+
+def test_the_report_stage_clears_a_stale_line_in_the_readme(tmp_path):
+    # `provenance mark` left the results marked stale; the report stage then made them anew
+    # from this code, so the README's stale line goes (the from-committed rebuild keeps it).
+    write_results(tmp_path, with_training_trend=False)
+    stale = "**Stale since abc:** `apg/x.py` changed after these results were made."
+    (tmp_path / "README.md").write_text(
+        "# x\n\n## Results\n\n<!-- provenance:stale -->\n> " + stale + "\n<!-- /provenance:stale -->\n\n"
+        "<!-- results:start -->\n<!-- results:end -->\n"
+    )
+    params = {"tasks": ["gmm"], "report": {"out": "reports", "figure_format": "png", "scale": "synthetic"}}
+    torch.set_num_threads(1)
+    report.make_report(params, tmp_path)
+    readme = (tmp_path / "README.md").read_text()
+    assert "provenance:stale" not in readme and stale not in readme
+    assert readme.startswith("# x\n\n## Results\n\n<!-- results:start -->")

@@ -117,6 +117,10 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
     # from the committed rows trained and evaluated nothing: the record stays as it was.
     if not from_committed:
         provenance.write_record(params, root, out)
+        # These results are now the checkout's own: a stale line that an earlier
+        # `provenance mark` put in the README goes (reports/README.md is written anew).
+        if readme.is_file():
+            provenance.set_banner(readme, dict(provenance.BANNER_PLACES)["README.md"], None)
 
 
 @contextmanager
