@@ -48,9 +48,13 @@ def test_a_tampered_cached_library_is_rebuilt_not_loaded(probe_kernels, monkeypa
     assert digest.read_text().strip() == sha256(library) == loaded[-1]
 
     # A changed byte (as another user of a shared cache could leave it): rebuilt, never loaded.
+    # Written as a new file put in place: rewriting the loaded file itself would change the
+    # pages this process has mapped, and its code would crash at exit.
     data = bytearray(library.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    library.write_bytes(bytes(data))
+    swap = library.with_name("tampered.tmp")
+    swap.write_bytes(bytes(data))
+    swap.replace(library)
     tampered = sha256(library)
     apg.kernels.native_library.cache_clear()
     lib = apg.kernels.native_library()
