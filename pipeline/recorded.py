@@ -45,7 +45,7 @@ import yaml
 from pipeline import provenance
 from pipeline.common import project_root
 from pipeline.config import cell_key
-from pipeline.smoke import make_sandbox
+from pipeline.smoke import make_sandbox, refresh_code
 from pipeline.stages import code_digest, package_root, stage_times
 
 RECORDED = "recorded"
@@ -136,8 +136,10 @@ def sandbox_for(
     check: bool = False,
     direct: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
-    """The profile's sandbox repo: made anew, or the one a stopped run left (resumed only if
-    the same code and params made it, since its finished cells are reused as they are)."""
+    """The profile's sandbox repo: made anew, or the one a stopped run left, resumed only
+    under the same params. Resumed under other code, the sandbox takes this code's copy and
+    its finished cells are kept only where their numerics fingerprint still matches
+    (``pipeline.sweep.plan``); the earlier commits are listed in ``commits``."""
     from pipeline.profiles import params_file
 
     code = package_root()
@@ -158,12 +160,17 @@ def sandbox_for(
                 f"{directory} exists and is not a recorded run's sandbox; remove it or pass --fresh"
             )
         old = json.loads(marker.read_text())
-        if (old["code_digest"], old["params_sha"]) != (info["code_digest"], info["params_sha"]):
+        if old["params_sha"] != info["params_sha"]:
             raise ValueError(
-                f"{directory} was started by other code or params (commit {old['commit'][:10]}); "
+                f"{directory} was started with other params (commit {old['commit'][:10]}); "
                 "pass --fresh to start over"
             )
-        info = {**old, "resumed": old.get("resumed", 0) + 1}
+        commits = old.get("commits", [old["commit"]])
+        if old["code_digest"] != info["code_digest"]:
+            refresh_code(directory)
+            commits = [*commits, info["commit"]] if commits[-1] != info["commit"] else commits
+        info = {**old, **info, "started": old["started"], "commits": commits}
+        info["resumed"] = old.get("resumed", 0) + 1
     else:
         with params_file(params) as path:
             make_sandbox(directory, path, init_repo=not direct)

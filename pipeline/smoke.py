@@ -45,12 +45,7 @@ def make_sandbox(directory: Path, params_file: Path, init_repo: bool = True) -> 
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
     (directory / MARKER).write_text("made by apg-pipeline: deleted and remade by the next run here\n")
-    for name in COPIED:
-        path = src / name
-        if path.is_dir():
-            shutil.copytree(path, directory / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy(path, directory / name)
+    _copy_code(src, directory)
     shutil.copy(params_file, directory / "params.yaml")
     no_recorded_runs(directory)
     for cmd in (
@@ -65,6 +60,30 @@ def make_sandbox(directory: Path, params_file: Path, init_repo: bool = True) -> 
     ):
         subprocess.run(cmd, cwd=directory, check=True, capture_output=True)
     return directory
+
+
+def refresh_code(directory: Path) -> None:
+    """Put this code in place of the copy in sandbox ``directory`` (its params, data and
+    results stay; the stages whose code changed rerun)."""
+    directory = directory.resolve()
+    if not (directory / MARKER).is_file():
+        raise ValueError(f"{directory} is not a sandbox made by apg-pipeline")
+    for name in COPIED:
+        path = directory / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    _copy_code(package_root(), directory)
+
+
+def _copy_code(src: Path, directory: Path) -> None:
+    for name in COPIED:
+        path = src / name
+        if path.is_dir():
+            shutil.copytree(path, directory / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy(path, directory / name)
 
 
 def no_recorded_runs(directory: Path) -> None:

@@ -187,15 +187,38 @@ def test_an_unknown_profile_is_a_one_line_error():
         recorded.derive("nope")
 
 
-def test_a_sandbox_is_resumed_only_by_the_code_and_params_that_made_it(tmp_path):
+def test_a_sandbox_is_resumed_only_under_the_params_that_made_it(tmp_path):
     box = tmp_path / "box"
     _, first = recorded.sandbox_for("paper-gmm", None, box, fresh=False)
     assert first["code_digest"] == {"gmm": stages.code_digest("sweep", "gmm", stages.package_root())}
     assert first["base"] == "profiles/paper.yaml"
     _, again = recorded.sandbox_for("paper-gmm", None, box, fresh=False)
     assert again["resumed"] == 1 and again["started"] == first["started"]
-    with pytest.raises(ValueError, match="started by other code or params"):
+    assert again["commits"] == [first["commit"]]
+    with pytest.raises(ValueError, match="started with other params"):
         recorded.sandbox_for("paper-gmm", "smoke", box, fresh=False)
+
+
+def test_a_sandbox_resumed_under_other_code_takes_this_code_and_keeps_its_results(tmp_path):
+    # Which finished cells stay is the sweep's plan's business (their numerics fingerprints);
+    # the sandbox must run this code, keep what it made, and name both commits.
+    box = tmp_path / "box"
+    _, first = recorded.sandbox_for("paper-gmm", None, box, fresh=False)
+    stale = box / "apg" / "training.py"
+    stale.write_text(stale.read_text() + "\n# older code\n")
+    (box / "apg" / "gone.py").write_text("")
+    (box / "results").mkdir()
+    (box / "results" / "kept.txt").write_text("a finished cell")
+    marker = box / recorded.SANDBOX_INFO
+    info = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**info, "commit": "0" * 10, "code_digest": {"gmm": "older"}}))
+    _, again = recorded.sandbox_for("paper-gmm", None, box, fresh=False)
+    src = stages.package_root()
+    assert stale.read_text() == (src / "apg" / "training.py").read_text()
+    assert not (box / "apg" / "gone.py").exists()
+    assert (box / "results" / "kept.txt").read_text() == "a finished cell"
+    assert again["code_digest"] == first["code_digest"] and again["started"] == first["started"]
+    assert again["commits"] == ["0" * 10, first["commit"]] and again["resumed"] == 1
     other = tmp_path / "other"
     other.mkdir()
     with pytest.raises(ValueError, match="not a recorded run's sandbox"):
