@@ -257,11 +257,15 @@ class ImputationSpec(NamedTuple):
         ``ValueError`` (one line, naming the key under ``where``) for settings that do not
         fit the model or the held-out set (a mapping with its ``name`` and simulator
         ``sizes``).
+    description: what ``scores`` measures, in a sentence or two for the report's readers.
+    figure_description: what the imputation figure draws of them, likewise.
     """
 
     masks: Callable[..., list[tuple[str, Tensor]]]
     scores: Callable[..., list[tuple[str, Any, int]]]
     check: Callable[..., None] | None = None
+    description: str = ""
+    figure_description: str = ""
 
 
 class TaskSpec(NamedTuple):

@@ -242,11 +242,7 @@ FIGURE_TEXT = {
         "Imputation of hidden entries by the chain of inference and generation (Rezende et al. "
         "2014, Appendix F): each method's cells infer the latents of the filled-in data, then the "
         "hidden entries are redrawn from p(x | z) (params `fill: sample`) or set to its mean "
-        "(`fill: mean`). GMM: RMSE against the truth of the mean of the draws kept so far (those "
-        "after the burn-in; before it, the last draw alone), versus chain iteration; dashed: the "
-        "Bayes predictor at the simulator's true parameters. Bouncing MNIST: MSE on the hidden "
-        "pixels and the position error of the tracked digits on the occluded frames, at the last "
-        "iteration, versus the occlusion. Error bars: std over seeds x datasets."
+        "(`fill: mean`). Error bars: std over seeds x datasets."
     ),
     "imputation_gif": (
         "An occluded held-out video (hidden pixels grey) | its imputation by the first cell of "

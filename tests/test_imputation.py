@@ -228,3 +228,18 @@ def test_pipeline_imputation_rows_for_both_tasks():
     assert set(frame["metric"]) == {"mse", "pos_err", "tracked"}
     assert examples["0__mask"].shape == (4, 96, 96) and examples["0__mask"][1:3].all()
     assert bm.sample_data is not None
+
+
+@pytest.mark.parametrize("task", ["gmm", "bmnist"])
+def test_the_report_explains_imputation_in_the_task_s_own_words(task):
+    # The report names no task: what the numbers and the figure measure comes from the spec.
+    from pipeline.report.sections import figure_text, imputation_text
+
+    spec = get_task(task).imputation
+    assert spec.description and spec.figure_description
+    text = imputation_text(task, "test_set")
+    assert text.endswith(spec.description) and "`test_set`" in text
+    caption = figure_text(task, "imputation")
+    assert caption.endswith(spec.figure_description)
+    other = {"gmm": "bmnist", "bmnist": "gmm"}[task]
+    assert get_task(other).imputation.figure_description not in caption

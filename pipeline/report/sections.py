@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from apg.data import atomic_write
+from apg.tasks import get_task
 from pipeline import provenance
 from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
 from pipeline.impute import report_imputation
@@ -298,7 +299,7 @@ TABLE1_TEXT = (
     "highest-weight particle's assignments c against the true c (1: the true clustering up to "
     "relabeling, 0: chance); blank for a method whose particles carry no c. ARI ceiling: the "
     "ARI of argmax_i p(c_n = i | x_n, true mu, true tau), the best any sampler can do, the same "
-    "for every row (GMM only). RWS rows "
+    "for every row (tasks whose assignments have an exact conditional). RWS rows "
     "spend K*L particles in one step. Rows average the cells trained at each method's grid "
     "pair (Figure 2's retrained cells appear only there). The CSV has every column unrounded."
 )
@@ -350,8 +351,10 @@ AXES_TEXT = (
 )
 
 
-def imputation_text(test_set: str | None) -> str:
-    """The imputation table's explanation, naming the held-out set it hides entries of."""
+def imputation_text(task: str, test_set: str | None) -> str:
+    """The imputation table's explanation, naming the held-out set it hides entries of; what
+    the numbers measure is the task's to say (``ImputationSpec.description``)."""
+    spec = get_task(task).imputation
     return (
         "Missing data filled in by a Markov chain that alternates inference and generation "
         "(Rezende et al. 2014, Appendix F; `apg.imputation`): each cell infers the latents of "
@@ -360,12 +363,14 @@ def imputation_text(test_set: str | None) -> str:
         "redraws the hidden entries from p(x | z) (or sets them to its mean), from a start at "
         "the dataset's mean, on held-out set "
         f"`{test_set}`. Numbers at the chain's last iteration, mean ± std over "
-        "seeds x datasets. GMM: RMSE of the hidden coordinates, for the mean of the chain's "
-        "draws (after burn-in), for the last draw alone, and for the Bayes predictor at the "
-        "simulator's true parameters (the best possible on average, which no method knows). "
-        "Bouncing MNIST: pixel MSE on the hidden pixels, and the position error and tracked "
-        "fraction of the digits the chain's last inference places on the occluded frames."
-    )
+        f"seeds x datasets. {spec.description if spec is not None else ''}"
+    ).rstrip()
+
+
+def figure_text(task: str, name: str) -> str:
+    """Figure ``name``'s caption; the imputation figure's task part is the task's to say."""
+    spec = get_task(task).imputation if name == "imputation" else None
+    return f"{FIGURE_TEXT[name]} {spec.figure_description}".rstrip() if spec else FIGURE_TEXT[name]
 
 
 def _section(heading: str, text: str, body: str) -> list[str]:
@@ -416,7 +421,7 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
             (
                 "imputation_md",
                 f"### Imputation of hidden entries ([csv](tables/{task}_imputation.csv))",
-                imputation_text(part.get("imputation_set")),
+                imputation_text(task, part.get("imputation_set")),
             ),
             ("axes_md", "### Swept settings (grid entries' `axes`)", AXES_TEXT),
         )
@@ -429,7 +434,7 @@ def task_sections(parts: list[dict[str, Any]]) -> list[str]:
                 "",
                 f"![{task} {name}]({rel})",
                 "",
-                f"{FIGURE_TEXT[name]} {part['caption']}.",
+                f"{figure_text(task, name)} {part['caption']}.",
                 "",
             ]
     return lines

@@ -97,4 +97,12 @@ def scores(
     return out
 
 
-IMPUTATION = ImputationSpec(masks, scores, check)
+IMPUTATION = ImputationSpec(
+    masks,
+    scores,
+    check,
+    description="Pixel MSE on the hidden pixels, and the position error and tracked fraction "
+    "of the digits the chain's last inference places on the occluded frames.",
+    figure_description="MSE on the hidden pixels and the position error of the tracked "
+    "digits on the occluded frames, at the last iteration, versus the occlusion.",
+)

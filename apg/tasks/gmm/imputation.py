@@ -81,4 +81,13 @@ def scores(
     return out
 
 
-IMPUTATION = ImputationSpec(masks, scores)
+IMPUTATION = ImputationSpec(
+    masks,
+    scores,
+    description="RMSE of the hidden coordinates, for the mean of the chain's draws (after "
+    "burn-in), for the last draw alone, and for the Bayes predictor at the simulator's true "
+    "parameters (the best possible on average, which no method knows).",
+    figure_description="RMSE against the truth of the mean of the draws kept so far (those "
+    "after the burn-in; before it, the last draw alone), versus chain iteration; dashed: the "
+    "Bayes predictor at the simulator's true parameters.",
+)
