@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import sys
 import tempfile
 import time
@@ -194,6 +195,9 @@ def mlflow_callback(uri: str, exp_id: str, parent_id: str, plan: dict[str, Any])
             )
 
         def on_trial_complete(self, iteration, trials, trial, **info):
+            if plan.get("pbt") is not None:  # PBT changed the settings the run's params record
+                for key in plan["space"]:
+                    self.client.set_tag(self.run_id(trial), f"final.{key}", str(trial.config[key]))
             tracking.finish(self.client, self.run_id(trial))
 
         def on_trial_error(self, iteration, trials, trial, **info):
@@ -226,8 +230,29 @@ def searcher(plan: dict[str, Any]):
         from ray.tune.search.optuna import OptunaSearch
 
         search = OptunaSearch(seed=plan["seed"], points_to_evaluate=first)
-        return ConcurrencyLimiter(search, max_concurrent=plan.get("max_concurrent", 2))
-    return BasicVariantGenerator(random_state=plan["seed"], points_to_evaluate=first)
+    elif plan["algorithm"] == "hyperopt":
+        from ray.tune.search.hyperopt import HyperOptSearch
+
+        search = HyperOptSearch(random_state_seed=plan["seed"], points_to_evaluate=first)
+    else:
+        return BasicVariantGenerator(random_state=plan["seed"], points_to_evaluate=first)
+    return ConcurrencyLimiter(search, max_concurrent=plan.get("max_concurrent", 2))
+
+
+def scheduler(plan: dict[str, Any]):
+    """Tune's trial scheduler: ASHA stops trials early, PBT moves weights and settings
+    between them, FIFO runs each to its end."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    if plan["asha"] is not None:
+        return ASHAScheduler(time_attr="iteration", max_t=plan["iterations"], **plan["asha"])
+    if plan.get("pbt") is not None:
+        # PBT draws its perturbations from Python's global generator: seeded with the search.
+        random.seed(plan["seed"])
+        return PopulationBasedTraining(
+            time_attr="iteration", hyperparam_mutations=tune_space(plan["space"]), **plan["pbt"]
+        )
+    return FIFOScheduler()
 
 
 def note_start(out: Path, fresh: bool) -> None:
@@ -295,13 +320,7 @@ def _open_parent(
 def _new_tuner(plan: dict[str, Any], trainable, storage: Path, name: str, callbacks: list):
     """A new search: Tune's space, searcher and scheduler from the plan."""
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 
-    scheduler = (
-        ASHAScheduler(time_attr="iteration", max_t=plan["iterations"], **plan["asha"])
-        if plan["asha"] is not None
-        else FIFOScheduler()
-    )
     return tune.Tuner(
         trainable,
         param_space=tune_space(plan["space"]),
@@ -309,7 +328,7 @@ def _new_tuner(plan: dict[str, Any], trainable, storage: Path, name: str, callba
             metric="score",
             mode=plan["mode"],
             search_alg=searcher(plan),
-            scheduler=scheduler,
+            scheduler=scheduler(plan),
             num_samples=plan["num_samples"],
             time_budget_s=plan["time_budget_s"],
         ),

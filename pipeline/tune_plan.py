@@ -25,7 +25,7 @@ SECTIONS = ("train", "network", "model")
 METRICS = {"log_joint": "max", "ess": "max", "mse": "min"}  # and ess_<block> (max): one kernel's ESS
 
 
-ALGORITHMS = ("optuna", "random")
+ALGORITHMS = ("optuna", "hyperopt", "random")  # TPE (two libraries), or random
 
 
 KEYS = {
@@ -144,7 +144,9 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         if not (isinstance(value, int) and value >= 1):
             raise _bad(f"{task}.{name}", f"a positive integer, got {value!r}")
     search = _check_search(task, dict(section.get("search", {})))
-    asha = _check_scheduler(task, section.get("scheduler", {"asha": {}}), iterations)
+    scheduler = section.get("scheduler", {"asha": {}})
+    asha = _check_scheduler(task, scheduler, iterations)
+    pbt = _check_pbt(task, scheduler, space, search["algorithm"], iterations, eval_every)
     budget = section.get("time_budget_s")
     if budget is not None and not (_is_number(budget) and budget > 0):
         raise _bad(f"{task}.time_budget_s", f"a positive number of seconds, got {budget!r}")
@@ -192,6 +194,8 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         "iterations": iterations,
         **search,
         "asha": asha,
+        # only when chosen: the plan of a search without PBT (its Ray experiment's key) is as before
+        **({"pbt": pbt} if pbt is not None else {}),
         "time_budget_s": budget,
         "validation": validation,
         "pair": pair,
@@ -224,14 +228,17 @@ def _check_search(task: str, search: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+SCHEDULERS = ("asha", "fifo", "pbt")
+PBT_KEYS = ("perturbation_interval", "quantile_fraction", "resample_probability")
+
+
 def _check_scheduler(task: str, scheduler: Any, iterations: int) -> dict[str, Any] | None:
-    """The section's ``scheduler``: ASHA's settings, or ``None`` for FIFO."""
-    if not (
-        isinstance(scheduler, dict) and len(scheduler) == 1 and next(iter(scheduler)) in ("asha", "fifo")
-    ):
+    """The section's ``scheduler``: ASHA's settings, or ``None`` for FIFO or PBT."""
+    if not (isinstance(scheduler, dict) and len(scheduler) == 1 and next(iter(scheduler)) in SCHEDULERS):
         raise _bad(
             f"{task}.scheduler",
-            f"{{asha: {{grace_period, reduction_factor}}}} or {{fifo: {{}}}}, got {scheduler!r}",
+            "{asha: {grace_period, reduction_factor}}, {pbt: {perturbation_interval, "
+            f"quantile_fraction, resample_probability}} or {{fifo: {{}}}}, got {scheduler!r}",
         )
     asha = scheduler.get("asha")
     if asha is not None:
@@ -245,6 +252,57 @@ def _check_scheduler(task: str, scheduler: Any, iterations: int) -> dict[str, An
         if not (_is_number(asha.get("reduction_factor", 2)) and asha.get("reduction_factor", 2) > 1):
             raise _bad(f"{task}.scheduler.asha.reduction_factor", "a number > 1")
     return asha
+
+
+def _check_pbt(
+    task: str,
+    scheduler: dict[str, Any],
+    space: dict[str, tuple[str, Any]],
+    algorithm: str,
+    iterations: int,
+    eval_every: int,
+) -> dict[str, Any] | None:
+    """PBT's settings, or ``None`` when another scheduler was chosen.
+
+    PBT copies a better trial's weights into a worse one and perturbs its settings while it
+    trains, so every searched key must be one a running trainer can take mid-way (``train.*``:
+    the rate is applied at every step), the population is drawn at random (a model-based
+    searcher would learn from scores whose settings changed under it), and settings change
+    only where a trial checkpoints (every ``eval_every``)."""
+    pbt = scheduler.get("pbt")
+    if pbt is None:
+        return None
+    where = f"{task}.scheduler.pbt"
+    if not isinstance(pbt, dict) or set(pbt) - set(PBT_KEYS):
+        raise _bad(where, f"a mapping of {', '.join(PBT_KEYS)}, got {pbt!r}")
+    fixed = [key for key in space if not key.startswith("train.")]
+    if fixed:
+        raise _bad(
+            f"{task}.space",
+            f"PBT changes settings while a trial trains: train.* keys only, not {fixed} "
+            "(they shape the networks or the model)",
+        )
+    if algorithm != "random":
+        raise _bad(
+            f"{task}.search.algorithm", f"PBT draws its population at random: 'random', got {algorithm!r}"
+        )
+    interval = pbt.get("perturbation_interval", eval_every)
+    if not (isinstance(interval, int) and interval % eval_every == 0 and eval_every <= interval < iterations):
+        raise _bad(
+            f"{where}.perturbation_interval",
+            f"a multiple of eval_every={eval_every} below iterations={iterations}, got {interval!r}",
+        )
+    quantile = pbt.get("quantile_fraction", 0.25)
+    if not (_is_number(quantile) and 0 < quantile <= 0.5):
+        raise _bad(f"{where}.quantile_fraction", f"a number in (0, 0.5], got {quantile!r}")
+    resample = pbt.get("resample_probability", 0.25)
+    if not (_is_number(resample) and 0 <= resample <= 1):
+        raise _bad(f"{where}.resample_probability", f"a number in [0, 1], got {resample!r}")
+    return {
+        "perturbation_interval": interval,
+        "quantile_fraction": quantile,
+        "resample_probability": resample,
+    }
 
 
 def _check_block_metric(

@@ -83,6 +83,24 @@ def asha_order(frame, mode: str):
     ).reset_index(drop=True)
 
 
+def scheduler_words(plan: dict[str, Any]) -> str:
+    """The report's words for the search's scheduler."""
+    if plan["asha"] is not None:
+        return (
+            f"ASHA (grace period {plan['asha'].get('grace_period', 1)}, reduction factor "
+            f"{plan['asha'].get('reduction_factor', 2)})"
+        )
+    pbt = plan.get("pbt")
+    if pbt is not None:
+        return (
+            f"PBT (every {pbt['perturbation_interval']} iterations the lowest "
+            f"{pbt['quantile_fraction']:.0%} of trials take the weights of one in the top "
+            f"{pbt['quantile_fraction']:.0%} and perturb its settings, resampling each with "
+            f"probability {pbt['resample_probability']}; a trial's settings are those it ended with)"
+        )
+    return "no early stopping"
+
+
 def best_params(params: dict[str, Any], plan: dict[str, Any], setting: dict[str, Any], score: float) -> str:
     """``params.yaml``'s sections of the task with ``setting`` applied, as YAML text."""
     task = plan["task"]
@@ -243,12 +261,7 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
             f"{plan['base']['method']} at K={plan['pair'][0]}, L={plan['pair'][1]}, up to "
             f"{plan['iterations']} iterations per trial, {plan['algorithm']} search over "
             f"{plan['num_samples']} trials, "
-            + (
-                f"ASHA (grace period {plan['asha'].get('grace_period', 1)}, reduction factor "
-                f"{plan['asha'].get('reduction_factor', 2)})"
-                if plan["asha"] is not None
-                else "no early stopping"
-            )
+            + scheduler_words(plan)
             + f". Score: validation {plan['metric']} after the last sweep, mean over "
             f"{plan['validation']['num_datasets']} datasets simulated for the search (seed "
             f"{plan['validation']['seed']}; not a test set), every {plan['eval_every']} iterations.",

@@ -28,7 +28,7 @@ from pipeline.tune_plan import check_section, extremes
 from pipeline.tune_report import TAG_BEST, TAG_TRIAL, asha_order, read_attempts
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_pipeline import env, make_repo, mlflow_runs, tiny  # noqa: E402
+from test_pipeline import env, make_repo, mlflow_runs, run, tiny  # noqa: E402
 
 SECTION = {
     "method": "apg",
@@ -58,6 +58,37 @@ def test_a_good_section_plans_the_search():
     assert plan["reference"] == {"train.lr": 0.01, "network.hidden": 8}
     outside = check_section(tiny(), "gmm", section(space={"network.hidden": {"choice": [4, 16]}}))
     assert outside["reference"] is None
+
+
+def test_searchers_and_schedulers_are_chosen_in_the_section():
+    from pipeline.tune import scheduler, searcher
+    from pipeline.tune_plan import plan_key
+
+    plan = check_section(
+        tiny(), "gmm", section(search={"algorithm": "hyperopt", "seed": 3, "max_concurrent": 4})
+    )
+    made = searcher(plan)
+    assert type(made.searcher).__name__ == "HyperOptSearch" and made.max_concurrent == 4
+    assert type(scheduler(plan)).__name__ == "AsyncHyperBandScheduler"
+    pbt = check_section(
+        tiny(),
+        "gmm",
+        section(
+            space={"train.lr": {"loguniform": [1e-4, 0.1]}},
+            scheduler={"pbt": {"perturbation_interval": 20, "resample_probability": 0.5}},
+        ),
+    )
+    assert pbt["pbt"] == {"perturbation_interval": 20, "quantile_fraction": 0.25, "resample_probability": 0.5}
+    made = scheduler(pbt)
+    assert type(made).__name__ == "PopulationBasedTraining" and made._perturbation_interval == 20
+    assert set(made._hyperparam_mutations) == {"train.lr"}
+    fifo = check_section(tiny(), "gmm", section(scheduler={"fifo": {}}))
+    assert type(scheduler(fifo)).__name__ == "FIFOScheduler" and "pbt" not in fifo
+    # a section without PBT keeps the plan (and so the Ray experiment's name) it had before
+    assert plan_key(check_section(tiny(), "gmm", section())) == "search-" + _KEY_BEFORE_PBT
+
+
+_KEY_BEFORE_PBT = "66e7bc1275"  # plan_key of SECTION at the commit before PBT
 
 
 def test_a_blocks_ess_is_a_score_to_maximize():
@@ -171,6 +202,34 @@ def test_bad_search_spaces_are_one_line_errors(space, expected):
             r"search: unknown key\(s\) \['concurrency'\]",
         ),
         ({"validation": {"num_datasets": 4, "seed": 2}}, "seed of the training or a test set"),
+        # PBT moves weights between trials: nothing that shapes the networks may differ
+        (
+            {"scheduler": {"pbt": {"perturbation_interval": 20}}},
+            r"train.\* keys only, not \['network.hidden'\]",
+        ),
+        (
+            {
+                "scheduler": {"pbt": {}},
+                "space": {"train.lr": {"loguniform": [1e-4, 0.1]}},
+                "search": {"algorithm": "optuna"},
+            },
+            "PBT draws its population at random",
+        ),
+        (
+            {
+                "scheduler": {"pbt": {"perturbation_interval": 15}},
+                "space": {"train.lr": {"loguniform": [1e-4, 0.1]}},
+            },
+            "perturbation_interval: a multiple of eval_every=10 below iterations=120, got 15",
+        ),
+        (
+            {
+                "scheduler": {"pbt": {"quantile_fraction": 0.9}},
+                "space": {"train.lr": {"loguniform": [1e-4, 0.1]}},
+            },
+            r"quantile_fraction: a number in \(0, 0.5\]",
+        ),
+        ({"scheduler": {"pbt": {"every": 10}}}, "a mapping of perturbation_interval"),
         ({"budget": 3}, "unknown key"),
     ],
 )
@@ -431,3 +490,67 @@ def test_the_report_draws_a_choice_as_categories_and_goes_where_asked(tmp_path):
     assert path == tmp_path / "elsewhere" / "search.md" and (tmp_path / "elsewhere" / "search.png").is_file()
     text = path.read_text()
     assert "`apg-pipeline tune --task gmm --method rws-mlp`" in text and "`x/best-params.yaml`" in text
+
+
+@pytest.mark.slow
+def test_pbt_moves_weights_and_rates_between_trials(tmp_path):
+    from ray.tune import ExperimentAnalysis
+
+    root = make_repo(tmp_path, tiny())
+    pbt = section(
+        iterations=60,
+        space={"train.lr": {"loguniform": [1.0e-6, 0.1]}},  # some rates too small to learn at all
+        search={"algorithm": "random", "num_samples": 4, "seed": 1},
+        scheduler={
+            "pbt": {"perturbation_interval": 20, "quantile_fraction": 0.5, "resample_probability": 0.5}
+        },
+    )
+    (root / "tune.yaml").write_text(yaml.safe_dump({"gmm": pbt}))
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    proc = run([sys.executable, "-m", "pipeline.tune", "--task", "gmm"], root)
+    out = root / "results" / "tune" / "gmm"
+    experiment = next((out / "ray").glob("search-*"))
+    # Tune's PBT log: one line per exploit, [target tag, clone tag, target iter, clone iter, ...]
+    exploits = [json.loads(line) for line in (experiment / "pbt_global.txt").read_text().splitlines()]
+    assert exploits, proc.stdout[-2000:]
+    trials = {t.trial_id: t for t in ExperimentAnalysis(str(experiment)).trials}
+    attempts = {p.stem: read_attempts(out, p.stem) for p in (out / "attempts").glob("*.jsonl")}
+    # an exploited trial restarted from the donor's checkpoint, mid-way, not from scratch
+    restarts = [a["start_iteration"] for runs in attempts.values() for a in runs[1:]]
+    assert restarts and all(r > 0 and r % 20 == 0 for r in restarts), attempts
+    import pandas as pd
+
+    frame = pd.read_csv(out / "trials.csv")
+    assert len(frame) == 4 and (frame["iterations"] == 60).all() and not frame["stopped_early"].any()
+    # the report says what PBT did; MLflow keeps each trial's first rate and tags its last
+    assert "PBT (every 20 iterations" in (root / "reports" / "tune" / "gmm.md").read_text()
+    _, runs = mlflow_runs(root, "apg-test-tune")
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    final = {r.data.tags[TAG_TRIAL]: float(r.data.tags["final.train.lr"]) for r in children}
+    assert final == pytest.approx({k: t.config["train.lr"] for k, t in trials.items()})
+    moved = [r for r in children if float(r.data.params["train.lr"]) != float(r.data.tags["final.train.lr"])]
+    assert moved, [(r.data.params, r.data.tags) for r in children]
+
+
+@pytest.mark.slow
+def test_the_search_to_try_runs_as_the_readme_gives_it(tmp_path):
+    # tuning/try.yaml on the project's own params.yaml, by the command its header gives.
+    repo = Path(__file__).resolve().parents[1]
+    root = make_repo(tmp_path, yaml.safe_load((repo / "params.yaml").read_text()))
+    (root / "tuning").mkdir()
+    shutil.copy(repo / "tuning" / "try.yaml", root / "tuning" / "try.yaml")
+    header = (root / "tuning" / "try.yaml").read_text()
+    command = (
+        next(line for line in header.splitlines() if "apg-pipeline tune" in line).split("#", 1)[1].split()
+    )
+    assert command[:2] == ["apg-pipeline", "tune"]
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    proc = run([sys.executable, "-m", "pipeline.tune", *command[2:]], root)
+    out = root / "results" / "tune" / "try"
+    assert (out / "best-params.yaml").is_file() and (out / "gmm.md").is_file(), proc.stdout[-2000:]
+    import pandas as pd
+
+    frame = pd.read_csv(out / "trials.csv")
+    assert len(frame) == 6 and frame["score"].notna().all() and frame["stopped_early"].any()
+    assert "hyperopt search over 6 trials, ASHA" in (out / "gmm.md").read_text()
+    assert not (root / "reports" / "tune").exists()  # nothing written where the committed reports live
