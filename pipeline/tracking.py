@@ -18,6 +18,7 @@ recomputes steps after the checkpoint, and the ones already logged are skipped.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -27,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
+
+import torch
 
 # Tags that identify our runs, so a resumed sweep finds its runs instead of duplicating them.
 TAG_SWEEP = "apg.sweep_key"
@@ -229,6 +232,39 @@ def log_metrics(mlflow_client, run_id: str, rows: Iterable[tuple[int, Mapping[st
 
 def finish(mlflow_client, run_id: str, status: str = "FINISHED") -> None:
     retry(lambda: mlflow_client.set_terminated(run_id, status=status), f"ending run {run_id}")
+
+
+MODEL_NAME = "model"  # the logged model of a cell's run: mlflow.pytorch.load_model("runs:/<run id>/model")
+
+
+class TrainedCell(torch.nn.Module):
+    """A cell's trained generative model and proposals as one module, the way MLflow's
+    PyTorch flavour keeps a model (``.model``, ``.proposals``)."""
+
+    def __init__(self, model, proposals):
+        super().__init__()
+        self.model, self.proposals = model, proposals
+
+
+def log_model(uri: str, run_id: str, model, proposals, params: Mapping[str, Any]) -> None:
+    """Log a cell's trained model into its run with MLflow's PyTorch flavour (pickled:
+    loading it needs this package installed). ``params``: shown with the logged model."""
+    import mlflow
+    import mlflow.pytorch
+
+    mlflow.set_tracking_uri(uri)
+    # pickle is the chosen format (below); MLflow's warning against it would print per cell
+    logging.getLogger("mlflow.pytorch").setLevel(logging.ERROR)
+    with mlflow.start_run(run_id=run_id):
+        mlflow.pytorch.log_model(
+            TrainedCell(model, proposals),  # on its device: load_model(..., map_location="cpu")
+            name=MODEL_NAME,
+            # torch alone: inferring the environment imports every package (slow, noisy)
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            params={k: str(v) for k, v in params.items()},
+            # pickled: the default ("pt2") traces forward(), and a sampler's networks have none
+            serialization_format="pickle",
+        )
 
 
 class RunLogger:

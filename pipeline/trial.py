@@ -189,6 +189,21 @@ def _resume_state(checkpoint, fallback: Path) -> dict[str, Any] | None:
     return None
 
 
+def _log_model(config: dict[str, Any], trainer: Trainer, identity: dict[str, Any]) -> None:
+    """The trained model in MLflow's PyTorch format, in the cell's run. A model that will not
+    pickle (a compiled graph) is a warning, not a failed cell: its weights are the run's
+    ``model.pt`` artifact either way."""
+    try:
+        tracking.retry(
+            lambda: tracking.log_model(
+                config["tracking_uri"], config["run_id"], trainer.model, trainer.proposals, identity
+            ),
+            "logging the model",
+        )
+    except Exception as err:  # noqa: BLE001 -- see the docstring: nothing is lost
+        tracking.warn(f"{config['name']}: model not logged in MLflow's format ({type(err).__name__}: {err})")
+
+
 def _finish_cell(
     config: dict[str, Any],
     cfg: TrainConfig,
@@ -214,6 +229,7 @@ def _finish_cell(
         (Path(tmp) / DONE).write_text(json.dumps(record, indent=2))
         for path in (model_path, cell_dir / HISTORY, Path(tmp) / DONE):
             tracking.retry(lambda path=path: client.log_artifact(run_id, str(path)), f"uploading {path.name}")
+    _log_model(config, trainer, identity)
     tracking.finish(client, run_id)
     mark_done(cell_dir, record)
     (cell_dir / RESUME).unlink(missing_ok=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 import yaml
 
 from pipeline import tracking
@@ -394,6 +395,20 @@ def test_dvc_repro_end_to_end(tmp_path):
         assert [m.step for m in history] == [2, 4, 6]
         assert all(math.isfinite(m.value) for m in history)
         assert "it_per_s" in child.data.metrics
+    # each cell's trained model, logged in MLflow's PyTorch format, loads with its weights
+    import mlflow.pytorch
+
+    from apg.checkpoint import load_checkpoint
+
+    mlflow.set_tracking_uri(f"sqlite:///{root / 'mlflow.db'}")
+    for child in children:
+        logged = mlflow.pytorch.load_model(f"runs:/{child.info.run_id}/model", map_location="cpu")
+        cell = child.data.tags[tracking.TAG_CELL]
+        weights = load_checkpoint(root / "results" / "sweeps" / "gmm" / "cells" / cell / "model.pt")[1]
+        for part in ("model", "proposals"):
+            mine = getattr(logged, part).state_dict()
+            assert mine.keys() == weights[part].keys()
+            assert all(torch.equal(mine[k], v) for k, v in weights[part].items()), (cell, part)
 
     # Report: files exist, every (method, K, L) cell of Table 1 has finite numbers.
     reports = root / "reports"
