@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
+from apg.nn import linear
 from apg.objectives import negative_elbo
 from apg.smc.sampler import APGResult, Step, sweep_stats
 from apg.smc.weights import normalized_weights, sanitize
@@ -210,8 +211,9 @@ class IterativeUpdate(nn.Module):
             nn.ELU(),
             nn.Linear(hidden, 2 * dim),
         )
-        nn.init.zeros_(self.net[-1].weight)
-        nn.init.zeros_(self.net[-1].bias)
+        last = linear(self.net[-1])
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
         self.step = nn.Parameter(torch.full((2 * dim,), math.log(math.expm1(0.05))))
 
     def forward(self, q: Gaussian, grad: Gaussian) -> Gaussian:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from apg.baselines.continuous import ContinuousTarget, continuous_target
 from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
+from apg.nn import linear
 from apg.objectives import negative_elbo
 from apg.smc.sampler import APGResult, Step, sweep_stats
 from apg.smc.weights import normalized_weights, sanitize
@@ -53,7 +54,7 @@ class GaussianRecognition(Proposals):
             nn.Linear(target.point_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
         )
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * total))
-        outputs = [self.head[-1]]
+        outputs = [linear(self.head[-1])]
         # Only models with per-point latents get the point head (the GMM's parameters, and
         # so its checkpoints, are unchanged).
         self.point_head: nn.Sequential | None = None
@@ -61,7 +62,7 @@ class GaussianRecognition(Proposals):
             self.point_head = nn.Sequential(
                 nn.Linear(2 * hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * point_total)
             )
-            outputs.append(self.point_head[-1])
+            outputs.append(linear(self.point_head[-1]))
         for layer in outputs:
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
