@@ -18,6 +18,7 @@ dims, G flattened per-point latent dims.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
 from apg.nn import linear
 from apg.objectives import negative_elbo
-from apg.smc.sampler import APGResult, Step, sweep_stats
+from apg.smc.sampler import APGResult, Collector, Step, sweep_stats
 from apg.smc.weights import normalized_weights, sanitize
 
 
@@ -145,15 +146,16 @@ class Reparam(Method):
 
     def run(
         self,
-        model,
-        proposals,
-        x,
-        sweeps,
-        particles,
-        resample_mode="block",
-        resampler="systematic",
-        collectors=(),
-    ):
+        model: Model,
+        proposals: Proposals,
+        x: Tensor,
+        sweeps: int,
+        particles: int,
+        resample_mode: str = "block",
+        resampler: str = "systematic",
+        collectors: Iterable[Collector] = (),
+    ) -> APGResult:
+        assert isinstance(proposals, GaussianRecognition)  # what build_proposals makes
         num = sweeps * particles
         target = proposals.target
         u, log_q = proposals.rsample(x, num)
