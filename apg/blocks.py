@@ -313,7 +313,7 @@ class TaskSpec(NamedTuple):
     simulate: Callable[..., dict[str, Tensor]]
     architectures: tuple[str, ...]
     data_dims: tuple[str, ...]
-    exact_gibbs: Callable[[Model], Proposals] | None = None
+    exact_gibbs: Callable[..., Proposals] | None = None
     reconstruct: Callable[..., Tensor] | None = None
     sample_data: Callable[..., Tensor] | None = None
     draw: Callable[..., None] | None = None

@@ -94,7 +94,7 @@ class _CategoricalRowsLogProb(torch.autograd.Function):
     def forward(ctx, logits: Tensor, index: Tensor, lse: Tensor | None, forward_fn, backward_fn) -> Tensor:
         logits, index = logits.contiguous(), index.contiguous()
         have_lse = lse is not None
-        lse = lse if have_lse else logits.new_empty(index.shape)
+        lse = lse if lse is not None else logits.new_empty(index.shape)
         out = logits.new_empty(index.shape[:-1])
         sizes = (out.numel(), index.shape[-1], logits.shape[-1])
         call(forward_fn, logits, index, lse, out, int(have_lse), *sizes)

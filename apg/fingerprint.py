@@ -108,13 +108,12 @@ def numbers(
                 metrics = trainer.step(log=True)
                 assert metrics is not None
                 metrics.pop("step_seconds")
-                params = [
-                    p
+                grads = [
+                    p.grad.double().square().sum()
                     for m in (trainer.model, trainer.proposals)
                     for p in m.parameters()
                     if p.grad is not None
                 ]
-                grads = [p.grad.double().square().sum() for p in params]
                 metrics["grad_norm"] = float(torch.stack(grads).sum().sqrt()) if grads else 0.0
                 out += [(f"{step}/{k}", v) for k, v in sorted(metrics.items())]
             last = max(cfg.iterations - 1, 0)

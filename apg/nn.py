@@ -8,6 +8,13 @@ from torch import Tensor, nn
 from apg.kernels import call, native_function
 
 
+def linear(layer: nn.Module) -> nn.Linear:
+    """``layer``, an item of an ``nn.Sequential`` (which types its items ``Module``), as the
+    ``nn.Linear`` it is."""
+    assert isinstance(layer, nn.Linear), type(layer)
+    return layer
+
+
 class PointFeatures(nn.Module):
     """Per-point features of a dataset, ``(..., N, F_in) -> (..., N, out_dim)``.
 

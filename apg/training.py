@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from apg.baselines import Method, get_method
+from apg.blocks import Model, Proposals
 from apg.data import StoredRows
 from apg.host import values_on_host
 from apg.metrics import importance_log_evidence, inclusive_kl, reconstruction_mse, sweep_curves
@@ -140,7 +141,7 @@ def make_method(cfg: TrainConfig) -> Method:
     return get_method(cfg.method).configure(**cfg.method_options)
 
 
-def build(cfg: TrainConfig, device: torch.device | str = "cpu"):
+def build(cfg: TrainConfig, device: torch.device | str = "cpu") -> tuple[Model, Proposals]:
     """The task's model and the method's proposals for ``cfg``, on ``device``."""
     task = get_task(cfg.task)
     model = task.build_model(**cfg.model).to(device)
@@ -301,6 +302,7 @@ class Trainer:
     def last_metrics(self) -> dict[str, float]:
         """The metrics of the last step, read back now (for a step run with ``log=False``
         that turns out to need logging, such as the last before a deadline)."""
+        assert self._last is not None, "last_metrics() before any step"
         return _read(*self._last)
 
     def _loss_and_metrics(self, x: Tensor, compiled: bool = False) -> tuple[Tensor, dict[str, Tensor]]:
@@ -309,7 +311,7 @@ class Trainer:
         unless the model compiles per block (then the sampler is ``compiled``)."""
         cfg = self.cfg
         # the keyword only where it is set: the methods that cannot compile per block lack it
-        per_block = {"compiled": True} if compiled else {}
+        per_block: dict[str, Any] = {"compiled": True} if compiled else {}
         result = self.method.run(
             self.model,
             self.proposals,
@@ -373,8 +375,8 @@ class Trainer:
 @torch.no_grad()
 def evaluate(
     cfg: TrainConfig,
-    model,
-    proposals,
+    model: Model,
+    proposals: Proposals,
     x: Tensor,
     sweeps: int,
     particles: int,

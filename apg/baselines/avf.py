@@ -50,7 +50,7 @@ S digit side, E a Gaussian's event shape.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -59,8 +59,9 @@ from torch import Tensor, nn
 
 from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
+from apg.nn import linear
 from apg.objectives import negative_elbo
-from apg.smc.sampler import APGResult, Step, sweep_stats
+from apg.smc.sampler import APGResult, Collector, Step, sweep_stats
 from apg.smc.weights import normalized_weights, sanitize
 from apg.tasks.bmnist import TASK as BMNIST_TASK
 from apg.tasks.bmnist import BouncingMNIST, where_key
@@ -210,8 +211,9 @@ class IterativeUpdate(nn.Module):
             nn.ELU(),
             nn.Linear(hidden, 2 * dim),
         )
-        nn.init.zeros_(self.net[-1].weight)
-        nn.init.zeros_(self.net[-1].bias)
+        last = linear(self.net[-1])
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
         self.step = nn.Parameter(torch.full((2 * dim,), math.log(math.expm1(0.05))))
 
     def forward(self, q: Gaussian, grad: Gaussian) -> Gaussian:
@@ -307,17 +309,18 @@ class AVF(Method):
 
     def run(
         self,
-        model,
-        proposals,
-        x,
-        sweeps,
-        particles,
-        resample_mode="block",
-        resampler="systematic",
-        collectors=(),
-    ):
+        model: Model,
+        proposals: Proposals,
+        x: Tensor,
+        sweeps: int,
+        particles: int,
+        resample_mode: str = "block",
+        resampler: str = "systematic",
+        collectors: Iterable[Collector] = (),
+    ) -> APGResult:
         if sweeps < 1 or particles < 1:
             raise ValueError(f"need K >= 1 and L >= 1, got K={sweeps}, L={particles}")
+        assert isinstance(proposals, AVFProposals)  # what build_proposals makes
         z, log_q = proposals.rsample(x, sweeps * particles)
         log_p = model.log_joint(x, z)
         log_w = sanitize((log_p - log_q).detach())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ class GMMTarget:
     def __init__(self, model: GMM):
         self.model = model
         cfg = model.cfg
-        self.event_shapes = {
+        self.event_shapes: dict[str, tuple[int, ...]] = {
             "mu": (cfg.num_clusters, cfg.data_dim),
             "log_tau": (cfg.num_clusters, cfg.data_dim),
         }
@@ -134,8 +134,8 @@ class DGMMTarget:
     def __init__(self, model: DGMM):
         self.model = model
         cfg = model.cfg
-        self.event_shapes = {"mu": (cfg.num_clusters, 2)}
-        self.point_shapes = {"logit_alpha": ()}
+        self.event_shapes: dict[str, tuple[int, ...]] = {"mu": (cfg.num_clusters, 2)}
+        self.point_shapes: dict[str, tuple[int, ...]] = {"logit_alpha": ()}
         self.point_dim = 2
 
     def points(self, x: Tensor) -> Tensor:
@@ -183,10 +183,12 @@ class DGMMTarget:
         return {"mu": mu, "alpha": alpha, **c}, assign.log_prob(c)
 
 
-TARGETS: dict[type, Callable[[Model], ContinuousTarget]] = {GMM: GMMTarget, DGMM: DGMMTarget}
+# A factory takes a model of its key's type (``Callable[[Model], ...]`` would refuse GMMTarget,
+# whose argument is a GMM).
+TARGETS: dict[type, Callable[[Any], ContinuousTarget]] = {GMM: GMMTarget, DGMM: DGMMTarget}
 
 
-def register_target(model_type: type, factory: Callable[[Model], ContinuousTarget]) -> None:
+def register_target(model_type: type, factory: Callable[[Any], ContinuousTarget]) -> None:
     """Give models of ``model_type`` a continuous view (and so HMC-RWS and reparam)."""
     TARGETS[model_type] = factory
 

@@ -74,8 +74,8 @@ class Method:
         resample_mode: str = "block",
         resampler: str = "systematic",
         collectors: Iterable[Collector] = (),
-        compiled: bool = False,
     ) -> APGResult:
+        # No ``compiled`` here: only a method that ``supports_compiled_units`` takes it (APG).
         raise NotImplementedError
 
     def loss(self, result: APGResult) -> Tensor:
@@ -116,16 +116,16 @@ class APG(Method):
 
     def run(
         self,
-        model,
-        proposals,
-        x,
-        sweeps,
-        particles,
-        resample_mode="block",
-        resampler="systematic",
-        collectors=(),
-        compiled=False,
-    ):
+        model: Model,
+        proposals: Proposals,
+        x: Tensor,
+        sweeps: int,
+        particles: int,
+        resample_mode: str = "block",
+        resampler: str = "systematic",
+        collectors: Iterable[Collector] = (),
+        compiled: bool = False,
+    ) -> APGResult:
         return run_apg(
             model,
             proposals,

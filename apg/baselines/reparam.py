@@ -18,6 +18,7 @@ dims, G flattened per-point latent dims.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -26,8 +27,9 @@ from torch import Tensor, nn
 from apg.baselines.continuous import ContinuousTarget, continuous_target
 from apg.baselines.method import Method
 from apg.blocks import Latents, Model, Proposals, TaskSpec
+from apg.nn import linear
 from apg.objectives import negative_elbo
-from apg.smc.sampler import APGResult, Step, sweep_stats
+from apg.smc.sampler import APGResult, Collector, Step, sweep_stats
 from apg.smc.weights import normalized_weights, sanitize
 
 
@@ -53,7 +55,7 @@ class GaussianRecognition(Proposals):
             nn.Linear(target.point_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh()
         )
         self.head = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * total))
-        outputs = [self.head[-1]]
+        outputs = [linear(self.head[-1])]
         # Only models with per-point latents get the point head (the GMM's parameters, and
         # so its checkpoints, are unchanged).
         self.point_head: nn.Sequential | None = None
@@ -61,7 +63,7 @@ class GaussianRecognition(Proposals):
             self.point_head = nn.Sequential(
                 nn.Linear(2 * hidden, hidden), nn.Tanh(), nn.Linear(hidden, 2 * point_total)
             )
-            outputs.append(self.point_head[-1])
+            outputs.append(linear(self.point_head[-1]))
         for layer in outputs:
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
@@ -144,15 +146,16 @@ class Reparam(Method):
 
     def run(
         self,
-        model,
-        proposals,
-        x,
-        sweeps,
-        particles,
-        resample_mode="block",
-        resampler="systematic",
-        collectors=(),
-    ):
+        model: Model,
+        proposals: Proposals,
+        x: Tensor,
+        sweeps: int,
+        particles: int,
+        resample_mode: str = "block",
+        resampler: str = "systematic",
+        collectors: Iterable[Collector] = (),
+    ) -> APGResult:
+        assert isinstance(proposals, GaussianRecognition)  # what build_proposals makes
         num = sweeps * particles
         target = proposals.target
         u, log_q = proposals.rsample(x, num)

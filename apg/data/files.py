@@ -36,7 +36,7 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Path:
     """Call ``write(tmp_path)`` and move the result to ``path`` atomically, with the mode a
     plain ``open()`` would have given it (the temporary file is created 0600)."""
     path = Path(path)
@@ -64,7 +64,9 @@ def save_dataset(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> P
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
-            np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})
+            # numpy's stub (numpy/lib/_npyio_impl.pyi) puts a keyword-only ``allow_pickle: bool``
+            # beside savez's ``**kwds: ArrayLike``, so mypy matches a dict of arrays against both.
+            np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})  # type: ignore[arg-type]
 
     return atomic_write(path, write)
 

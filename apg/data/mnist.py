@@ -20,6 +20,7 @@ import hashlib
 import os
 import struct
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,7 +43,7 @@ class MNISTFile(NamedTuple):
     sha256_gz: str
     md5_raw: str
     magic: int
-    count: int
+    num_items: int  # not ``count``: that would hide tuple.count
 
 
 FILES: dict[str, MNISTFile] = {
@@ -222,11 +223,16 @@ def download(target: str | os.PathLike, mirrors: tuple[str, ...] = MIRRORS, time
             if got != spec.sha256_gz:
                 errors.append(f"{url}: wrong sha256 {got}")
                 continue
-            atomic_write(target / spec.gz_name, lambda tmp, data=data: tmp.write_bytes(data))
+            atomic_write(target / spec.gz_name, _writer(data))
             break
         else:
             raise MNISTNotFound(_missing_message([target]) + "\nDownload failed:\n  " + "\n  ".join(errors))
     return target
+
+
+def _writer(data: bytes) -> Callable[[Path], int]:
+    """``atomic_write``'s ``write`` for ``data`` (bound now, not to the loop's variable)."""
+    return lambda tmp: tmp.write_bytes(data)
 
 
 def _missing_message(dirs: list[Path]) -> str:
@@ -270,8 +276,8 @@ def load_mnist(
         spec = FILES[f"{split}_{part}"]
         path, checksum = files[f"{split}_{part}"]
         arr = read_idx(path, spec.magic, **checksum)
-        if arr.shape[0] != spec.count:
-            raise IDXError(f"{path}: expected {spec.count} items, found {arr.shape[0]}")
+        if arr.shape[0] != spec.num_items:
+            raise IDXError(f"{path}: expected {spec.num_items} items, found {arr.shape[0]}")
         arrays[part] = arr
     if arrays["images"].shape[1:] != (28, 28):
         raise IDXError(f"MNIST images must be 28x28, got {arrays['images'].shape[1:]}")

@@ -148,6 +148,7 @@ def run_apg(
     step_log_w, step_log_q, step_log_joint = [log_w], [log_q], [log_p]
     # Per sweep: log-weights, log joints and log increments; the diagnostics are computed
     # from them in one batch after the run (a few ops instead of a dozen per block update).
+    sweep_increments: list[dict[str, Tensor]]
     sweep_log_w, sweep_log_joint, sweep_increments = [log_w], [log_p.detach()], [{}]
     collectors = list(collectors)
     for collect in collectors:
@@ -185,7 +186,7 @@ def run_apg(
     # Every block update's ESS, in one batch.
     block_ess = ess_fraction_of(weights[..., 1:]).unbind(-1)
     per_sweep = len(block_names)
-    ess_blocks = [{}] + [
+    ess_blocks: list[dict[str, Tensor]] = [{}] + [
         dict(zip(block_names, block_ess[k * per_sweep : (k + 1) * per_sweep], strict=True))
         for k in range(num_sweeps - 1)
     ]

@@ -264,8 +264,10 @@ class _PatchLikelihood(torch.autograd.Function):
             # written in place zero gradients, silently (the sum's order is the same).
             out = out + value
             if need_t:
+                assert d_templates is not None and dt is not None  # both made when need_t
                 d_templates += dt
             if need_o:
+                assert d_offset is not None and do is not None  # both made when need_o
                 d_offset[:, :, f] = do
         ctx.save_for_backward(d_templates, d_offset)
         return out

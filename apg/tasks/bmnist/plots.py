@@ -9,7 +9,7 @@ Data ``x``: ``(B, T, H, H)`` in [0, 1].
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -17,6 +17,10 @@ from torch import Tensor
 
 from apg.tasks.bmnist.config import DIGIT, BMNISTConfig, where_key
 from apg.tasks.bmnist.model import BouncingMNIST
+
+if TYPE_CHECKING:  # matplotlib is imported where a picture is drawn (the pipeline's extra)
+    from matplotlib.artist import Artist
+    from matplotlib.axes import Axes
 
 _COLORS = np.array(
     [
@@ -43,7 +47,7 @@ def _boxes(z: Mapping[str, Any], num_frames: int, cfg: BMNISTConfig = BMNISTConf
     return (where + 1.0) * 0.5 * (cfg.canvas_size - cfg.digit_size)
 
 
-def draw(ax, x, z, max_frames: int = 10) -> None:
+def draw(ax: Axes, x: np.ndarray, z: Mapping[str, np.ndarray], max_frames: int = 10) -> None:
     """Figure 3: a strip of the first ``max_frames`` frames with the inferred digit boxes
     and, below it, the model's reconstructions of the same frames with the same boxes.
 
@@ -84,7 +88,7 @@ def draw(ax, x, z, max_frames: int = 10) -> None:
     # What the colours and lines are, beside the strip (on a dark ground: the true paths are white).
     from matplotlib.lines import Line2D
 
-    handles = [
+    handles: list[Artist] = [
         Rectangle(
             (0, 0), 1, 1, fill=False, edgecolor=_COLORS[d % len(_COLORS)] / 255.0, label=f"digit {d + 1}"
         )

@@ -18,8 +18,9 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.distributions import Normal
 
-from apg.blocks import Factorized, Latents, Proposals
+from apg.blocks import BlockDistribution, Factorized, Latents, Proposals
 from apg.host import values_on_host
+from apg.nn import linear
 from apg.tasks.bmnist.config import DIGIT, FRAME_CHUNK, BMNISTConfig, _frame_of, stack_where, where_key
 from apg.tasks.bmnist.likelihood import (
     _correlate_all,
@@ -108,7 +109,7 @@ class WhereNet(nn.Module):
         positions is learned on its own, and reading positions took thousands of steps.
         ``gains`` make tanh(c tanh(b tanh(a u))) within 0.1 of u on [-1, 1]."""
         a, b, c = gains
-        body, hidden, out = self.body[0], self.loc[0], self.loc[2]
+        body, hidden, out = linear(self.body[0]), linear(self.loc[0]), linear(self.loc[2])
         side = math.isqrt(body.in_features)
         grid = torch.arange(side, dtype=body.weight.dtype) / (0.5 * (side - 1)) - 1.0
         coords = torch.stack([grid.repeat(side), grid.repeat_interleave(side)])  # (column, row) per map entry
@@ -236,6 +237,8 @@ class BMNISTProposals(Proposals):
     layers are Appendix E's.
     """
 
+    mean_template: Tensor  # a buffer (register_buffer in __init__)
+
     def __init__(
         self,
         model: BouncingMNIST,
@@ -337,7 +340,7 @@ class BMNISTProposals(Proposals):
         z["z_what"] = z_what
         return z, log_q + q_what.log_prob(z_what).sum((-2, -1))
 
-    def kernel(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> Factorized:
+    def kernel(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> BlockDistribution:
         if self.architecture != "apg":
             return super().kernel(block, x, z)
         if block == "what":

@@ -54,6 +54,7 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     native = native_function("von_mises", loc, k)
     if native is None:
         return _von_mises_torch(loc, k, candidates, key).reshape(shape)
+    assert key is not None  # a native kernel means CPU float32/64 outside torch.compile: key drawn
     # The compiled kernel runs every round, drawing the twin's Philox uniforms.
     n = k.numel()
     alpha, accepted = torch.empty_like(k), torch.empty(n, dtype=torch.bool)
@@ -246,7 +247,9 @@ def gaussian_mu(mean: Tensor, precision: Tensor) -> GaussianMu:
     return GaussianMu(mean, precision)
 
 
-def pool_per_cluster(weights: Tensor, stat: Tensor, precision: Tensor, prior_precision: float):
+def pool_per_cluster(
+    weights: Tensor, stat: Tensor, precision: Tensor, prior_precision: float
+) -> tuple[Tensor, Tensor]:
     """Neural sufficient statistics pooled per cluster (section 3, eq. 10).
 
     ``weights (..., N, I)`` (soft or one-hot assignments), ``stat`` and ``precision``
@@ -260,7 +263,9 @@ def pool_per_cluster(weights: Tensor, stat: Tensor, precision: Tensor, prior_pre
     return mean, prec
 
 
-def pool_assigned(per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int, prior_precision: float):
+def pool_assigned(
+    per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int, prior_precision: float
+) -> tuple[Tensor, Tensor]:
     """``pool_per_cluster`` of the hard assignments ``c (L, B, N)`` with statistics
     ``x_n - offset_n`` and precisions ``exp(raw_n)``, where ``per_point (L, B, N, 4)`` holds
     ``(offset (2), raw (2))`` and ``x`` is ``(B, N, 2)``; returns ``(mean, precision)``

@@ -37,13 +37,14 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from apg.blocks import Latents, Model
 from apg.kernels import call, native_function
-from apg.nn import tanh_mlp
+from apg.nn import linear, tanh_mlp
 
 TWO_PI = 2.0 * math.pi
 DATA_DIM = 2
@@ -86,7 +87,7 @@ class DGMM(Model):
 
     def g(self, alpha: Tensor) -> Tensor:
         """The learned ring shape ``g_theta(alpha)``, ``(...,) -> (..., 2)``."""
-        first, _, last = self.shape_net
+        first, last = linear(self.shape_net[0]), linear(self.shape_net[2])
         return tanh_mlp(alpha, first.weight, first.bias, last.weight, last.bias, angles=True)
 
     def mean(self, z: Mapping[str, Tensor], shape: Tensor | None = None) -> Tensor:
@@ -253,7 +254,7 @@ class _RingResidualsChange(torch.autograd.Function):
             ((mu_old, c_old, shape_old), -grad, ctx.needs_input_grad[6]),
         ):
             grad_shape = torch.empty_like(shape) if wanted else None
-            if wanted:
+            if grad_shape is not None:
                 call(ctx.backward_fn, x, mu, c, shape, sign, grad_shape, *ctx.sizes)
             grads.append(grad_shape)
         return None, None, None, grads[0], None, None, grads[1], None, None
@@ -280,7 +281,7 @@ class _RingResiduals(torch.autograd.Function):
         return None, None, None, grad_shape, None, None
 
 
-def build_model(**hparams) -> DGMM:
+def build_model(**hparams: Any) -> DGMM:
     """``DGMM(DGMMConfig(**hparams))``: num_clusters, sigma0, noise, hidden."""
     return DGMM(DGMMConfig(**hparams))
 

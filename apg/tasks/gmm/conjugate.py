@@ -142,7 +142,7 @@ class NormalGammaFromSums:
     def sample(self) -> Latents:
         sizes, sums = self._sizes(), self.sums.detach()
         native = None if sizes is None else native_function("gmm_ng_sums_sample", sums)
-        if native is None:
+        if native is None or sizes is None:  # sizes is None only where native is
             return self.twin().sample()
         # the draws NormalGamma.sample makes, in the same order and shapes: the Gamma draws'
         # key (apg.random.standard_gamma), then torch's standard normals
@@ -157,7 +157,7 @@ class NormalGammaFromSums:
         mu_old, tau_old = old["mu"], old["tau"]
         sizes, sums = self._sizes(), self.sums
         native = None if sizes is None else native_function("gmm_ng_sums_propose", sums, mu_old, tau_old)
-        if native is None or mu_old.shape != sizes[:4] or tau_old.shape != sizes[:4]:
+        if native is None or sizes is None or mu_old.shape != sizes[:4] or tau_old.shape != sizes[:4]:
             return propose_separately(self, old)
         backward = native_function("gmm_ng_sums_log_prob_backward", sums)
         consts = _consts(self.cfg, sums.dtype)
@@ -170,7 +170,7 @@ class NormalGammaFromSums:
         mu, tau = value["mu"], value["tau"]
         sizes = self._sizes()
         native = None if sizes is None else native_function("gmm_ng_sums_log_prob", self.sums, mu, tau)
-        if native is None or mu.shape != tau.shape or mu.shape != sizes[:4]:
+        if native is None or sizes is None or mu.shape != tau.shape or mu.shape != sizes[:4]:
             return self.twin().log_prob(value)
         backward = native_function("gmm_ng_sums_log_prob_backward", mu)
         consts = _consts(self.cfg, mu.dtype)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from apg.blocks import Latents, Model, Proposals
+from apg.blocks import BlockDistribution, Latents, Model, Proposals
 from apg.kernels import call, native_function
 from apg.tasks.gmm.conjugate import (
     _HALF_LOG_2PI,
@@ -159,7 +160,7 @@ class GMM(Model):
         )
         return log_density.sum((-2, -1)) + self._prior_const(mu.shape[-2:])
 
-    def _prior_const(self, cells: tuple[int, int]) -> float:
+    def _prior_const(self, cells: tuple[int, ...]) -> float:
         """The NormalGamma prior's constant, summed over ``cells = (I, D)``."""
         cfg = self.cfg
         const = cfg.alpha0 * math.log(cfg.beta0) - math.lgamma(cfg.alpha0) + 0.5 * math.log(cfg.nu0)
@@ -202,7 +203,7 @@ class ExactGibbs(Proposals):
         c = assign.sample()
         return {**globals_, **c}, prior.log_prob(globals_) + assign.log_prob(c)
 
-    def kernel(self, block: str, x: Tensor, z: Mapping[str, Tensor]):
+    def kernel(self, block: str, x: Tensor, z: Mapping[str, Tensor]) -> BlockDistribution:
         cfg = self.model.cfg
         if block == "globals":
             resp = F.one_hot(z["c"], cfg.num_clusters).to(x.dtype)
@@ -212,7 +213,7 @@ class ExactGibbs(Proposals):
         raise ValueError(f"unknown block {block!r}")
 
 
-def build_model(**hparams) -> GMM:
+def build_model(**hparams: Any) -> GMM:
     return GMM(GMMConfig(**hparams))
 
 
