@@ -42,9 +42,23 @@ def start_ray(params: dict[str, Any]) -> None:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:
         _loopback_only()
+        _watch_driver()
         # "local" always starts a fresh instance; plain ray.init() silently attaches to any
         # cluster already running on the machine.
         ray.init(address="local", num_cpus=params["sweep"].get("num_cpus"), include_dashboard=False)
+
+
+_WATCHED: set[int] = set()
+
+
+def _watch_driver() -> None:
+    """Once per driver process: Ray's processes end with it, even if it is killed
+    (``pipeline.reaper``)."""
+    if os.getpid() not in _WATCHED:
+        from pipeline.reaper import watch
+
+        watch()
+        _WATCHED.add(os.getpid())
 
 
 def _is_loopback(address: str) -> bool:

@@ -201,3 +201,88 @@ def test_a_full_disk_stops_the_sweep_at_once_without_retries(tmp_path):
     attempts = {p.parent.name: p.read_text().splitlines() for p in cells.glob("*/attempts.jsonl")}
     assert len(attempts) == 1 and len(next(iter(attempts.values()))) == 1, attempts  # ran once, nothing after
     assert not list(cells.glob("*/done.json")) and "Traceback" not in proc.stderr.split("\n")[-1]
+
+
+def _alive(pid: int, start: int) -> bool:
+    from pipeline.reaper import _stat
+
+    info = _stat(pid)
+    return info is not None and info[1] == start
+
+
+def _wait_gone(procs: dict[int, int], seconds: float) -> dict[int, int]:
+    import time
+
+    deadline = time.time() + seconds
+    while time.time() < deadline and any(_alive(p, t) for p, t in procs.items()):
+        time.sleep(0.1)
+    return {p: t for p, t in procs.items() if _alive(p, t)}
+
+
+def test_the_reaper_kills_what_a_killed_driver_left_and_nothing_else(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from pipeline.reaper import _processes, descendants
+
+    # A stand-in driver: a child that forks a grandchild (as raylet forks workers), then sleeps.
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(600)\"]); time.sleep(600)']); time.sleep(600)"
+    driver = subprocess.Popen([sys.executable, "-c", code])
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        deadline = time.time() + 30
+        while len(descendants({driver.pid}, _processes())) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        watcher = subprocess.Popen([sys.executable, "-m", "pipeline.reaper", str(driver.pid)], cwd=REPO)
+        time.sleep(1.5)  # the watcher has noted the driver's descendants
+        left = descendants({driver.pid}, _processes())
+        assert len(left) == 2
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        assert watcher.wait(timeout=30) == 0
+        assert _wait_gone(left, 5) == {}
+        assert bystander.poll() is None  # not the driver's: untouched
+    finally:
+        for proc in (driver, bystander):
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_driver_takes_ray_s_processes_with_it(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from pipeline.reaper import _processes, descendants
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_pipeline import env, make_repo, run
+
+    root = make_repo(tmp_path, tiny(**{"gmm.train.iterations": 4000}))
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        cwd=root,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 300
+        trials = root / "results" / "sweeps" / "gmm" / "cells"
+        while time.time() < deadline and driver.poll() is None and not list(trials.glob("*/attempts.jsonl")):
+            time.sleep(0.2)
+        time.sleep(2)
+        ray = {
+            p: t
+            for p, t in descendants({driver.pid}, _processes()).items()
+            if "ray" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+        }
+        assert len(ray) >= 3, ray  # GCS, raylet, workers...
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        assert _wait_gone(ray, 30) == {}
+    finally:
+        if driver.poll() is None:
+            driver.kill()
