@@ -353,6 +353,18 @@ def run(cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedPr
     return proc
 
 
+def start_sweep(root: Path) -> subprocess.Popen:
+    """The GMM's data generated, then its sweep started in the background, quietly."""
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        cwd=root,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def mlflow_runs(root: Path, experiment: str) -> pd.DataFrame:
     import mlflow
 
@@ -482,15 +494,8 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path):
         }
     )
     root = make_repo(tmp_path, params)
-    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
     cells = root / "results" / "sweeps" / "gmm" / "cells"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
-        cwd=root,
-        env=env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = start_sweep(root)
     try:
         deadline = time.time() + 400
         while not list(cells.glob("*/done.json")) and time.time() < deadline and proc.poll() is None:

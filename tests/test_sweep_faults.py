@@ -251,23 +251,15 @@ def test_the_reaper_kills_what_a_killed_driver_left_and_nothing_else(tmp_path):
 @pytest.mark.slow
 def test_a_killed_sweep_driver_takes_ray_s_processes_with_it(tmp_path):
     import signal
-    import subprocess
     import time
 
     from pipeline.reaper import _processes, descendants
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from test_pipeline import env, make_repo, run
+    from test_pipeline import make_repo, start_sweep
 
     root = make_repo(tmp_path, tiny(**{"gmm.train.iterations": 4000}))
-    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
-        cwd=root,
-        env=env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    driver = start_sweep(root)
     try:
         deadline = time.time() + 300
         trials = root / "results" / "sweeps" / "gmm" / "cells"
