@@ -317,6 +317,15 @@ def _open_parent(
     return client, exp_id, parent_id
 
 
+def checkpoints_to_keep(plan: dict[str, Any]) -> int:
+    """Checkpoints kept per trial. Resuming needs the last one only; PBT clones a donor from
+    the checkpoint of its last perturbation, which must outlive the donor's next
+    ``perturbation_interval`` of checkpoints (twice that, for a slow restore)."""
+    if plan.get("pbt") is None:
+        return 1
+    return 2 * plan["pbt"]["perturbation_interval"] // plan["eval_every"] + 1
+
+
 def _new_tuner(plan: dict[str, Any], trainable, storage: Path, name: str, callbacks: list):
     """A new search: Tune's space, searcher and scheduler from the plan."""
     from ray import tune
@@ -335,7 +344,10 @@ def _new_tuner(plan: dict[str, Any], trainable, storage: Path, name: str, callba
         run_config=tune.RunConfig(
             name=name,
             storage_path=str(storage),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=1),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=checkpoints_to_keep(plan)),
+            # A trial's last result stops it before the scheduler sees it: PBT would otherwise
+            # clone a donor into a trial that has finished, which then ends on the donor's result.
+            stop={"iteration": plan["iterations"]},
             callbacks=callbacks,
             verbose=1,
         ),

@@ -42,8 +42,10 @@ def trials_frame(plan: dict[str, Any], results, out: Path):
     rows = []
     sign = 1 if plan["mode"] == "max" else -1
     for result in results:
-        trial_id = result.metrics["trial_id"]
         history = result.metrics_dataframe
+        # the trial's own log names it; its last metrics may be a PBT donor's
+        own = history is not None and "trial_id" in history and len(history)
+        trial_id = history["trial_id"].iloc[-1] if own else result.metrics["trial_id"]
         scores = history["score"].tolist() if history is not None and "score" in history else []
         iterations = int(history["iteration"].max()) if scores else 0
         best = max(scores, key=lambda s: sign * s) if scores else float("nan")

@@ -521,7 +521,8 @@ def test_pbt_moves_weights_and_rates_between_trials(tmp_path):
     import pandas as pd
 
     frame = pd.read_csv(out / "trials.csv")
-    assert len(frame) == 4 and (frame["iterations"] == 60).all() and not frame["stopped_early"].any()
+    assert len(frame) == 4 and (frame["iterations"] == 60).all(), frame
+    assert not frame["stopped_early"].any() and not frame["failed"].any(), frame
     # the report says what PBT did; MLflow keeps each trial's first rate and tags its last
     assert "PBT (every 20 iterations" in (root / "reports" / "tune" / "gmm.md").read_text()
     _, runs = mlflow_runs(root, "apg-test-tune")
