@@ -318,9 +318,10 @@ def _open_parent(
 
 
 def checkpoints_to_keep(plan: dict[str, Any]) -> int:
-    """Checkpoints kept per trial. Resuming needs the last one only; PBT clones a donor from
+    """Checkpoints kept per trial. Resuming needs the last one only; PBT copies a donor from
     the checkpoint of its last perturbation, which must outlive the donor's next
-    ``perturbation_interval`` of checkpoints (twice that, for a slow restore)."""
+    ``perturbation_interval`` of checkpoints (twice that, for a slow restore: with one kept,
+    a copy failed on a donor checkpoint already deleted)."""
     if plan.get("pbt") is None:
         return 1
     return 2 * plan["pbt"]["perturbation_interval"] // plan["eval_every"] + 1

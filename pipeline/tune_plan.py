@@ -229,7 +229,7 @@ def _check_search(task: str, search: dict[str, Any]) -> dict[str, Any]:
 
 
 SCHEDULERS = ("asha", "fifo", "pbt")
-PBT_KEYS = ("perturbation_interval", "quantile_fraction", "resample_probability")
+PBT_KEYS = ("perturbation_interval", "quantile_fraction", "resample_probability", "synch")
 
 
 def _check_scheduler(task: str, scheduler: Any, iterations: int) -> dict[str, Any] | None:
@@ -268,7 +268,10 @@ def _check_pbt(
     trains, so every searched key must be one a running trainer can take mid-way (``train.*``:
     the rate is applied at every step), the population is drawn at random (a model-based
     searcher would learn from scores whose settings changed under it), and settings change
-    only where a trial checkpoints (every ``eval_every``)."""
+    only where a trial checkpoints (every ``eval_every``). ``synch`` (default true): every
+    trial waits at each perturbation point for the others, so which trial copies which
+    depends on the scores alone, not on which trials the cores happened to run first
+    (``synch: false``, Tune's asynchronous PBT, keeps the cores busy instead)."""
     pbt = scheduler.get("pbt")
     if pbt is None:
         return None
@@ -298,10 +301,14 @@ def _check_pbt(
     resample = pbt.get("resample_probability", 0.25)
     if not (_is_number(resample) and 0 <= resample <= 1):
         raise _bad(f"{where}.resample_probability", f"a number in [0, 1], got {resample!r}")
+    synch = pbt.get("synch", True)
+    if not isinstance(synch, bool):
+        raise _bad(f"{where}.synch", f"true or false, got {synch!r}")
     return {
         "perturbation_interval": interval,
         "quantile_fraction": quantile,
         "resample_probability": resample,
+        "synch": synch,
     }
 
 

@@ -78,7 +78,12 @@ def test_searchers_and_schedulers_are_chosen_in_the_section():
             scheduler={"pbt": {"perturbation_interval": 20, "resample_probability": 0.5}},
         ),
     )
-    assert pbt["pbt"] == {"perturbation_interval": 20, "quantile_fraction": 0.25, "resample_probability": 0.5}
+    assert pbt["pbt"] == {
+        "perturbation_interval": 20,
+        "quantile_fraction": 0.25,
+        "resample_probability": 0.5,
+        "synch": True,
+    }
     made = scheduler(pbt)
     assert type(made).__name__ == "PopulationBasedTraining" and made._perturbation_interval == 20
     assert set(made._hyperparam_mutations) == {"train.lr"}
