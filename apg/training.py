@@ -23,7 +23,7 @@ from torch import Tensor
 
 from apg.baselines import Method, get_method
 from apg.blocks import Model, Proposals
-from apg.data import StoredRows
+from apg.data import Rows
 from apg.host import values_on_host
 from apg.metrics import importance_log_evidence, inclusive_kl, reconstruction_mse, sweep_curves
 from apg.smc.resampling import get_resampler
@@ -152,12 +152,12 @@ def build(cfg: TrainConfig, device: torch.device | str = "cpu") -> tuple[Model, 
 class Trainer:
     """Adam on the method's surrogate loss over batches of training datasets.
 
-    ``train_x``: ``(M, ...)`` training datasets, in memory or as ``apg.data.StoredRows``
-    (read from disk a batch at a time); batches of ``cfg.batch_size`` are drawn without
+    ``train_x``: ``(M, ...)`` training datasets, in memory or as ``apg.data.Rows``
+    (read a batch at a time: from disk, or simulated); batches of ``cfg.batch_size`` are drawn without
     replacement, reshuffled every epoch.
     """
 
-    def __init__(self, cfg: TrainConfig, train_x: Tensor | StoredRows, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: TrainConfig, train_x: Tensor | Rows, device: torch.device | str = "cpu"):
         self.cfg = cfg.validate()
         self.device = torch.device(device)
         self.method = make_method(cfg)

@@ -130,6 +130,28 @@ def cmd_record(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_long_run(args: argparse.Namespace) -> None:
+    from pipeline.common import project_root
+    from pipeline.longrun import long_run, new_run
+
+    if args.minutes is None and args.steps is None:
+        raise SystemExit("long-run: give --minutes or --steps (how long this sitting trains)")
+    root = project_root()
+    segment = long_run(
+        root,
+        minutes=args.minutes,
+        steps=args.steps,
+        device=args.device,
+        compile=args.compile,
+        run_dir=Path(args.dir) if args.dir else None,
+        new=new_run(args.start) if args.start else None,
+    )
+    print(
+        f"long run: steps {segment['from_iteration']} -> {segment['to_iteration']} on {segment['device']} "
+        f"in {segment['seconds'] / 60:.1f} min; commit its folder to keep them"
+    )
+
+
 # --------------------------------------------------------------------------- train
 
 
@@ -410,6 +432,27 @@ def _add_record(sub) -> None:
     rec.set_defaults(func=cmd_record)
 
 
+def _add_long_run(sub) -> None:
+    """``long-run``: the paper's Bouncing MNIST training, continued from where it stopped."""
+    run = sub.add_parser(
+        "long-run",
+        help="continue the paper-configuration Bouncing MNIST training in recorded/bmnist-long/ "
+        "(three digits, 60,000 videos, K=5, L=10) for --minutes or --steps; commit the folder after",
+    )
+    run.add_argument("--minutes", type=float, default=None, help="train until this much wall time has passed")
+    run.add_argument("--steps", type=int, default=None, help="train at most this many steps")
+    run.add_argument("--device", default="cpu", help="cpu or cuda")
+    run.add_argument("--compile", action="store_true", help="torch.compile the step (CUDA graphs on a GPU)")
+    run.add_argument(
+        "--start",
+        metavar="PROFILE",
+        default=None,
+        help="no run yet: start one from this profile's Bouncing MNIST APG cell (paper)",
+    )
+    run.add_argument("--dir", default=None, help="the run's folder (default recorded/bmnist-long)")
+    run.set_defaults(func=cmd_long_run)
+
+
 def _add_stages(sub) -> None:
     """The stages (``sweep``, ``eval-sweep``, ``report``, ``tune``): each hands its arguments to the
     stage's own parser."""
@@ -436,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_smoke(sub)
     _add_config(sub)
     _add_record(sub)
+    _add_long_run(sub)
     _add_stages(sub)
     return parser
 

@@ -62,6 +62,7 @@ def drive(
     checkpoint_every: int | None = None,
     history: Sequence[dict[str, float]] = (),
     deadline: float | None = None,
+    until: int | None = None,
     callbacks: Sequence[Callback] = (),
 ) -> Outcome:
     """Train ``trainer`` from its current iteration to ``trainer.cfg.iterations``.
@@ -70,8 +71,10 @@ def drive(
     ``checkpoint_every``: which rows are checkpoints (the last one always is); ``None``:
     only the last. ``deadline``: a ``time.time()`` after which the loop stops, after a
     step that then gets a row of its own (read back late if it was not a logged one).
+    ``until``: stop at this iteration instead (a part of the run; its last step is a
+    checkpoint row like the run's last).
     """
-    total = trainer.cfg.iterations
+    total = trainer.cfg.iterations if until is None else min(until, trainer.cfg.iterations)
     rows = list(history)
     start = window = time.perf_counter()
     window_iters = 0

@@ -20,6 +20,7 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -111,6 +112,16 @@ def _check_x(
             raise DatasetError(f"dataset file {path}: 'x' must be shaped (M, {want}), got {tuple(shape)}")
     if len(shape) == 0 or shape[0] == 0:
         raise DatasetError(f"dataset file {path} holds no datasets")
+
+
+class Rows(Protocol):
+    """Training datasets read a batch at a time: ``len(rows)`` datasets, ``rows[idx]`` (a 1-D
+    integer tensor) a CPU tensor ``(len(idx), ...)`` in the order of ``idx``. Kept by
+    :class:`StoredRows` (a file) and ``apg.tasks.bmnist.simulator.VideoRows`` (made when read)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, idx: torch.Tensor) -> torch.Tensor: ...
 
 
 class StoredRows:

@@ -37,6 +37,7 @@ from pipeline.report.data import (
     load_results,
 )
 from pipeline.report.headline import claims_json, headline_metrics
+from pipeline.report.longrun import long_run_markdown
 from pipeline.report.sections import (
     RESULTS_START,
     index_markdown,
@@ -85,7 +86,12 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
     flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
     replication = replication_claims(root, params["tasks"], paper_all)
     claims_md = claims_markdown(claims, flags, unclaimed, replication)
-    text = index_markdown(parts, label, claims_md, recorded_markdown(root, out, paper_all, fmt))
+    text = index_markdown(
+        parts,
+        label,
+        claims_md,
+        recorded_markdown(root, out, paper_all, fmt) + long_run_markdown(root, out, fmt),
+    )
     if from_committed:
         times = json.loads((data / STAGE_TIMES).read_text()) if (data / STAGE_TIMES).is_file() else {}
     else:
