@@ -14,6 +14,7 @@ import torch
 
 import apg.nn  # noqa: F401 - each module registers its ops on import
 import apg.smc.resampling  # noqa: F401
+import apg.tasks.gmm.model  # noqa: F401
 from apg.kernels.ops import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float64)
+
+
+def _positive(*shape: int) -> torch.Tensor:
+    return torch.rand(*shape, dtype=torch.float64) + 0.5
+
+
+def _gmm(two: bool = True) -> tuple:
+    """GMM data (B=2, N=7, D=2), globals (L=3, I=3) and assignments."""
+    c = torch.randint(0, 3, (3, 2, 7))
+    return (
+        _randn(2, 7, 2),
+        c,
+        _randn(3, 2, 3, 2),
+        _positive(3, 2, 3, 2),
+        _randn(3, 2, 3, 2),
+        _positive(3, 2, 3, 2),
+        two,
+    )
 
 
 # Small inputs of the sizes the models use, per op: () -> args. Ops with autograd are
@@ -62,8 +81,17 @@ SAMPLES: dict[str, Callable[[], tuple]] = {
         torch.rand(3, 1, dtype=torch.float64),
         [_randn(5, 3, 2), torch.randint(0, 9, (5, 3, 4)), _randn(5, 3)],
     ),
+    "gmm_assignment_change": lambda: (
+        _randn(2, 7, 2),
+        _randn(3, 2, 3, 2),
+        _positive(3, 2, 3, 2),
+        torch.randint(0, 3, (3, 2, 7)),
+        torch.randint(0, 3, (3, 2, 7)),
+    ),
+    "gmm_log_globals": lambda: (*_gmm(), 0.0, 0.3, 2.0, 2.0),
 }
 EXTRA_SAMPLES: dict[str, list[Callable[[], tuple]]] = {
+    "gmm_log_globals": [lambda: (*_gmm(two=False), 0.0, 0.3, 2.0, 2.0)],
     "pairwise_tanh_linear": [lambda: (_randn(3, 2, 5, 4), _randn(3, 2, 6, 4), _randn(4, 1))],
     "tanh_mlp": [lambda: (_randn(3, 4), _randn(8, 2), _randn(8), _randn(5, 8), _randn(5), True)],
     "tanh_mlp_backward": [
@@ -145,7 +173,6 @@ def test_a_compiled_graph_holds_an_op():
 NOT_YET_OPS = {
     "apg/distributions.py",
     "apg/random.py",
-    "apg/tasks/gmm/model.py",
     "apg/tasks/gmm/proposals.py",
     "apg/tasks/gmm/conjugate.py",
     "apg/tasks/dgmm/model.py",

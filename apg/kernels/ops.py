@@ -18,7 +18,9 @@ measurement). Eagerly, a call runs
 - the C function, under an ``autograd.Function`` whose forward and backward are the
   registered op's own CPU implementations and autograd formula, where it applies;
 - the twin itself otherwise, with its own autograd (plain PyTorch, or the twin's own
-  ``autograd.Function``), exactly as the module computed before it had ops.
+  ``autograd.Function``), exactly as the module computed before it had ops; so does an op
+  without a backward whose inputs ask for a gradient (HMC differentiates the GMM's log
+  joint in the latents).
 
 Inside ``torch.compile`` a call traces the twin too, so inductor fuses it on a GPU and the
 compiled path's numbers are what they were; a graph that should run the C function calls
@@ -120,11 +122,9 @@ class KernelOp:
         fn = self.function(*args)
         if fn is None:
             return self.eager_twin(*args)
-        if (
-            self.backward is not None
-            and torch.is_grad_enabled()
-            and any(t.requires_grad for t in _tensors(args))
-        ):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(args)):
+            if self.backward is None:  # the C function would drop the gradient: the twin keeps it
+                return self.eager_twin(*args)
             return _Eager.apply(self, fn, *args)
         return self.native(fn, *args)
 
