@@ -15,6 +15,7 @@ import torch
 import apg.nn  # noqa: F401 - each module registers its ops on import
 import apg.smc.resampling  # noqa: F401
 import apg.tasks.gmm.model  # noqa: F401
+import apg.tasks.gmm.proposals  # noqa: F401
 from apg.kernels.ops import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,18 @@ def _gmm(two: bool = True) -> tuple:
         _positive(3, 2, 3, 2),
         two,
     )
+
+
+def _gmm_assignment() -> tuple:
+    """Data, globals and the assignment network's first four weights (H=8)."""
+    x, _, mu, tau, *_ = _gmm()
+    return x, mu, tau, _randn(8, 2), _randn(8), _randn(8, 2), _randn(1, 8)
+
+
+def _gmm_soft_moments() -> tuple:
+    """Data, assignments and the globals kernel's heads (I=3 and D=2 outputs of D + I inputs)."""
+    x, c, *_ = _gmm()
+    return x, c, _randn(3, 5), _randn(3), _randn(2, 5), _randn(2)
 
 
 # Small inputs of the sizes the models use, per op: () -> args. Ops with autograd are
@@ -89,6 +102,10 @@ SAMPLES: dict[str, Callable[[], tuple]] = {
         torch.randint(0, 3, (3, 2, 7)),
     ),
     "gmm_log_globals": lambda: (*_gmm(), 0.0, 0.3, 2.0, 2.0),
+    "gmm_assignment_logits": lambda: (*_gmm_assignment(), _randn(1)),
+    "gmm_assignment_logits_backward": lambda: (*_gmm_assignment(), _randn(3, 2, 7, 3)),
+    "gmm_soft_moments": lambda: _gmm_soft_moments(),
+    "gmm_soft_moments_backward": lambda: (*_gmm_soft_moments(), _randn(3, 2, 3, 5)),
 }
 EXTRA_SAMPLES: dict[str, list[Callable[[], tuple]]] = {
     "gmm_log_globals": [lambda: (*_gmm(two=False), 0.0, 0.3, 2.0, 2.0)],
@@ -99,7 +116,11 @@ EXTRA_SAMPLES: dict[str, list[Callable[[], tuple]]] = {
     ],
 }
 # the inputs an op differentiates (the others take no gradient through it)
-GRAD_ARGS: dict[str, tuple[int, ...]] = {"scaled_pairwise_tanh_linear": (1, 2, 3)}
+GRAD_ARGS: dict[str, tuple[int, ...]] = {
+    "scaled_pairwise_tanh_linear": (1, 2, 3),
+    "gmm_assignment_logits": (3, 4, 5, 6, 7),
+    "gmm_soft_moments": (2, 3, 4, 5),
+}
 
 
 def test_every_registered_op_has_samples():
@@ -173,7 +194,6 @@ def test_a_compiled_graph_holds_an_op():
 NOT_YET_OPS = {
     "apg/distributions.py",
     "apg/random.py",
-    "apg/tasks/gmm/proposals.py",
     "apg/tasks/gmm/conjugate.py",
     "apg/tasks/dgmm/model.py",
     "apg/tasks/dgmm/distributions.py",

@@ -53,7 +53,8 @@ class KernelOp:
       It must return new tensors (no views of its inputs).
     - ``kernel`` and ``native(fn, *args)``: the C function's name in the library and the
       call of the resolved function ``fn`` (``apg.kernels.call``) on the op's arguments,
-      returning what ``twin`` returns.
+      returning what ``twin`` returns. Where ``kernel`` is a tuple of names, ``fn`` is the
+      tuple of their functions.
     - ``applies(*args)``: whether the C function handles these arguments (shapes, sizes;
       dtypes and devices are ``native_function``'s business); default always.
     - ``checked(*args)``: the tensors whose dtype and device select the C function;
@@ -73,7 +74,7 @@ class KernelOp:
         name: str,
         twin: Callable[..., Any],
         *,
-        kernel: str,
+        kernel: str | tuple[str, ...],
         native: Callable[..., Any],
         fake: Callable[..., Any],
         applies: Callable[..., bool] | None = None,
@@ -99,10 +100,15 @@ class KernelOp:
         REGISTRY[name] = self
 
     def function(self, *args: Any):
-        """The compiled function for these arguments, or ``None`` where the twin must run."""
+        """The compiled function for these arguments (a tuple of them where ``kernel`` names
+        several), or ``None`` where the twin must run."""
         if self.applies is not None and not self.applies(*args):
             return None
-        return native_function(self.kernel, *(self._checked(args)))
+        checked = self._checked(args)
+        if isinstance(self.kernel, str):
+            return native_function(self.kernel, *checked)
+        fns = tuple(native_function(name, *checked) for name in self.kernel)
+        return None if fns[0] is None else fns
 
     def _checked(self, args: Sequence[Any]) -> Sequence[Tensor]:
         return self.checked(*args) if self.checked is not None else _tensors(args)
