@@ -16,6 +16,7 @@ import apg.distributions  # noqa: F401 - each module registers its ops on import
 import apg.nn  # noqa: F401
 import apg.random  # noqa: F401
 import apg.smc.resampling  # noqa: F401
+import apg.tasks.gmm.conjugate  # noqa: F401
 import apg.tasks.gmm.model  # noqa: F401
 import apg.tasks.gmm.proposals  # noqa: F401
 from apg.kernels.ops import REGISTRY
@@ -60,6 +61,31 @@ def _gmm_soft_moments() -> tuple:
 def _with_lse(logits: torch.Tensor, index: torch.Tensor) -> tuple:
     """Rows' logits and indices with the rows' log-normalizers (a draw's)."""
     return logits, index, torch.logsumexp(logits, -1)
+
+
+PRIOR = (2.0, 2.0, 0.3, 0.0)  # the GMM's (alpha0, beta0, nu0, mu0)
+
+
+def _normal_gamma() -> tuple:
+    """NormalGamma parameters ``(m, nu, alpha, beta)`` (L=3, B=2, I=3, D=2; nu and alpha
+    shared by the dimensions, as the conjugate update gives them) and values ``(mu, tau)``."""
+    return (
+        _randn(3, 2, 3, 2),
+        _positive(3, 2, 3, 1),
+        _positive(3, 2, 3, 1) + 1,
+        _positive(3, 2, 3, 2),
+        _randn(3, 2, 3, 2),
+        _positive(3, 2, 3, 2),
+    )
+
+
+def _sums(per_particle: bool = True) -> torch.Tensor:
+    """Per-cluster sums ``(sum r, sum r t, sum r t^2)`` of soft assignments (I=3, D=2)."""
+    resp = torch.softmax(torch.randn(3, 2, 9, 3, dtype=torch.float64), -1)
+    stats = _randn(3, 2, 9, 2)
+    moments = torch.cat([torch.ones_like(stats[..., :1]), stats, stats * stats], -1)
+    sums = resp.transpose(-1, -2) @ moments
+    return sums if per_particle else sums[0].clone()
 
 
 # Small inputs of the sizes the models use, per op: () -> args. Ops with autograd are
@@ -127,8 +153,32 @@ SAMPLES: dict[str, Callable[[], tuple]] = {
         _randn(3),
     ),
     "categorical_propose_rows": lambda: (_randn(3, 4, 5), torch.randint(0, 5, (3, 4)), -5),
+    "gmm_ng_log_prob": lambda: _normal_gamma(),
+    "gmm_ng_log_prob_backward": lambda: (*_normal_gamma(), _randn(3, 2)),
+    "gmm_ng_sums_sample": lambda: (_sums(), _randn(3, 2, 3, 2), 11, *PRIOR),
+    "gmm_ng_sums_log_prob": lambda: (_sums(), _randn(3, 2, 3, 2), _positive(3, 2, 3, 2), *PRIOR),
+    "gmm_ng_sums_log_prob_backward": lambda: (
+        _sums(),
+        _randn(3, 2, 3, 2),
+        _positive(3, 2, 3, 2),
+        _randn(3, 2),
+        *PRIOR,
+    ),
+    "gmm_ng_sums_propose": lambda: (
+        _sums(),
+        _randn(3, 2, 3, 2),
+        _positive(3, 2, 3, 2),
+        _randn(3, 2, 3, 2),
+        3,
+        *PRIOR,
+    ),
 }
 EXTRA_SAMPLES: dict[str, list[Callable[[], tuple]]] = {
+    "gmm_ng_sums_sample": [lambda: (_sums(False), _randn(3, 2, 3, 2), 12, *PRIOR)],
+    "gmm_ng_sums_log_prob": [lambda: (_sums(False), _randn(3, 2, 3, 2), _positive(3, 2, 3, 2), *PRIOR)],
+    "gmm_ng_sums_propose": [
+        lambda: (_sums(False), _randn(3, 2, 3, 2), _positive(3, 2, 3, 2), _randn(3, 2, 3, 2), 4, *PRIOR)
+    ],
     "categorical_rows_log_prob": [lambda: _with_lse(_randn(2, 6, 3), torch.randint(0, 3, (2, 6)))],
     "categorical_rows_log_prob_backward": [
         lambda: (*_with_lse(_randn(2, 6, 3), torch.randint(0, 3, (2, 6))), _randn(2))
@@ -144,6 +194,7 @@ EXTRA_SAMPLES: dict[str, list[Callable[[], tuple]]] = {
 }
 # the inputs an op differentiates (the others take no gradient through it)
 GRAD_ARGS: dict[str, tuple[int, ...]] = {
+    "gmm_ng_sums_propose": (0,),
     "categorical_log_prob": (0,),
     "categorical_rows_log_prob": (0,),
     "categorical_propose_rows": (0,),
@@ -226,7 +277,6 @@ def test_a_compiled_graph_holds_an_op():
 
 # Modules whose kernels are not ops yet; each is removed as it migrates.
 NOT_YET_OPS = {
-    "apg/tasks/gmm/conjugate.py",
     "apg/tasks/dgmm/model.py",
     "apg/tasks/dgmm/distributions.py",
     "apg/tasks/dgmm/proposals.py",
