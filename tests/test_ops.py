@@ -16,6 +16,7 @@ import apg.distributions  # noqa: F401 - each module registers its ops on import
 import apg.nn  # noqa: F401
 import apg.random  # noqa: F401
 import apg.smc.resampling  # noqa: F401
+import apg.tasks.dgmm.distributions  # noqa: F401
 import apg.tasks.dgmm.model  # noqa: F401
 import apg.tasks.gmm.conjugate  # noqa: F401
 import apg.tasks.gmm.model  # noqa: F401
@@ -92,6 +93,11 @@ def _sums(per_particle: bool = True) -> torch.Tensor:
 def _ring() -> tuple:
     """Rings data ``x (B=2, N=7, 2)``, centres ``(L=3, B, I=4, 2)``, assignments and shapes."""
     return _randn(2, 7, 2), _randn(3, 2, 4, 2), torch.randint(0, 4, (3, 2, 7)), _randn(3, 2, 7, 2)
+
+
+def _local() -> tuple:
+    """The rings' local proposal: ``params (L=3, B=2, N=5, I=4, 4)``, assignments and angles."""
+    return _randn(3, 2, 5, 4, 4), torch.randint(0, 4, (3, 2, 5)), torch.rand(3, 2, 5, dtype=torch.float64) * 6
 
 
 # Small inputs of the sizes the models use, per op: () -> args. Ops with autograd are
@@ -181,6 +187,17 @@ SAMPLES: dict[str, Callable[[], tuple]] = {
     "ring_residuals": lambda: _ring(),
     "ring_residuals_backward": lambda: (*_ring(), _randn(3, 2)),
     "ring_residuals_change": lambda: (*_ring(), *_ring()[1:]),
+    "von_mises": lambda: (_randn(12), _positive(12) * 3, 21, 2),
+    "local_sample": lambda: (_randn(3, 2, 5, 4, 4), torch.rand(3, 2, 5, dtype=torch.float64)),
+    "local_log_prob": lambda: _local(),
+    "local_log_prob_backward": lambda: (*_local(), _randn(3, 2, 5)),
+    "centre_pool": lambda: (_randn(3, 2, 7, 4), _randn(2, 7, 2), torch.randint(0, 4, (3, 2, 7)), 4),
+    "centre_pool_backward": lambda: (
+        _randn(3, 2, 7, 4),
+        _randn(2, 7, 2),
+        torch.randint(0, 4, (3, 2, 7)),
+        _randn(3, 2, 4, 4),
+    ),
 }
 EXTRA_SAMPLES: dict[str, list[Callable[[], tuple]]] = {
     "gmm_ng_sums_sample": [lambda: (_sums(False), _randn(3, 2, 3, 2), 12, *PRIOR)],
@@ -203,6 +220,8 @@ EXTRA_SAMPLES: dict[str, list[Callable[[], tuple]]] = {
 }
 # the inputs an op differentiates (the others take no gradient through it)
 GRAD_ARGS: dict[str, tuple[int, ...]] = {
+    "local_log_prob": (0,),
+    "centre_pool": (0,),
     "ring_residuals": (3,),
     "ring_residuals_change": (3, 6),
     "gmm_ng_sums_propose": (0,),
@@ -288,7 +307,6 @@ def test_a_compiled_graph_holds_an_op():
 
 # Modules whose kernels are not ops yet; each is removed as it migrates.
 NOT_YET_OPS = {
-    "apg/tasks/dgmm/distributions.py",
     "apg/tasks/dgmm/proposals.py",
 }
 
