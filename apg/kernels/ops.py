@@ -39,6 +39,9 @@ from apg.kernels import native_function
 
 # every op, by name, for the opcheck test and the docs
 REGISTRY: dict[str, KernelOp] = {}
+# The ops' namespace: the package's own name, so that a renamed copy of the package loaded
+# beside it (bench/ab_step.py's ``apg_old``) registers its ops apart.
+NAMESPACE = __name__.split(".")[0]
 
 
 def _tensors(args: Sequence[Any]) -> list[Tensor]:
@@ -92,7 +95,7 @@ class KernelOp:
         self.applies, self.checked = applies, checked
         self.backward, self.setup_context, self.gradients = backward, setup_context, gradients
         self.eager_twin = eager_twin or twin
-        self.op = torch.library.custom_op(f"apg::{name}", twin, mutates_args=())
+        self.op = torch.library.custom_op(f"{NAMESPACE}::{name}", twin, mutates_args=())
         self.op.register_kernel("cpu", self.cpu)
         self.op.register_fake(fake)
         if backward is not None:
