@@ -107,14 +107,14 @@ class KernelOp:
         several), or ``None`` where the twin must run."""
         if self.applies is not None and not self.applies(*args):
             return None
-        checked = self._checked(args)
+        return self.resolve(*(self.checked(*args) if self.checked is not None else _tensors(args)))
+
+    def resolve(self, *checked: Tensor):
+        """The compiled function(s) for tensors of ``checked``'s dtype and device, or ``None``."""
         if isinstance(self.kernel, str):
             return native_function(self.kernel, *checked)
         fns = tuple(native_function(name, *checked) for name in self.kernel)
         return None if fns[0] is None else fns
-
-    def _checked(self, args: Sequence[Any]) -> Sequence[Tensor]:
-        return self.checked(*args) if self.checked is not None else _tensors(args)
 
     def cpu(self, *args: Any) -> Any:
         """The op's CPU kernel: the C function where it applies, else the twin."""
@@ -131,28 +131,38 @@ class KernelOp:
         fn = self.function(*args)
         if fn is None:
             return self.eager_twin(*args)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(args)):
-            if self.backward is None:  # the C function would drop the gradient: the twin keeps it
-                return self.eager_twin(*args)
-            return _Eager.apply(self, fn, *args)
+        if torch.is_grad_enabled():
+            for a in args:
+                if isinstance(a, Tensor) and a.requires_grad:
+                    if self.backward is None:  # the C function would drop the gradient: the twin keeps it
+                        return self.eager_twin(*args)
+                    return _Eager.apply(self, fn, *args)
         return self.native(fn, *args)
 
 
 class _Eager(torch.autograd.Function):
     """A :class:`KernelOp`'s native path with its registered autograd formula, outside the
-    dispatcher (see the module's docstring)."""
+    dispatcher (see the module's docstring). The op's ``setup_context`` runs inside
+    ``forward``: an ``autograd.Function`` with a separate ``setup_context`` binds its
+    arguments with ``inspect`` at every call, ~25 us."""
 
     @staticmethod
-    def forward(op: KernelOp, fn: Any, *args: Any) -> Any:  # type: ignore[override]
-        return op.native(fn, *args)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        op = inputs[0]
+    def forward(ctx: Any, op: KernelOp, fn: Any, *args: Any) -> Any:  # type: ignore[override]
+        output = op.native(fn, *args)
         ctx.kernel_op = op
-        op.setup_context(ctx, inputs[2:], output)
+        # the backward's C function, for the forward's dtype (where the forward's applies,
+        # so does its backward)
+        checked = op.checked(*args) if op.checked is not None else _tensors(args)
+        ctx.backward_fn = op.backward.resolve(checked[0])  # type: ignore[union-attr]
+        op.setup_context(ctx, args, output)  # type: ignore[misc]
+        return output
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        op = ctx.kernel_op
-        return None, None, *op.gradients(ctx, grads, op.backward.cpu, ctx.needs_input_grad[2:])
+        op, fn = ctx.kernel_op, ctx.backward_fn
+        backward = op.backward
+
+        def run(*args: Any) -> Any:
+            return backward.cpu(*args) if fn is None else backward.native(fn, *args)
+
+        return None, None, *op.gradients(ctx, grads, run, ctx.needs_input_grad[2:])

@@ -30,6 +30,7 @@ from apg.kernels.ops import KernelOp
 from apg.tasks.gmm.conjugate import (
     _HALF_LOG_2PI,
     NormalGamma,
+    _consts_of,
     assignment_logits,
     assignment_posterior,
     cluster_moments,
@@ -240,7 +241,7 @@ def _log_globals_native(
     beta0: float,
 ) -> list[Tensor]:
     outs = [x.new_empty(mu.shape[:2]) for _ in range(2 if two else 1)]
-    consts = torch.tensor([alpha0, beta0, nu0, mu0], dtype=x.dtype)  # conjugate._consts
+    consts = _consts_of(alpha0, beta0, nu0, mu0, x.dtype)
     call(fn, x, c, mu, tau, mu2, tau2, consts, outs[0], outs[-1], len(outs), *_sizes(x, mu, outs[0].shape))
     return outs
 

@@ -121,7 +121,7 @@ class AssignmentProposal(nn.Module):
             self.out.weight,
             self.out.bias,
         )
-        return assignment_logits_op(x, mu, tau, *weights)
+        return assignment_logits_op(x, mu, tau, *weights)[0]
 
     def _standardized(self, x: Tensor, mu: Tensor, tau: Tensor) -> Tensor:
         # W ((x_n - mu_i) s_i) + V log tau_i + b = (W s_i) x_n + (V log tau_i - W (mu_i s_i) + b),
@@ -158,23 +158,10 @@ def _assignment_twin(
     w_prec: Tensor,
     w_out: Tensor,
     b_out: Tensor,
-) -> Tensor:
+) -> tuple[Tensor, Tensor, Tensor]:
     per_point, per_cluster = _assignment_parts(x, mu, tau, w_off, b_off, w_prec)
     logits = pairwise_tanh_linear(per_point, per_cluster, w_out.T) + b_out
-    return logits.squeeze(-1)  # (L, B, N, I)
-
-
-def _assignment_inputs(fn, x: Tensor, mu: Tensor, tau: Tensor, weights: tuple[Tensor, ...]):
-    """The first layer's two parts ``(1, B, N, H)`` and ``(L, B, I, H)`` (``gmm_assignment_inputs``)."""
-    x, mu, tau = x.contiguous(), mu.contiguous(), tau.contiguous()
-    (num_particles, batch, clusters, dim), num_points, width = mu.shape, x.shape[1], weights[0].shape[0]
-    point, cluster = (
-        x.new_empty(1, batch, num_points, width),
-        x.new_empty(num_particles, batch, clusters, width),
-    )
-    sizes = (num_particles, batch, num_points, clusters, dim, width)
-    call(fn, x, mu, tau, *(t.contiguous() for t in weights), point, cluster, *sizes)
-    return point, cluster, sizes, (num_particles, 1, batch, num_points, clusters, width, 1)
+    return logits.squeeze(-1), per_point.unsqueeze(0), per_cluster  # (L, B, N, I) and the parts
 
 
 def _assignment_native(
@@ -187,30 +174,34 @@ def _assignment_native(
     w_prec: Tensor,
     w_out: Tensor,
     b_out: Tensor,
-) -> Tensor:
+) -> tuple[Tensor, Tensor, Tensor]:
     """The first layer's two parts (``gmm.c``: ``gmm_assignment_inputs``), the fused pairwise
     tanh layer (``tanh_layers.c``) and the output bias in a handful of ops instead of ~20."""
-    point, cluster, sizes, pair_sizes = _assignment_inputs(fns[0], x, mu, tau, (w_off, b_off, w_prec))
-    logits = x.new_empty(*mu.shape[:2], x.shape[1], mu.shape[2])
-    call(fns[1], point, cluster, w_out.contiguous(), logits, *pair_sizes)
-    return logits.add_(b_out)
+    x, mu, tau = x.contiguous(), mu.contiguous(), tau.contiguous()
+    (num_particles, batch, clusters, dim), num_points, width = mu.shape, x.shape[1], w_off.shape[0]
+    point, cluster = (
+        x.new_empty(1, batch, num_points, width),
+        x.new_empty(num_particles, batch, clusters, width),
+    )
+    sizes = (num_particles, batch, num_points, clusters, dim, width)
+    call(fns[0], x, mu, tau, *(t.contiguous() for t in (w_off, b_off, w_prec)), point, cluster, *sizes)
+    logits = x.new_empty(num_particles, batch, num_points, clusters)
+    call(fns[1], point, cluster, w_out.contiguous(), logits, *_pair_sizes(mu, point))
+    return logits.add_(b_out), point, cluster
+
+
+def _pair_sizes(mu: Tensor, point: Tensor) -> tuple[int, ...]:
+    (num_particles, batch, clusters, _), (_, _, num_points, width) = mu.shape, point.shape
+    return num_particles, 1, batch, num_points, clusters, width, 1
 
 
 def _assignment_backward_twin(
-    x: Tensor,
-    mu: Tensor,
-    tau: Tensor,
-    w_off: Tensor,
-    b_off: Tensor,
-    w_prec: Tensor,
-    w_out: Tensor,
-    grad: Tensor,
+    x: Tensor, mu: Tensor, tau: Tensor, point: Tensor, cluster: Tensor, w_out: Tensor, grad: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    per_point, per_cluster = _assignment_parts(x, mu, tau, w_off, b_off, w_prec)
     grad_point, grad_cluster, grad_w_t = pairwise_tanh_linear_op.backward.twin(  # type: ignore[union-attr]
-        per_point, per_cluster, w_out.T, grad.unsqueeze(-1)
+        point, cluster, w_out.T, grad.unsqueeze(-1)
     )
-    width, dim = w_off.shape
+    width, dim = point.shape[-1], x.shape[-1]
     flat_point, flat_cluster = grad_point.reshape(-1, width), grad_cluster.reshape(-1, width)
     grad_w_off = flat_point.T @ x.reshape(-1, dim) - flat_cluster.T @ mu.reshape(-1, dim)
     grad_w_prec = flat_cluster.T @ torch.log(tau).reshape(-1, dim)
@@ -218,58 +209,62 @@ def _assignment_backward_twin(
 
 
 def _assignment_backward_native(
-    fns,
-    x: Tensor,
-    mu: Tensor,
-    tau: Tensor,
-    w_off: Tensor,
-    b_off: Tensor,
-    w_prec: Tensor,
-    w_out: Tensor,
-    grad: Tensor,
+    fns, x: Tensor, mu: Tensor, tau: Tensor, point: Tensor, cluster: Tensor, w_out: Tensor, grad: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The first layer's parts again (``gmm_assignment_inputs``: the forward keeps only the
-    inputs), then the pairwise layer's and the first layer's backward."""
-    point, cluster, sizes, pair_sizes = _assignment_inputs(fns[0], x, mu, tau, (w_off, b_off, w_prec))
-    w_out = w_out.contiguous()
-    grad = grad.contiguous()
+    """The pairwise layer's backward, then the first layer's."""
+    point, cluster, w_out, grad = (t.contiguous() for t in (point, cluster, w_out, grad))
     grad_point, grad_cluster, grad_w_out = (torch.zeros_like(t) for t in (point, cluster, w_out))
-    call(fns[1], point, cluster, w_out, grad, grad_point, grad_cluster, grad_w_out, *pair_sizes)
-    width, dim = w_off.shape
+    call(fns[0], point, cluster, w_out, grad, grad_point, grad_cluster, grad_w_out, *_pair_sizes(mu, point))
+    width, dim = point.shape[-1], x.shape[-1]
     grad_w_off, grad_b_off, grad_w_prec = x.new_zeros(width, dim), x.new_zeros(width), x.new_zeros(width, dim)
     inputs = (x.contiguous(), mu.contiguous(), tau.contiguous(), grad_point, grad_cluster)
-    call(fns[2], *inputs, grad_w_off, grad_b_off, grad_w_prec, *sizes)
+    sizes = (*mu.shape[:2], x.shape[1], mu.shape[2], dim, width)
+    call(fns[1], *inputs, grad_w_off, grad_b_off, grad_w_prec, *sizes)
     return grad_w_off, grad_b_off, grad_w_prec, grad_w_out, grad.sum().reshape(1)
 
 
-def _save_inputs(ctx, inputs: tuple, output) -> None:
-    ctx.save_for_backward(*inputs[:7])
+def _assignment_save(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs[:3], output[1], output[2], inputs[6])
+    ctx.mark_non_differentiable(output[1], output[2])
 
 
-# ``AssignmentProposal``'s logits ``(L, B, N, I)`` (offset inputs): differentiable in the five
-# weights ``(w_off, b_off, w_prec, w_out, b_out)``, not in the data or the latents.
+def _assignment_fake(
+    x: Tensor, mu: Tensor, tau: Tensor, w_off: Tensor, *_: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    (num_particles, batch, clusters, _dim), num_points, width = mu.shape, x.shape[1], w_off.shape[0]
+    return (
+        x.new_empty(num_particles, batch, num_points, clusters),
+        x.new_empty(1, batch, num_points, width),
+        x.new_empty(num_particles, batch, clusters, width),
+    )
+
+
+# ``AssignmentProposal``'s logits ``(L, B, N, I)`` (offset inputs) and its first layer's two
+# parts ``(1, B, N, H)``, ``(L, B, I, H)`` (kept for the backward): differentiable in the five
+# weights ``(w_off, b_off, w_prec, w_out, b_out)`` through the logits, not in the data or the
+# latents.
 assignment_logits_op = KernelOp(
     "gmm_assignment_logits",
     _assignment_twin,
     kernel=("gmm_assignment_inputs", "pairwise_forward"),
     native=_assignment_native,
     applies=_assignment_applies,
-    fake=lambda x, mu, tau, *w: x.new_empty(*mu.shape[:2], x.shape[1], mu.shape[2]),
+    fake=_assignment_fake,
     backward=KernelOp(
         "gmm_assignment_logits_backward",
         _assignment_backward_twin,
-        kernel=("gmm_assignment_inputs", "pairwise_backward", "gmm_assignment_inputs_backward"),
+        kernel=("pairwise_backward", "gmm_assignment_inputs_backward"),
         native=_assignment_backward_native,
-        applies=_assignment_applies,
-        fake=lambda x, mu, tau, w_off, b_off, w_prec, w_out, grad: (
-            w_off.new_empty(w_off.shape),
-            b_off.new_empty(b_off.shape),
-            w_prec.new_empty(w_prec.shape),
+        applies=lambda x, mu, tau, point, cluster, w_out, grad: x.dim() == 3 and mu.dim() == 4,
+        fake=lambda x, mu, tau, point, cluster, w_out, grad: (
+            x.new_empty(point.shape[-1], x.shape[-1]),
+            x.new_empty(point.shape[-1]),
+            x.new_empty(point.shape[-1], x.shape[-1]),
             w_out.new_empty(w_out.shape),
             w_out.new_empty(1),
         ),
     ),
-    setup_context=_save_inputs,
+    setup_context=_assignment_save,
     gradients=lambda ctx, grads, run, wants: (None, None, None, *run(*ctx.saved_tensors, grads[0])),
 )
 
