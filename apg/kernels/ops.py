@@ -11,9 +11,9 @@ registered once, the backward being an operator of its own (``<name>_backward``)
 Calling a :class:`KernelOp` is what the math modules do, and the only way they reach a C
 function (nothing outside ``apg/kernels/`` calls ``native_function``). In eager mode the
 call does not go through the dispatcher: the dispatcher and the custom op's autograd
-wrapper cost about 25 us a call, against a few microseconds for this path, and a GMM
-training step makes about 50 kernel calls in about 10 ms (docs/kernels.md has the
-measurement). Eagerly, a call runs
+wrapper cost tens of microseconds a call, against a few for this path, and a GMM training
+step makes about 40 kernel calls in 12 to 17 ms; through the dispatcher the step took 36-45%
+longer (docs/kernels.md has the measurements). Eagerly, a call runs
 
 - the C function, under an ``autograd.Function`` whose forward and backward are the
   registered op's own CPU implementations and autograd formula, where it applies;
