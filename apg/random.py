@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from apg.host import values_on_host
-from apg.kernels import call, native_function
+from apg.kernels import call
+from apg.kernels.ops import KernelOp
 
 _MASK = 0xFFFFFFFF
 _MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
@@ -74,19 +75,36 @@ def uniform_pair(key: int, element: Tensor, draw: int, dtype: torch.dtype) -> tu
 
 def uniform(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
     """Uniforms on ``[0, 1)`` shaped ``shape``: on CPU, element ``2 j + s`` is uniform ``s``
-    of block ``(new_key(); j, 0)``, compiled where the kernels are built."""
+    of block ``(new_key(); j, 0)`` (the op ``apg::philox_uniform``)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type != "cpu" or dtype not in (torch.float32, torch.float64) or torch.compiler.is_compiling():
         return torch.rand(shape, dtype=dtype, device=device)
-    key = new_key()
+    return philox_uniform_op(new_key(), list(shape), dtype, device)
+
+
+def _uniform_twin(key: int, shape: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    numel = math.prod(shape)
+    pair = uniform_pair(key, torch.arange((numel + 1) // 2, device=device), 0, dtype)
+    return torch.stack(pair, -1).flatten()[:numel].view(shape)
+
+
+def _uniform_native(fn, key: int, shape: list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
     out = torch.empty(shape, dtype=dtype)
-    native = native_function("philox_uniform", out)
-    if native is not None:
-        call(native, key, out, out.numel())
-        return out
-    blocks = torch.arange((out.numel() + 1) // 2)
-    pair = uniform_pair(key, blocks, 0, dtype)
-    return torch.stack(pair, -1).flatten()[: out.numel()].view(shape)
+    call(fn, key, out, out.numel())
+    return out
+
+
+_EMPTY = {dtype: torch.empty(0, dtype=dtype) for dtype in (torch.float32, torch.float64)}
+
+# Uniforms on [0, 1) shaped ``shape`` from the Philox blocks ``(key; j, 0)`` (a CPU kernel).
+philox_uniform_op = KernelOp(
+    "philox_uniform",
+    _uniform_twin,
+    kernel="philox_uniform",
+    native=_uniform_native,
+    checked=lambda key, shape, dtype, device: (_EMPTY.get(dtype, _EMPTY[torch.float32]),),
+    fake=lambda key, shape, dtype, device: torch.empty(shape, dtype=dtype, device=device),
+)
 
 
 # apg/kernels/gamma.h: a shape that has not accepted after this many tries gets NaN
@@ -103,12 +121,16 @@ def standard_gamma(alpha: Tensor) -> Tensor:
     """
     if not values_on_host(alpha) or alpha.dtype not in (torch.float32, torch.float64):
         return torch._standard_gamma(alpha)
-    key = new_key()
-    native = native_function("philox_standard_gamma", alpha)
-    if native is not None:
-        out = torch.empty_like(alpha, memory_format=torch.contiguous_format)
-        call(native, key, alpha, out, out.numel())
-        return out
+    return philox_standard_gamma_op(new_key(), alpha.detach())
+
+
+def _gamma_native(fn, key: int, alpha: Tensor) -> Tensor:
+    out = torch.empty_like(alpha, memory_format=torch.contiguous_format)
+    call(fn, key, alpha, out, out.numel())
+    return out
+
+
+def _gamma_twin(key: int, alpha: Tensor) -> Tensor:
     a = alpha.detach().double().flatten()
     shape = torch.where(a < 1, a + 1, a)
     d = shape - 1 / 3
@@ -131,3 +153,13 @@ def standard_gamma(alpha: Tensor) -> Tensor:
     boost = a < 1
     draw[boost] = draw[boost] * u_boost[boost] ** (1 / a[boost])
     return draw.to(alpha.dtype).view(alpha.shape)
+
+
+# Draws from Gamma(alpha, 1) from the Philox blocks of ``key`` (see ``standard_gamma``), on CPU.
+philox_standard_gamma_op = KernelOp(
+    "philox_standard_gamma",
+    _gamma_twin,
+    kernel="philox_standard_gamma",
+    native=_gamma_native,
+    fake=lambda key, alpha: torch.empty_like(alpha, memory_format=torch.contiguous_format),
+)

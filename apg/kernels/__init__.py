@@ -5,7 +5,9 @@ networks; ``categorical.c``: draws and log-probabilities over a short last axis;
 and ``rings.c``: one task's block-update arithmetic each; ``smc.c``: systematic
 resampling). Each has
 a pure-PyTorch twin that runs on GPUs, on machines without a compiler, and when the
-environment sets ``APG_NATIVE_KERNELS=0``; tests check the two agree.
+environment sets ``APG_NATIVE_KERNELS=0``; tests check the two agree. The math modules reach
+the C functions only through the registered ops of ``apg/kernels/ops.py``
+(``torch.ops.apg.<name>``), never through ``native_function`` directly.
 
 All sources are built into one shared library, into ``$APG_KERNEL_CACHE`` (default ``~/.cache/apg/kernels``)
 under a name that hashes the source, the flags and the CPU, so nodes of a heterogeneous

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from apg.blocks import Latents
-from apg.distributions import categorical_log_prob, categorical_sample
+from apg.distributions import categorical_log_prob, categorical_sample_op
 from apg.host import values_on_host
-from apg.kernels import call, native_function
+from apg.kernels import call
+from apg.kernels.ops import KernelOp
 from apg.random import new_key, uniform, uniform_pair
 from apg.tasks.dgmm.model import DATA_DIM, TWO_PI
 
@@ -51,17 +52,35 @@ def sample_von_mises(loc: Tensor, concentration: Tensor, candidates: int = 2) ->
     loc = loc.detach().reshape(-1)
     # Philox uniforms on CPU in float32/64 (apg.random); torch.rand elsewhere.
     key = new_key() if values_on_host(loc) and k.dtype in (torch.float32, torch.float64) else None
-    native = native_function("von_mises", loc, k)
-    if native is None:
-        return _von_mises_torch(loc, k, candidates, key).reshape(shape)
-    assert key is not None  # a native kernel means CPU float32/64 outside torch.compile: key drawn
-    # The compiled kernel runs every round, drawing the twin's Philox uniforms.
+    if key is None:
+        return _von_mises_torch(loc, k, candidates, None).reshape(shape)
+    return von_mises_op(loc, k, key, candidates).reshape(shape)
+
+
+def _von_mises_twin(loc: Tensor, k: Tensor, key: int, candidates: int) -> Tensor:
+    return _von_mises_torch(loc, k, candidates, key)
+
+
+def _von_mises_native(fn, loc: Tensor, k: Tensor, key: int, candidates: int) -> Tensor:
+    """Every round in the compiled kernel, drawing the twin's Philox uniforms."""
     n = k.numel()
     alpha, accepted = torch.empty_like(k), torch.empty(n, dtype=torch.bool)
-    call(native, loc, k, key, alpha, accepted, torch.empty(n, dtype=torch.long), n, candidates)
+    call(fn, loc, k, key, alpha, accepted, torch.empty(n, dtype=torch.long), n, candidates)
     if not bool(accepted.all()):
         raise RuntimeError("von Mises sampler: an element accepted no candidate in 1000 rounds")
-    return alpha.reshape(shape)
+    return alpha
+
+
+# Von Mises draws for flat ``loc`` and clamped concentrations ``k`` from the Philox ``key``,
+# ``candidates`` proposals per element and round (``sample_von_mises``).
+von_mises_op = KernelOp(
+    "von_mises",
+    _von_mises_twin,
+    kernel="von_mises",
+    native=_von_mises_native,
+    checked=lambda loc, k, key, candidates: (loc, k),
+    fake=lambda loc, k, key, candidates: torch.empty_like(k),
+)
 
 
 # On a device, one round of this many candidates per element and no host read (apg.host):
@@ -168,56 +187,106 @@ class LocalProposal:
 
     def sample(self) -> Latents:
         q = self.params.detach()
-        native = native_function("local_sample", q)
-        if native is None:
-            c = categorical_sample(q[..., 0])
-            loc, k = _component(q, c)
-        else:
-            q = q.contiguous()
-            rows = q.shape[:-2]
-            u = uniform(rows, q.dtype)
-            c, loc, k = torch.empty(rows, dtype=torch.long), torch.empty_like(u), torch.empty_like(u)
-            call(native, q, u, c, loc, k, u.numel(), q.shape[-2])
+        c, loc, k = local_sample_op(q, uniform(q.shape[:-2], q.dtype, q.device))
         return {"c": c, "alpha": sample_von_mises(loc, k)}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
-        c, alpha = value["c"], value["alpha"]
-        native = native_function("local_log_prob", self.params, alpha)
-        if native is None or alpha.requires_grad:
-            loc, k = _component(self.params, c)
-            lp_c = categorical_log_prob(self.params[..., 0], c)
-            per_point = lp_c + von_mises_log_prob(alpha, loc, k)
-        else:
-            backward = native_function("local_log_prob_backward", self.params)
-            per_point = _LocalLogProb.apply(self.params, c, alpha, native, backward)
-        return per_point.sum(-1)
+        return local_log_prob_op(self.params, value["c"], value["alpha"]).sum(-1)
+
+
+def _local_sample_twin(q: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    c = categorical_sample_op(q[..., 0], u)
+    loc, k = _component(q, c)
+    return c, loc, k
+
+
+def _local_sample_native(fn, q: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    q = q.contiguous()
+    c, loc, k = torch.empty(u.shape, dtype=torch.long), torch.empty_like(u), torch.empty_like(u)
+    call(fn, q, u, c, loc, k, u.numel(), q.shape[-2])
+    return c, loc, k
+
+
+# ``LocalProposal.sample``'s assignments and their components' ``(loc, k)`` from ``params``
+# and the uniforms ``u (L, B, N)`` of the assignments' draw.
+local_sample_op = KernelOp(
+    "local_sample",
+    _local_sample_twin,
+    kernel="local_sample",
+    native=_local_sample_native,
+    checked=lambda q, u: (q,),
+    fake=lambda q, u: (
+        torch.empty(u.shape, dtype=torch.long, device=u.device),
+        u.new_empty(u.shape),
+        u.new_empty(u.shape),
+    ),
+)
+
+
+def _local_log_prob_twin(params: Tensor, c: Tensor, alpha: Tensor) -> Tensor:
+    loc, k = _component(params, c)
+    return categorical_log_prob(params[..., 0], c) + von_mises_log_prob(alpha, loc, k)
+
+
+def _local_log_prob_native(fn, params: Tensor, c: Tensor, alpha: Tensor) -> Tensor:
+    params, c, alpha = params.contiguous(), c.contiguous(), alpha.contiguous()
+    out = alpha.new_empty(c.shape)
+    call(fn, params, c, alpha, out, c.numel(), params.shape[-2])
+    return out
+
+
+def _local_log_prob_backward_twin(params: Tensor, c: Tensor, alpha: Tensor, grad: Tensor) -> Tensor:
+    one_hot = F.one_hot(c, params.shape[-2]).to(params.dtype)  # (..., I)
+    grad_logits = grad.unsqueeze(-1) * (one_hot - torch.softmax(params[..., 0], -1))
+    picked = params.gather(-2, c.unsqueeze(-1).unsqueeze(-1).expand(*c.shape, 1, 4)).squeeze(-2)
+    x, y, raw = picked[..., 1], picked[..., 2], picked[..., 3]
+    loc, k = torch.atan2(y, x), F.softplus(raw) + 1e-3
+    d_loc = grad * k * torch.sin(alpha - loc)
+    d_k = grad * (torch.cos(alpha - loc) - torch.special.i1e(k) / torch.special.i0e(k))
+    norm = x * x + y * y
+    per_point = torch.stack(
+        [torch.zeros_like(x), -d_loc * y / norm, d_loc * x / norm, d_k * torch.sigmoid(raw)], -1
+    )
+    grad_params = one_hot.unsqueeze(-1) * per_point.unsqueeze(-2)
+    grad_params[..., 0] += grad_logits
+    return grad_params
+
+
+def _local_log_prob_backward_native(fn, params: Tensor, c: Tensor, alpha: Tensor, grad: Tensor) -> Tensor:
+    params, c, alpha = params.contiguous(), c.contiguous(), alpha.contiguous()
+    grad_params = torch.empty_like(params)
+    call(fn, params, c, alpha, grad, grad_params, c.numel(), params.shape[-2])
+    return grad_params
+
+
+# Per-point ``log q(c_n, alpha_n)`` ``(L, B, N)`` from ``params (L, B, N, I, 4)``;
+# differentiable in ``params`` only (``c`` and ``alpha`` are draws: a differentiable
+# ``alpha`` runs the twin here).
+local_log_prob_op = KernelOp(
+    "local_log_prob",
+    _local_log_prob_twin,
+    kernel="local_log_prob",
+    native=_local_log_prob_native,
+    applies=lambda params, c, alpha: not alpha.requires_grad,
+    checked=lambda params, c, alpha: (params, alpha),
+    fake=lambda params, c, alpha: alpha.new_empty(c.shape),
+    backward=KernelOp(
+        "local_log_prob_backward",
+        _local_log_prob_backward_twin,
+        kernel="local_log_prob_backward",
+        native=_local_log_prob_backward_native,
+        checked=lambda params, c, alpha, grad: (params,),
+        fake=lambda params, c, alpha, grad: params.new_empty(params.shape),
+    ),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs),
+    gradients=lambda ctx, grads, run, wants: (run(*ctx.saved_tensors, grads[0]), None, None),
+)
 
 
 def _component(params: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """Mean direction and concentration of each point's von Mises under cluster ``c``."""
     picked = params.gather(-2, c.unsqueeze(-1).unsqueeze(-1).expand(*c.shape, 1, 4)).squeeze(-2)
     return torch.atan2(picked[..., 2], picked[..., 1]), F.softplus(picked[..., 3]) + 1e-3
-
-
-class _LocalLogProb(torch.autograd.Function):
-    """Per-point ``log q(c_n, alpha_n)`` from ``params (..., I, 4)``, compiled forward and
-    backward; differentiable in ``params`` only (``c`` and ``alpha`` are draws)."""
-
-    @staticmethod
-    def forward(ctx, params: Tensor, c: Tensor, alpha: Tensor, forward_fn, backward_fn) -> Tensor:
-        params, c, alpha = params.contiguous(), c.contiguous(), alpha.contiguous()
-        out = alpha.new_empty(c.shape)
-        call(forward_fn, params, c, alpha, out, c.numel(), params.shape[-2])
-        ctx.save_for_backward(params, c, alpha)
-        ctx.backward_fn = backward_fn
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        params, c, alpha = ctx.saved_tensors
-        grad_params = torch.empty_like(params)
-        call(ctx.backward_fn, params, c, alpha, grad, grad_params, c.numel(), params.shape[-2])
-        return grad_params, None, None, None, None
 
 
 class GaussianMu:
@@ -272,36 +341,66 @@ def pool_assigned(
     ``(L, B, I, 2)``. On CPU one compiled pass (``rings.c``: ``centre_pool``) replaces the
     one-hot products and the elementwise ops on strided halves of ``per_point``.
     """
-    native = native_function("centre_pool", per_point, x)
-    if native is None or per_point.dim() != 4 or x.dim() != 3 or x.requires_grad:
-        offset, raw = per_point.chunk(2, -1)
-        # == against the cluster numbers: F.one_hot checks c's range, a host read on a device
-        weights = (c.unsqueeze(-1) == torch.arange(num_clusters, device=c.device)).to(per_point.dtype)
-        return pool_per_cluster(weights, x - offset, torch.exp(raw), prior_precision)
-    backward = native_function("centre_pool_backward", per_point)
-    sums = _CentrePool.apply(per_point, x, c, num_clusters, native, backward)
+    sums = centre_pool_op(per_point, x, c, num_clusters)
     precision = prior_precision + sums[..., :DATA_DIM]
     return sums[..., DATA_DIM:] / precision, precision
 
 
-class _CentrePool(torch.autograd.Function):
-    """Per-cluster sums ``(sum lambda_n, sum lambda_n (x_n - offset_n))`` ``(L, B, I, 4)``,
-    compiled forward and backward; differentiable in ``per_point`` only."""
+def _centre_pool_twin(per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int) -> Tensor:
+    offset, raw = per_point.chunk(2, -1)
+    # == against the cluster numbers: F.one_hot checks c's range, a host read on a device
+    weights = (c.unsqueeze(-1) == torch.arange(num_clusters, device=c.device)).to(per_point.dtype)
+    w_t = weights.transpose(-1, -2)  # (..., I, N)
+    precision = torch.exp(raw)
+    return torch.cat([w_t @ precision, w_t @ (precision * (x - offset))], -1)
 
-    @staticmethod
-    def forward(ctx, per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int, forward_fn, backward_fn):
-        per_point, x, c = per_point.contiguous(), x.contiguous(), c.contiguous()
-        (num_particles, batch, num_points, _) = per_point.shape
-        sums = per_point.new_zeros(num_particles, batch, num_clusters, 4)
-        ctx.sizes = (num_particles, batch, num_points, num_clusters)
-        call(forward_fn, per_point, x, c, sums, *ctx.sizes)
-        ctx.save_for_backward(per_point, x, c)
-        ctx.backward_fn = backward_fn
-        return sums
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        per_point, x, c = ctx.saved_tensors
-        grad_per_point = torch.empty_like(per_point)
-        call(ctx.backward_fn, per_point, x, c, grad.contiguous(), grad_per_point, *ctx.sizes)
-        return grad_per_point, None, None, None, None, None
+def _centre_pool_native(fn, per_point: Tensor, x: Tensor, c: Tensor, num_clusters: int) -> Tensor:
+    per_point, x, c = per_point.contiguous(), x.contiguous(), c.contiguous()
+    (num_particles, batch, num_points, _) = per_point.shape
+    sums = per_point.new_zeros(num_particles, batch, num_clusters, 4)
+    call(fn, per_point, x, c, sums, num_particles, batch, num_points, num_clusters)
+    return sums
+
+
+def _centre_pool_backward_twin(per_point: Tensor, x: Tensor, c: Tensor, grad: Tensor) -> Tensor:
+    offset, raw = per_point.chunk(2, -1)
+    picked = grad.gather(-2, c.unsqueeze(-1).expand(*c.shape, 4))  # each point's cluster's
+    g_prec, g_sum = picked[..., :DATA_DIM], picked[..., DATA_DIM:]
+    precision = torch.exp(raw)
+    return torch.cat([-precision * g_sum, precision * (g_prec + g_sum * (x - offset))], -1)
+
+
+def _centre_pool_backward_native(fn, per_point: Tensor, x: Tensor, c: Tensor, grad: Tensor) -> Tensor:
+    per_point, x, c = per_point.contiguous(), x.contiguous(), c.contiguous()
+    grad_per_point = torch.empty_like(per_point)
+    call(fn, per_point, x, c, grad.contiguous(), grad_per_point, *c.shape, grad.shape[-2])
+    return grad_per_point
+
+
+def _centre_pool_applies(per_point: Tensor, x: Tensor, *_: object) -> bool:
+    return per_point.dim() == 4 and x.dim() == 3 and not x.requires_grad
+
+
+# Per-cluster sums ``(sum lambda_n, sum lambda_n (x_n - offset_n))`` ``(L, B, I, 4)`` of the
+# hard assignments ``c``, ``lambda_n = exp(raw_n)``; differentiable in ``per_point`` only.
+centre_pool_op = KernelOp(
+    "centre_pool",
+    _centre_pool_twin,
+    kernel="centre_pool",
+    native=_centre_pool_native,
+    applies=_centre_pool_applies,
+    checked=lambda per_point, x, c, num_clusters: (per_point, x),
+    fake=lambda per_point, x, c, num_clusters: per_point.new_empty(*per_point.shape[:-2], num_clusters, 4),
+    backward=KernelOp(
+        "centre_pool_backward",
+        _centre_pool_backward_twin,
+        kernel="centre_pool_backward",
+        native=_centre_pool_backward_native,
+        applies=_centre_pool_applies,
+        checked=lambda per_point, x, c, grad: (per_point,),
+        fake=lambda per_point, x, c, grad: per_point.new_empty(per_point.shape),
+    ),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs[:3]),
+    gradients=lambda ctx, grads, run, wants: (run(*ctx.saved_tensors, grads[0]), None, None, None),
+)

@@ -43,7 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from apg.blocks import Latents, Model
-from apg.kernels import call, native_function
+from apg.kernels import call
+from apg.kernels.ops import KernelOp
 from apg.nn import linear, tanh_mlp
 
 TWO_PI = 2.0 * math.pi
@@ -192,93 +193,171 @@ def squared_residuals(x: Tensor, mu: Tensor, c: Tensor, shape: Tensor) -> Tensor
     ``x (B, N, 2)``, ``mu (L, B, I, 2)``, ``c (L, B, N)`` and ``shape = g_theta(alpha)``
     ``(L, B, N, 2)``. On CPU one compiled pass (``rings.c``: ``ring_residuals``),
     differentiable in ``shape`` (theta's path); where the data or the centres need a
-    gradient (HMC), the PyTorch formula.
+    gradient (HMC), the PyTorch formula. The op ``apg::ring_residuals``.
     """
-    native = native_function("ring_residuals", x, mu, shape)
-    plain = native is None or x.dim() != 3 or mu.dim() != 4 or shape.shape != (*c.shape, DATA_DIM)
-    if plain or (torch.is_grad_enabled() and (x.requires_grad or mu.requires_grad)):
-        return ((x - assigned_centres(mu, c) - shape) ** 2).sum((-2, -1))
-    return _RingResiduals.apply(x, mu, c, shape, native, native_function("ring_residuals_backward", x))
+    return ring_residuals_op(x, mu, c, shape)
 
 
 def squared_residuals_change(
     x: Tensor, new: tuple[Tensor, Tensor, Tensor], old: tuple[Tensor, Tensor, Tensor]
 ) -> Tensor:
     """``squared_residuals(x, *new) - squared_residuals(x, *old)`` for two ``(mu, c, shape)``
-    triples, ``(L, B)``; on CPU one autograd node (``_RingResidualsChange``) over the compiled
-    passes, differentiable in both shapes."""
-    (mu_new, c_new, shape_new), (mu_old, c_old, shape_old) = new, old
-    native = native_function("ring_residuals", x, mu_new, shape_new, mu_old, shape_old)
-    plain = (
-        native is None
-        or x.dim() != 3
-        or mu_new.dim() != 4
-        or mu_old.shape != mu_new.shape
-        or c_old.shape != c_new.shape
-        or shape_new.shape != (*c_new.shape, DATA_DIM)
-        or shape_old.shape != shape_new.shape
-    )
-    if plain or (
-        torch.is_grad_enabled() and (x.requires_grad or mu_new.requires_grad or mu_old.requires_grad)
-    ):
-        return squared_residuals(x, *new) - squared_residuals(x, *old)
-    backward = native_function("ring_residuals_backward", x)
-    return _RingResidualsChange.apply(x, mu_new, c_new, shape_new, mu_old, c_old, shape_old, native, backward)
+    triples, ``(L, B)``; on CPU one autograd node over the compiled passes, differentiable in
+    both shapes. The op ``apg::ring_residuals_change``."""
+    return ring_residuals_change_op(x, *new, *old)
 
 
-class _RingResidualsChange(torch.autograd.Function):
-    """``squared_residuals_change`` compiled: the residual kernels of both triples, one node."""
-
-    @staticmethod
-    def forward(ctx, x, mu_new, c_new, shape_new, mu_old, c_old, shape_old, forward_fn, backward_fn):
-        x = x.contiguous()
-        triples = [
-            tuple(t.contiguous() for t in triple)
-            for triple in ((mu_new, c_new, shape_new), (mu_old, c_old, shape_old))
-        ]
-        ctx.sizes = (*c_new.shape, mu_new.shape[-2])
-        out_new, out_old = (x.new_empty(c_new.shape[:2]) for _ in range(2))
-        for (mu, c, shape), out in zip(triples, (out_new, out_old), strict=True):
-            call(forward_fn, x, mu, c, shape, out, *ctx.sizes)
-        ctx.save_for_backward(x, *triples[0], *triples[1])
-        ctx.backward_fn = backward_fn
-        return out_new.sub_(out_old)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, mu_new, c_new, shape_new, mu_old, c_old, shape_old = ctx.saved_tensors
-        grad = grad.contiguous()
-        grads = []
-        for (mu, c, shape), sign, wanted in (
-            ((mu_new, c_new, shape_new), grad, ctx.needs_input_grad[3]),
-            ((mu_old, c_old, shape_old), -grad, ctx.needs_input_grad[6]),
-        ):
-            grad_shape = torch.empty_like(shape) if wanted else None
-            if grad_shape is not None:
-                call(ctx.backward_fn, x, mu, c, shape, sign, grad_shape, *ctx.sizes)
-            grads.append(grad_shape)
-        return None, None, None, grads[0], None, None, grads[1], None, None
+def _no_grad_in(*tensors: Tensor) -> bool:
+    """Whether none of ``tensors`` (the data, the centres) asks for a gradient: the compiled
+    passes differentiate in the shapes only."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-class _RingResiduals(torch.autograd.Function):
-    """``squared_residuals`` compiled, forward and backward (in ``shape`` only)."""
+def _residuals_applies(x: Tensor, mu: Tensor, c: Tensor, shape: Tensor, *_: Tensor) -> bool:
+    return x.dim() == 3 and mu.dim() == 4 and shape.shape == (*c.shape, DATA_DIM) and _no_grad_in(x, mu)
 
-    @staticmethod
-    def forward(ctx, x: Tensor, mu: Tensor, c: Tensor, shape: Tensor, forward_fn, backward_fn) -> Tensor:
-        x, mu, c, shape = (t.contiguous() for t in (x, mu, c, shape))
-        out = x.new_empty(c.shape[:2])
-        ctx.sizes = (*c.shape, mu.shape[-2])
-        call(forward_fn, x, mu, c, shape, out, *ctx.sizes)
-        ctx.save_for_backward(x, mu, c, shape)
-        ctx.backward_fn = backward_fn
-        return out
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, mu, c, shape = ctx.saved_tensors
-        grad_shape = torch.empty_like(shape)
-        call(ctx.backward_fn, x, mu, c, shape, grad.contiguous(), grad_shape, *ctx.sizes)
-        return None, None, None, grad_shape, None, None
+def _residuals_twin(x: Tensor, mu: Tensor, c: Tensor, shape: Tensor) -> Tensor:
+    return ((x - assigned_centres(mu, c) - shape) ** 2).sum((-2, -1))
+
+
+def _residuals_native(fn, x: Tensor, mu: Tensor, c: Tensor, shape: Tensor) -> Tensor:
+    x, mu, c, shape = (t.contiguous() for t in (x, mu, c, shape))
+    out = x.new_empty(c.shape[:2])
+    call(fn, x, mu, c, shape, out, *c.shape, mu.shape[-2])
+    return out
+
+
+def _residuals_backward_twin(x: Tensor, mu: Tensor, c: Tensor, shape: Tensor, grad: Tensor) -> Tensor:
+    return -2 * (x - assigned_centres(mu, c) - shape) * grad.unsqueeze(-1).unsqueeze(-1)
+
+
+def _residuals_backward_native(fn, x: Tensor, mu: Tensor, c: Tensor, shape: Tensor, grad: Tensor) -> Tensor:
+    x, mu, c, shape = (t.contiguous() for t in (x, mu, c, shape))
+    grad_shape = torch.empty_like(shape)
+    call(fn, x, mu, c, shape, grad.contiguous(), grad_shape, *c.shape, mu.shape[-2])
+    return grad_shape
+
+
+def _save_inputs(ctx, inputs: tuple, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+# ``squared_residuals``; differentiable in ``shape`` only.
+ring_residuals_op = KernelOp(
+    "ring_residuals",
+    _residuals_twin,
+    kernel="ring_residuals",
+    native=_residuals_native,
+    applies=_residuals_applies,
+    checked=lambda x, mu, c, shape: (x, mu, shape),
+    fake=lambda x, mu, c, shape: x.new_empty(c.shape[:2]),
+    backward=KernelOp(
+        "ring_residuals_backward",
+        _residuals_backward_twin,
+        kernel="ring_residuals_backward",
+        native=_residuals_backward_native,
+        applies=lambda x, mu, c, shape, grad: x.dim() == 3 and mu.dim() == 4,
+        checked=lambda x, mu, c, shape, grad: (x,),
+        fake=lambda x, mu, c, shape, grad: shape.new_empty(shape.shape),
+    ),
+    setup_context=_save_inputs,
+    gradients=lambda ctx, grads, run, wants: (None, None, None, run(*ctx.saved_tensors, grads[0])),
+)
+
+
+def _change_applies(
+    x: Tensor,
+    mu_new: Tensor,
+    c_new: Tensor,
+    shape_new: Tensor,
+    mu_old: Tensor,
+    c_old: Tensor,
+    shape_old: Tensor,
+) -> bool:
+    if x.dim() != 3 or mu_new.dim() != 4 or mu_old.shape != mu_new.shape or c_old.shape != c_new.shape:
+        return False
+    if shape_new.shape != (*c_new.shape, DATA_DIM) or shape_old.shape != shape_new.shape:
+        return False
+    return _no_grad_in(x, mu_new, mu_old)
+
+
+def _change_twin(
+    x: Tensor,
+    mu_new: Tensor,
+    c_new: Tensor,
+    shape_new: Tensor,
+    mu_old: Tensor,
+    c_old: Tensor,
+    shape_old: Tensor,
+) -> Tensor:
+    return _residuals_twin(x, mu_new, c_new, shape_new) - _residuals_twin(x, mu_old, c_old, shape_old)
+
+
+def _change_eager(
+    x: Tensor,
+    mu_new: Tensor,
+    c_new: Tensor,
+    shape_new: Tensor,
+    mu_old: Tensor,
+    c_old: Tensor,
+    shape_old: Tensor,
+) -> Tensor:
+    return squared_residuals(x, mu_new, c_new, shape_new) - squared_residuals(x, mu_old, c_old, shape_old)
+
+
+def _change_native(
+    fn,
+    x: Tensor,
+    mu_new: Tensor,
+    c_new: Tensor,
+    shape_new: Tensor,
+    mu_old: Tensor,
+    c_old: Tensor,
+    shape_old: Tensor,
+) -> Tensor:
+    """The residual kernels of both triples."""
+    x = x.contiguous()
+    triples = [
+        tuple(t.contiguous() for t in triple)
+        for triple in ((mu_new, c_new, shape_new), (mu_old, c_old, shape_old))
+    ]
+    sizes = (*c_new.shape, mu_new.shape[-2])
+    out_new, out_old = (x.new_empty(c_new.shape[:2]) for _ in range(2))
+    for (mu, c, shape), out in zip(triples, (out_new, out_old), strict=True):
+        call(fn, x, mu, c, shape, out, *sizes)
+    return out_new.sub_(out_old)
+
+
+def _change_gradients(ctx, grads, run, wants):
+    x, mu_new, c_new, shape_new, mu_old, c_old, shape_old = ctx.saved_tensors
+    grad = grads[0].contiguous()
+    grad_new = run(x, mu_new, c_new, shape_new, grad) if wants[3] else None
+    grad_old = run(x, mu_old, c_old, shape_old, -grad) if wants[6] else None
+    return None, None, None, grad_new, None, None, grad_old
+
+
+# ``squared_residuals_change`` of triples ``(mu, c, shape)`` new and old; differentiable in
+# both shapes.
+ring_residuals_change_op = KernelOp(
+    "ring_residuals_change",
+    _change_twin,
+    kernel="ring_residuals",
+    native=_change_native,
+    applies=_change_applies,
+    checked=lambda x, mu_new, c_new, shape_new, mu_old, c_old, shape_old: (
+        x,
+        mu_new,
+        shape_new,
+        mu_old,
+        shape_old,
+    ),
+    fake=lambda x, mu_new, c_new, *_: x.new_empty(c_new.shape[:2]),
+    eager_twin=_change_eager,
+    backward=ring_residuals_op.backward,
+    setup_context=_save_inputs,
+    gradients=_change_gradients,
+)
 
 
 def build_model(**hparams: Any) -> DGMM:

@@ -37,8 +37,9 @@ from torch import Tensor, nn
 
 from apg.blocks import Latents, Proposals
 from apg.distributions import softmax_short
-from apg.kernels import call, native_function
-from apg.nn import PointFeatures, pairwise_tanh_linear, tanh_mlp
+from apg.kernels import call
+from apg.kernels.ops import KernelOp
+from apg.nn import PointFeatures, pairwise_tanh_linear, pairwise_tanh_linear_op, tanh_mlp
 from apg.tasks.dgmm.distributions import (
     LocalProposal,
     gaussian_mu,
@@ -128,47 +129,136 @@ class LocalNet(nn.Module):
         # The split first layer: point(x) - cluster(mu), broadcast over (point, cluster) pairs.
         point, cluster = self.point(x / s0), -self.cluster(mu / s0)
         weights = (self.out.weight, self.out.bias, self.skip.weight)
-        native = native_function("local_forward", x, mu, point, cluster, *weights)
-        if (
-            native is not None
-            and x.dim() == 3
-            and mu.dim() == 4
-            and not (x.requires_grad or mu.requires_grad)
-        ):
-            consts = x.new_tensor([0.5 / s**2, 1.0 / s**2])
-            out = _LocalNetNative.apply(x, mu, point, cluster, *weights, consts, native)
-            return LocalProposal.from_params(out)
-        d = x.unsqueeze(-2) - mu.unsqueeze(-3)  # (L, B, N, I, 2)
-        sq = (d**2).sum(-1, keepdim=True)
-        norm = sq.clamp_min(1e-12).sqrt()
-        skip_in = torch.cat([sq / (2 * s**2), norm / s**2, torch.log(norm), d / norm], -1)
-        hidden_out = pairwise_tanh_linear(point, cluster, self.out.weight.T)
-        out = hidden_out + self.out.bias + self.skip(skip_in)  # (L, B, N, I, 4)
-        return LocalProposal.from_params(out)
+        return LocalProposal.from_params(local_net_op(x, mu, point, cluster, *weights, s))
 
 
-class _LocalNetNative(torch.autograd.Function):
-    """``LocalNet``'s outputs ``(L, B, N, I, 4)`` in one compiled pass (``rings.c``:
-    ``local_forward``), without the (L, B, N, I, H) hidden tensor or the skip features;
-    the backward recomputes both. ``x`` and ``mu`` take no gradient."""
+def _skip_inputs(x: Tensor, mu: Tensor, s: float) -> Tensor:
+    d = x.unsqueeze(-2) - mu.unsqueeze(-3)  # (L, B, N, I, 2)
+    sq = (d**2).sum(-1, keepdim=True)
+    norm = sq.clamp_min(1e-12).sqrt()
+    return torch.cat([sq / (2 * s**2), norm / s**2, torch.log(norm), d / norm], -1)
 
-    @staticmethod
-    def forward(ctx, x, mu, point, cluster, w_out, b_out, w_skip, consts, forward_fn) -> Tensor:
-        args = [t.contiguous() for t in (x, mu, point, cluster, w_out, b_out, w_skip, consts)]
-        (num_particles, batch, clusters, width), num_points = cluster.shape, x.shape[1]
-        out = x.new_empty(num_particles, batch, num_points, clusters, w_out.shape[0])
-        ctx.sizes = (num_particles, batch, num_points, clusters, width)
-        call(forward_fn, *args, out, *ctx.sizes)
-        ctx.save_for_backward(*args)
-        ctx.backward_fn = native_function("local_backward", x)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, mu, point, cluster, w_out, b_out, w_skip, consts = ctx.saved_tensors
-        grads = [torch.zeros_like(t) for t in (point, cluster, w_out, b_out, w_skip)]
-        call(ctx.backward_fn, x, mu, point, cluster, w_out, consts, grad, *grads, *ctx.sizes)
-        return None, None, *grads, None, None
+def _local_net_twin(
+    x: Tensor,
+    mu: Tensor,
+    point: Tensor,
+    cluster: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+    w_skip: Tensor,
+    s: float,
+) -> Tensor:
+    hidden_out = pairwise_tanh_linear(point, cluster, w_out.T)
+    return hidden_out + b_out + torch.nn.functional.linear(_skip_inputs(x, mu, s), w_skip)  # (L, B, N, I, 4)
+
+
+def _local_net_args(x, mu, point, cluster, w_out, b_out, w_skip, s):
+    consts = x.new_tensor([0.5 / s**2, 1.0 / s**2])
+    args = [t.contiguous() for t in (x, mu, point, cluster, w_out, b_out, w_skip, consts)]
+    (num_particles, batch, clusters, width), num_points = cluster.shape, x.shape[1]
+    return args, (num_particles, batch, num_points, clusters, width)
+
+
+def _local_net_native(
+    fn,
+    x: Tensor,
+    mu: Tensor,
+    point: Tensor,
+    cluster: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+    w_skip: Tensor,
+    s: float,
+) -> Tensor:
+    """One compiled pass (``rings.c``: ``local_forward``), without the (L, B, N, I, H) hidden
+    tensor or the skip features."""
+    args, sizes = _local_net_args(x, mu, point, cluster, w_out, b_out, w_skip, s)
+    out = x.new_empty(*sizes[:4], w_out.shape[0])
+    call(fn, *args, out, *sizes)
+    return out
+
+
+def _local_net_backward_twin(
+    x: Tensor,
+    mu: Tensor,
+    point: Tensor,
+    cluster: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+    w_skip: Tensor,
+    grad: Tensor,
+    s: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad_point, grad_cluster, grad_w_t = pairwise_tanh_linear_op.backward.twin(  # type: ignore[union-attr]
+        point, cluster, w_out.T, grad
+    )
+    flat = grad.reshape(-1, grad.shape[-1])
+    grad_w_skip = flat.T @ _skip_inputs(x, mu, s).reshape(-1, w_skip.shape[1])
+    return grad_point, grad_cluster, grad_w_t.T.contiguous(), flat.sum(0), grad_w_skip
+
+
+def _local_net_backward_native(
+    fn,
+    x: Tensor,
+    mu: Tensor,
+    point: Tensor,
+    cluster: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+    w_skip: Tensor,
+    grad: Tensor,
+    s: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Recomputes the hidden layer and the skip features (``rings.c``: ``local_backward``)."""
+    (x, mu, point, cluster, w_out, b_out, w_skip, consts), sizes = _local_net_args(
+        x, mu, point, cluster, w_out, b_out, w_skip, s
+    )
+    grads = [torch.zeros_like(t) for t in (point, cluster, w_out, b_out, w_skip)]
+    call(fn, x, mu, point, cluster, w_out, consts, grad, *grads, *sizes)
+    return tuple(grads)  # type: ignore[return-value]
+
+
+def _local_net_applies(x: Tensor, mu: Tensor, *_: object) -> bool:
+    return x.dim() == 3 and mu.dim() == 4 and not (x.requires_grad or mu.requires_grad)
+
+
+def _local_net_save(ctx, inputs: tuple, output) -> None:
+    ctx.save_for_backward(*inputs[:7])
+    ctx.noise = inputs[7]
+
+
+# ``LocalNet``'s outputs ``(L, B, N, I, 4)`` from the data, the centres, the first layer's two
+# parts, the output and skip layers and the noise scale ``s``; differentiable in the parts
+# and the weights (``x`` and ``mu`` take no gradient: where they want one, the twin runs).
+local_net_op = KernelOp(
+    "local_net",
+    _local_net_twin,
+    kernel="local_forward",
+    native=_local_net_native,
+    applies=_local_net_applies,
+    fake=lambda x, mu, point, cluster, w_out, *_: x.new_empty(
+        *cluster.shape[:2], x.shape[1], cluster.shape[2], w_out.shape[0]
+    ),
+    backward=KernelOp(
+        "local_net_backward",
+        _local_net_backward_twin,
+        kernel="local_backward",
+        native=_local_net_backward_native,
+        applies=_local_net_applies,
+        checked=lambda x, *_: (x,),
+        fake=lambda x, mu, point, cluster, w_out, b_out, w_skip, *_: tuple(
+            t.new_empty(t.shape) for t in (point, cluster, w_out, b_out, w_skip)
+        ),
+    ),
+    setup_context=_local_net_save,
+    gradients=lambda ctx, grads, run, wants: (
+        None,
+        None,
+        *run(*ctx.saved_tensors, grads[0], ctx.noise),
+        None,
+    ),
+)
 
 
 class DGMMProposals(Proposals):

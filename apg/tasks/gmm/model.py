@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from apg.blocks import BlockDistribution, Latents, Model, Proposals
-from apg.kernels import call, native_function
+from apg.kernels import call
+from apg.kernels.ops import KernelOp
 from apg.tasks.gmm.conjugate import (
     _HALF_LOG_2PI,
     NormalGamma,
-    _consts,
+    _consts_of,
     assignment_logits,
     assignment_posterior,
     cluster_moments,
@@ -90,16 +91,7 @@ class GMM(Model):
         if block == "c":
             # Same globals on both sides: one table of every point's log-density under
             # every cluster, read at the new and the old assignments.
-            native = self._native("gmm_assignment_change", x, z_new["mu"], z_new["tau"])
-            if native is not None:
-                out = x.new_empty(z_new["c"].shape[:2])
-                call(native, x, z_new["mu"], z_new["tau"], z_new["c"], z_old["c"], out, *self._sizes(x, out))
-                return out
-            table = assignment_logits(x, z_new["mu"], z_new["tau"]).transpose(-1, -2)  # (L, B, I, N)
-            # Two gathers from the contiguous layout; one gather with a stacked (..., 2)
-            # index takes a path 5x slower.
-            new, old = (table.gather(-2, z["c"].unsqueeze(-2)).sum((-2, -1)) for z in (z_new, z_old))
-            return new - old
+            return assignment_change_op(x, z_new["mu"], z_new["tau"], z_new["c"], z_old["c"])
         if block == "globals":
             # Same assignments on both sides: the data enter only through each cluster's
             # count, mean and scatter, computed once.
@@ -113,29 +105,13 @@ class GMM(Model):
         """``_log_globals`` (prior included) of one or two ``(mu, tau)`` pairs under the same
         assignments ``c``; the assignments' moments are computed once."""
         (mu, tau), (mu2, tau2) = globals_[0], globals_[-1]
-        fits = len(globals_) <= 2 and all(t.shape == mu.shape for pair in globals_ for t in pair)
-        native = self._native("gmm_log_globals", x, mu, tau) if fits else None
-        if native is None or (len(globals_) == 2 and self._native("gmm_log_globals", x, mu2, tau2) is None):
+        if len(globals_) > 2 or any(t.shape != mu.shape for pair in globals_ for t in pair):
             moments = self.assignment_moments(x, c)
             return [self._log_globals(m, t, moments) for m, t in globals_]
-        outs = [x.new_empty(mu.shape[:2]) for _ in globals_]
-        consts = _consts(self.cfg, x.dtype)
-        call(native, x, c, mu, tau, mu2, tau2, consts, outs[0], outs[-1], len(outs), *self._sizes(x, outs[0]))
-        return outs
-
-    def _native(self, name: str, x: Tensor, mu: Tensor, tau: Tensor):
-        """The compiled kernel ``name`` (``apg/kernels/gmm.c``) where it applies: unbatched
-        data ``(B, N, D)``, latents ``(L, B, I, D)`` and nothing asking for a gradient (the
-        model has no parameters, but HMC differentiates in the latents)."""
-        if x.dim() != 3 or mu.dim() != 4 or self.cfg.num_clusters * self.cfg.data_dim > 256:
-            return None
-        if torch.is_grad_enabled() and (x.requires_grad or mu.requires_grad or tau.requires_grad):
-            return None
-        return native_function(name, x, mu, tau)
-
-    def _sizes(self, x: Tensor, out: Tensor) -> tuple[int, ...]:
-        """``(L, B, N, I, D)`` for the compiled kernels, from data ``x`` and an ``(L, B)`` output."""
-        return (*out.shape, x.shape[1], self.cfg.num_clusters, self.cfg.data_dim)
+        cfg = self.cfg
+        return log_globals_op(
+            x, c, mu, tau, mu2, tau2, len(globals_) == 2, cfg.mu0, cfg.nu0, cfg.alpha0, cfg.beta0
+        )
 
     def assignment_moments(self, x: Tensor, c: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``cluster_moments`` of the data ``x (B, N, D)`` under hard assignments ``c (L, B, N)``."""
@@ -146,25 +122,8 @@ class GMM(Model):
         self, mu: Tensor, tau: Tensor, moments: tuple[Tensor, Tensor, Tensor], prior: bool = True
     ) -> Tensor:
         """``log p(mu, tau)`` (when ``prior``) plus ``sum_n log N(x_n; mu_{c_n}, 1/tau_{c_n})``
-        without its ``-N D log(2 pi) / 2``, from the assignments' ``cluster_moments``, ``(L, B)``.
-
-        Per cluster and dimension, ``sum_n (x_n - mu)^2 = scatter + count (mean - mu)^2``.
-        """
-        count, mean, scatter = moments
-        cfg = self.cfg
-        squares = scatter + count * (mean - mu) ** 2
-        if not prior:
-            return 0.5 * (count * torch.log(tau) - tau * squares).sum((-2, -1))
-        log_density = (cfg.alpha0 - 0.5 + 0.5 * count) * torch.log(tau) - tau * (
-            cfg.beta0 + 0.5 * cfg.nu0 * (mu - cfg.mu0) ** 2 + 0.5 * squares
-        )
-        return log_density.sum((-2, -1)) + self._prior_const(mu.shape[-2:])
-
-    def _prior_const(self, cells: tuple[int, ...]) -> float:
-        """The NormalGamma prior's constant, summed over ``cells = (I, D)``."""
-        cfg = self.cfg
-        const = cfg.alpha0 * math.log(cfg.beta0) - math.lgamma(cfg.alpha0) + 0.5 * math.log(cfg.nu0)
-        return (const - _HALF_LOG_2PI) * cells[0] * cells[1]
+        without its ``-N D log(2 pi) / 2``, from the assignments' ``cluster_moments``, ``(L, B)``."""
+        return _log_globals(self.cfg, mu, tau, moments, prior)
 
     def _log_const(self, x: Tensor) -> float:
         return _HALF_LOG_2PI * x.shape[-2] * x.shape[-1]
@@ -186,6 +145,120 @@ class GMM(Model):
         loc, prec = mu.gather(1, index), tau.gather(1, index)
         noise = torch.randn(loc.shape, generator=generator, dtype=torch.float64)
         return {"x": loc + noise / torch.sqrt(prec), "c": assign, "mu": mu, "tau": tau}
+
+
+def _log_globals(
+    cfg: GMMConfig, mu: Tensor, tau: Tensor, moments: tuple[Tensor, Tensor, Tensor], prior: bool = True
+) -> Tensor:
+    """``GMM._log_globals`` under the hyperparameters ``cfg``.
+
+    Per cluster and dimension, ``sum_n (x_n - mu)^2 = scatter + count (mean - mu)^2``.
+    """
+    count, mean, scatter = moments
+    squares = scatter + count * (mean - mu) ** 2
+    if not prior:
+        return 0.5 * (count * torch.log(tau) - tau * squares).sum((-2, -1))
+    log_density = (cfg.alpha0 - 0.5 + 0.5 * count) * torch.log(tau) - tau * (
+        cfg.beta0 + 0.5 * cfg.nu0 * (mu - cfg.mu0) ** 2 + 0.5 * squares
+    )
+    return log_density.sum((-2, -1)) + _prior_const(cfg, mu.shape[-2:])
+
+
+def _prior_const(cfg: GMMConfig, cells: tuple[int, ...]) -> float:
+    """The NormalGamma prior's constant, summed over ``cells = (I, D)``."""
+    const = cfg.alpha0 * math.log(cfg.beta0) - math.lgamma(cfg.alpha0) + 0.5 * math.log(cfg.nu0)
+    return (const - _HALF_LOG_2PI) * cells[0] * cells[1]
+
+
+def _gmm_applies(x: Tensor, mu: Tensor, *rest: Any) -> bool:
+    """Where the compiled kernels (``apg/kernels/gmm.c``) apply: unbatched data
+    ``(B, N, D)``, latents ``(L, B, I, D)`` and at most 256 (cluster, dimension) cells."""
+    return x.dim() == 3 and mu.dim() == 4 and mu.shape[-2] * x.shape[-1] <= 256
+
+
+def _sizes(x: Tensor, mu: Tensor, out_shape: torch.Size) -> tuple[int, ...]:
+    """``(L, B, N, I, D)`` for the compiled kernels, from data ``x``, latents ``mu`` and an
+    ``(L, B)`` output."""
+    return (*out_shape, x.shape[1], mu.shape[-2], x.shape[-1])
+
+
+def _assignment_change_twin(x: Tensor, mu: Tensor, tau: Tensor, c_new: Tensor, c_old: Tensor) -> Tensor:
+    table = assignment_logits(x, mu, tau).transpose(-1, -2)  # (L, B, I, N)
+    # Two gathers from the contiguous layout; one gather with a stacked (..., 2)
+    # index takes a path 5x slower.
+    new, old = (table.gather(-2, c.unsqueeze(-2)).sum((-2, -1)) for c in (c_new, c_old))
+    return new - old
+
+
+def _assignment_change_native(fn, x: Tensor, mu: Tensor, tau: Tensor, c_new: Tensor, c_old: Tensor) -> Tensor:
+    out = x.new_empty(c_new.shape[:2])
+    call(fn, x, mu, tau, c_new, c_old, out, *_sizes(x, mu, out.shape))
+    return out
+
+
+# ``log p(x | c_new, mu, tau) - log p(x | c_old, mu, tau)``, ``(L, B)``: GMM.log_joint_change("c")
+assignment_change_op = KernelOp(
+    "gmm_assignment_change",
+    _assignment_change_twin,
+    kernel="gmm_assignment_change",
+    native=_assignment_change_native,
+    applies=_gmm_applies,
+    checked=lambda x, mu, tau, c_new, c_old: (x, mu, tau),
+    fake=lambda x, mu, tau, c_new, c_old: x.new_empty(c_new.shape[:2]),
+)
+
+
+def _log_globals_twin(
+    x: Tensor,
+    c: Tensor,
+    mu: Tensor,
+    tau: Tensor,
+    mu2: Tensor,
+    tau2: Tensor,
+    two: bool,
+    mu0: float,
+    nu0: float,
+    alpha0: float,
+    beta0: float,
+) -> list[Tensor]:
+    cfg = GMMConfig(mu.shape[-2], x.shape[-1], mu0, nu0, alpha0, beta0)
+    moments = cluster_moments(one_hot_points_last(c, cfg.num_clusters, x.dtype).transpose(-1, -2), x)
+    return [_log_globals(cfg, m, t, moments) for m, t in ((mu, tau), (mu2, tau2))[: 2 if two else 1]]
+
+
+def _log_globals_native(
+    fn,
+    x: Tensor,
+    c: Tensor,
+    mu: Tensor,
+    tau: Tensor,
+    mu2: Tensor,
+    tau2: Tensor,
+    two: bool,
+    mu0: float,
+    nu0: float,
+    alpha0: float,
+    beta0: float,
+) -> list[Tensor]:
+    outs = [x.new_empty(mu.shape[:2]) for _ in range(2 if two else 1)]
+    consts = _consts_of(alpha0, beta0, nu0, mu0, x.dtype)
+    call(fn, x, c, mu, tau, mu2, tau2, consts, outs[0], outs[-1], len(outs), *_sizes(x, mu, outs[0].shape))
+    return outs
+
+
+# ``GMM._log_globals`` (prior included) of ``(mu, tau)`` and, when ``two``, of ``(mu2, tau2)``
+# under assignments ``c`` and the prior ``(mu0, nu0, alpha0, beta0)``: one or two ``(L, B)``.
+log_globals_op = KernelOp(
+    "gmm_log_globals",
+    _log_globals_twin,
+    kernel="gmm_log_globals",
+    native=_log_globals_native,
+    applies=lambda x, c, mu, tau, mu2, tau2, *_: _gmm_applies(x, mu) and mu2.dim() == 4,
+    checked=lambda x, c, mu, tau, mu2, tau2, *_: (x, mu, tau, mu2, tau2),
+    fake=lambda x, c, mu, tau, mu2, tau2, two, *_: [
+        x.new_empty(mu.shape[:2]) for _ in range(2 if two else 1)
+    ],
+)
 
 
 class ExactGibbs(Proposals):

@@ -12,12 +12,14 @@ import torch
 from torch import Tensor, nn
 
 from apg.blocks import Latents, Proposals
-from apg.kernels import call, native_function
-from apg.nn import PointFeatures, pairwise_tanh_linear, scaled_pairwise_tanh_linear
+from apg.kernels import call
+from apg.kernels.ops import KernelOp
+from apg.nn import PointFeatures, pairwise_tanh_linear, pairwise_tanh_linear_op, scaled_pairwise_tanh_linear
 from apg.tasks.gmm.conjugate import (
     NormalGamma,
     NormalGammaFromSums,
     assignment_posterior,
+    cluster_sums,
     normal_gamma_from_sums,
     normal_gamma_posterior,
 )
@@ -119,14 +121,7 @@ class AssignmentProposal(nn.Module):
             self.out.weight,
             self.out.bias,
         )
-        native = _native_assignment(x, mu, tau, *weights)
-        if native is not None:
-            return _AssignmentLogits.apply(x, mu, tau, *weights, native)
-        # W (x_n - mu_i) + V log tau_i + b = (W x_n + b) + (V log tau_i - W mu_i)
-        per_point = self.offset(x)  # (B, N, H)
-        per_cluster = self.log_precision(torch.log(tau)) - mu @ self.offset.weight.T  # (L, B, I, H)
-        logits = pairwise_tanh_linear(per_point, per_cluster, self.out.weight.T) + self.out.bias
-        return logits.squeeze(-1)  # (L, B, N, I)
+        return assignment_logits_op(x, mu, tau, *weights)[0]
 
     def _standardized(self, x: Tensor, mu: Tensor, tau: Tensor) -> Tensor:
         # W ((x_n - mu_i) s_i) + V log tau_i + b = (W s_i) x_n + (V log tau_i - W (mu_i s_i) + b),
@@ -137,62 +132,141 @@ class AssignmentProposal(nn.Module):
         return scaled_pairwise_tanh_linear(x, scale, per_cluster, self.out.weight[0]) + self.out.bias
 
 
-def _native_assignment(x: Tensor, mu: Tensor, tau: Tensor, *weights: Tensor):
-    """The compiled assignment network's functions where they apply: data ``(B, N, D)`` and
-    latents ``(L, B, I, D)`` without gradients, one output unit."""
+def _assignment_applies(x: Tensor, mu: Tensor, tau: Tensor, *weights: Tensor) -> bool:
+    """Where the compiled assignment network applies: data ``(B, N, D)`` and latents
+    ``(L, B, I, D)`` without gradients, one output unit."""
     if x.dim() != 3 or mu.dim() != 4 or tau.shape != mu.shape or weights[3].shape[0] != 1:
-        return None
-    if mu.shape[-1] > 256 or any(t.requires_grad for t in (x, mu, tau)):
-        return None
-    names = (
-        "gmm_assignment_inputs",
-        "pairwise_forward",
-        "pairwise_backward",
-        "gmm_assignment_inputs_backward",
+        return False
+    return mu.shape[-1] <= 256 and not any(t.requires_grad for t in (x, mu, tau))
+
+
+def _assignment_parts(
+    x: Tensor, mu: Tensor, tau: Tensor, w_off: Tensor, b_off: Tensor, w_prec: Tensor
+) -> tuple[Tensor, Tensor]:
+    # W (x_n - mu_i) + V log tau_i + b = (W x_n + b) + (V log tau_i - W mu_i)
+    per_point = torch.nn.functional.linear(x, w_off, b_off)  # (B, N, H)
+    per_cluster = torch.nn.functional.linear(torch.log(tau), w_prec) - mu @ w_off.T  # (L, B, I, H)
+    return per_point, per_cluster
+
+
+def _assignment_twin(
+    x: Tensor,
+    mu: Tensor,
+    tau: Tensor,
+    w_off: Tensor,
+    b_off: Tensor,
+    w_prec: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    per_point, per_cluster = _assignment_parts(x, mu, tau, w_off, b_off, w_prec)
+    logits = pairwise_tanh_linear(per_point, per_cluster, w_out.T) + b_out
+    return logits.squeeze(-1), per_point.unsqueeze(0), per_cluster  # (L, B, N, I) and the parts
+
+
+def _assignment_native(
+    fns,
+    x: Tensor,
+    mu: Tensor,
+    tau: Tensor,
+    w_off: Tensor,
+    b_off: Tensor,
+    w_prec: Tensor,
+    w_out: Tensor,
+    b_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The first layer's two parts (``gmm.c``: ``gmm_assignment_inputs``), the fused pairwise
+    tanh layer (``tanh_layers.c``) and the output bias in a handful of ops instead of ~20."""
+    x, mu, tau = x.contiguous(), mu.contiguous(), tau.contiguous()
+    (num_particles, batch, clusters, dim), num_points, width = mu.shape, x.shape[1], w_off.shape[0]
+    point, cluster = (
+        x.new_empty(1, batch, num_points, width),
+        x.new_empty(num_particles, batch, clusters, width),
     )
-    fns = tuple(native_function(name, x, mu, tau, *weights) for name in names)
-    return None if fns[0] is None else fns
+    sizes = (num_particles, batch, num_points, clusters, dim, width)
+    call(fns[0], x, mu, tau, *(t.contiguous() for t in (w_off, b_off, w_prec)), point, cluster, *sizes)
+    logits = x.new_empty(num_particles, batch, num_points, clusters)
+    call(fns[1], point, cluster, w_out.contiguous(), logits, *_pair_sizes(mu, point))
+    return logits.add_(b_out), point, cluster
 
 
-class _AssignmentLogits(torch.autograd.Function):
-    """``AssignmentProposal``'s logits ``(L, B, N, I)`` compiled: the first layer's two parts
-    (``gmm.c``: ``gmm_assignment_inputs``), the fused pairwise tanh layer (``tanh_layers.c``)
-    and the output bias, forward and backward, in a handful of ops instead of ~20 and a
-    dozen autograd nodes per assignment update. Differentiable in the five weights."""
+def _pair_sizes(mu: Tensor, point: Tensor) -> tuple[int, ...]:
+    (num_particles, batch, clusters, _), (_, _, num_points, width) = mu.shape, point.shape
+    return num_particles, 1, batch, num_points, clusters, width, 1
 
-    @staticmethod
-    def forward(ctx, x, mu, tau, w_off, b_off, w_prec, w_out, b_out, fns):
-        x, mu, tau = x.contiguous(), mu.contiguous(), tau.contiguous()
-        weights = tuple(t.contiguous() for t in (w_off, b_off, w_prec, w_out))
-        (num_particles, batch, clusters, dim), num_points, width = mu.shape, x.shape[1], w_off.shape[0]
-        point, cluster = (
-            x.new_empty(1, batch, num_points, width),
-            x.new_empty(num_particles, batch, clusters, width),
-        )
-        ctx.sizes = (num_particles, batch, num_points, clusters, dim, width)
-        call(fns[0], x, mu, tau, *weights[:3], point, cluster, *ctx.sizes)
-        logits = x.new_empty(num_particles, batch, num_points, clusters)
-        ctx.pair_sizes = (num_particles, 1, batch, num_points, clusters, width, 1)
-        call(fns[1], point, cluster, weights[3], logits, *ctx.pair_sizes)
-        ctx.save_for_backward(x, mu, tau, point, cluster, weights[3])
-        ctx.fns = fns
-        return logits.add_(b_out)
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, mu, tau, point, cluster, w_out = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_point, grad_cluster, grad_w_out = (torch.zeros_like(t) for t in (point, cluster, w_out))
-        call(ctx.fns[2], point, cluster, w_out, grad, grad_point, grad_cluster, grad_w_out, *ctx.pair_sizes)
-        width, dim = point.shape[-1], mu.shape[-1]
-        grad_w_off, grad_b_off, grad_w_prec = (
-            x.new_zeros(width, dim),
-            x.new_zeros(width),
-            x.new_zeros(width, dim),
-        )
-        inputs = (x, mu, tau, grad_point, grad_cluster, grad_w_off, grad_b_off, grad_w_prec)
-        call(ctx.fns[3], *inputs, *ctx.sizes)
-        return None, None, None, grad_w_off, grad_b_off, grad_w_prec, grad_w_out, grad.sum().reshape(1), None
+def _assignment_backward_twin(
+    x: Tensor, mu: Tensor, tau: Tensor, point: Tensor, cluster: Tensor, w_out: Tensor, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grad_point, grad_cluster, grad_w_t = pairwise_tanh_linear_op.backward.twin(  # type: ignore[union-attr]
+        point, cluster, w_out.T, grad.unsqueeze(-1)
+    )
+    width, dim = point.shape[-1], x.shape[-1]
+    flat_point, flat_cluster = grad_point.reshape(-1, width), grad_cluster.reshape(-1, width)
+    grad_w_off = flat_point.T @ x.reshape(-1, dim) - flat_cluster.T @ mu.reshape(-1, dim)
+    grad_w_prec = flat_cluster.T @ torch.log(tau).reshape(-1, dim)
+    return grad_w_off, flat_point.sum(0), grad_w_prec, grad_w_t.T.contiguous(), grad.sum().reshape(1)
+
+
+def _assignment_backward_native(
+    fns, x: Tensor, mu: Tensor, tau: Tensor, point: Tensor, cluster: Tensor, w_out: Tensor, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The pairwise layer's backward, then the first layer's."""
+    point, cluster, w_out, grad = (t.contiguous() for t in (point, cluster, w_out, grad))
+    grad_point, grad_cluster, grad_w_out = (torch.zeros_like(t) for t in (point, cluster, w_out))
+    call(fns[0], point, cluster, w_out, grad, grad_point, grad_cluster, grad_w_out, *_pair_sizes(mu, point))
+    width, dim = point.shape[-1], x.shape[-1]
+    grad_w_off, grad_b_off, grad_w_prec = x.new_zeros(width, dim), x.new_zeros(width), x.new_zeros(width, dim)
+    inputs = (x.contiguous(), mu.contiguous(), tau.contiguous(), grad_point, grad_cluster)
+    sizes = (*mu.shape[:2], x.shape[1], mu.shape[2], dim, width)
+    call(fns[1], *inputs, grad_w_off, grad_b_off, grad_w_prec, *sizes)
+    return grad_w_off, grad_b_off, grad_w_prec, grad_w_out, grad.sum().reshape(1)
+
+
+def _assignment_save(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs[:3], output[1], output[2], inputs[6])
+    ctx.mark_non_differentiable(output[1], output[2])
+
+
+def _assignment_fake(
+    x: Tensor, mu: Tensor, tau: Tensor, w_off: Tensor, *_: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    (num_particles, batch, clusters, _dim), num_points, width = mu.shape, x.shape[1], w_off.shape[0]
+    return (
+        x.new_empty(num_particles, batch, num_points, clusters),
+        x.new_empty(1, batch, num_points, width),
+        x.new_empty(num_particles, batch, clusters, width),
+    )
+
+
+# ``AssignmentProposal``'s logits ``(L, B, N, I)`` (offset inputs) and its first layer's two
+# parts ``(1, B, N, H)``, ``(L, B, I, H)`` (kept for the backward): differentiable in the five
+# weights ``(w_off, b_off, w_prec, w_out, b_out)`` through the logits, not in the data or the
+# latents.
+assignment_logits_op = KernelOp(
+    "gmm_assignment_logits",
+    _assignment_twin,
+    kernel=("gmm_assignment_inputs", "pairwise_forward"),
+    native=_assignment_native,
+    applies=_assignment_applies,
+    fake=_assignment_fake,
+    backward=KernelOp(
+        "gmm_assignment_logits_backward",
+        _assignment_backward_twin,
+        kernel=("pairwise_backward", "gmm_assignment_inputs_backward"),
+        native=_assignment_backward_native,
+        applies=lambda x, mu, tau, point, cluster, w_out, grad: x.dim() == 3 and mu.dim() == 4,
+        fake=lambda x, mu, tau, point, cluster, w_out, grad: (
+            x.new_empty(point.shape[-1], x.shape[-1]),
+            x.new_empty(point.shape[-1]),
+            x.new_empty(point.shape[-1], x.shape[-1]),
+            w_out.new_empty(w_out.shape),
+            w_out.new_empty(1),
+        ),
+    ),
+    setup_context=_assignment_save,
+    gradients=lambda ctx, grads, run, wants: (None, None, None, *run(*ctx.saved_tensors, grads[0])),
+)
 
 
 class GMMProposals(Proposals):
@@ -226,58 +300,109 @@ class GMMProposals(Proposals):
         if block == "c":
             return assignment_posterior(self.assign(x, z["mu"], z["tau"]))
         if block == "globals" and self.architecture == "apg":
-            c = z["c"]
             heads = self.globals_kernel.resp, self.globals_kernel.stat
-            native = _native_soft_moments(x, c, *heads)
-            if native is not None:
-                weights = (heads[0].weight, heads[0].bias, heads[1].weight, heads[1].bias)
-                sums = _SoftMoments.apply(x, c, *weights, *native)
-                return normal_gamma_from_sums(self.cfg, sums)
-            # Inputs [x_n, one-hot(c_n)], built point-axis-last (see GlobalsProposal.forward).
-            one_hot_t = one_hot_points_last(c, self.cfg.num_clusters, x.dtype)
-            x_t = x.transpose(-1, -2).expand(c.shape[0], *x.shape[:-2], x.shape[-1], x.shape[-2])
-            return self.globals_kernel(torch.cat([x_t, one_hot_t], -2).transpose(-1, -2))
+            weights = (heads[0].weight, heads[0].bias, heads[1].weight, heads[1].bias)
+            return normal_gamma_from_sums(self.cfg, soft_moments_op(x, z["c"], *weights))
         return super().kernel(block, x, z)
 
 
-def _native_soft_moments(x: Tensor, c: Tensor, resp: nn.Linear, stat: nn.Linear):
-    """The compiled globals-kernel statistics ``(forward, backward)`` (``apg/kernels/gmm.c``)
-    where they apply: data ``(B, N, D)`` without a gradient, assignments ``(L, B, N)``, the
-    heads ``resp`` (I outputs) and ``stat`` (D outputs) on inputs ``[x_n, one-hot(c_n)]``."""
-    num_clusters, dim = resp.out_features, x.shape[-1]
-    # the kernel's bound: I + D outputs <= 16 (gmm.c: MAX_OUTPUTS)
-    if x.dim() != 3 or c.dim() != 3 or num_clusters + dim > 16:
-        return None
-    if x.requires_grad or stat.out_features != dim or resp.in_features != dim + num_clusters:
-        return None
-    forward = native_function("gmm_soft_moments", x, resp.weight, stat.weight)
-    return None if forward is None else (forward, native_function("gmm_soft_moments_backward", x))
+def _soft_moments_applies(
+    x: Tensor, c: Tensor, w_resp: Tensor, b_resp: Tensor, w_stat: Tensor, b_stat: Tensor, *_: Tensor
+) -> bool:
+    """Where the compiled statistics apply: data ``(B, N, D)`` without a gradient,
+    assignments ``(L, B, N)``, heads of I and D outputs on inputs ``[x_n, one-hot(c_n)]``,
+    I + D <= 16 (gmm.c: MAX_OUTPUTS)."""
+    num_clusters, dim = w_resp.shape[0], x.shape[-1]
+    if x.dim() != 3 or c.dim() != 3 or num_clusters + dim > 16 or x.requires_grad:
+        return False
+    return w_stat.shape[0] == dim and w_resp.shape[1] == dim + num_clusters
 
 
-class _SoftMoments(torch.autograd.Function):
-    """The globals kernel's per-cluster sums ``(sum r, sum r t, sum r t^2)`` ``(L, B, I, 1 + 2D)``
-    from inputs ``[x_n, one-hot(c_n)]`` (``GlobalsProposal`` with linear features), in one
-    compiled pass: no one-hot, no (L, B, I + D, N) outputs. Differentiable in the two heads'
-    weights and biases ``(w_resp, b_resp, w_stat, b_stat)``."""
+def _soft_moments_inputs(x: Tensor, c: Tensor, num_clusters: int) -> Tensor:
+    """Inputs ``[x_n, one-hot(c_n)]`` ``(L, B, D + I, N)``, built point-axis-last (see
+    ``GlobalsProposal.forward``)."""
+    one_hot_t = one_hot_points_last(c, num_clusters, x.dtype)
+    x_t = x.transpose(-1, -2).expand(c.shape[0], *x.shape[:-2], x.shape[-1], x.shape[-2])
+    return torch.cat([x_t, one_hot_t], -2)
 
-    @staticmethod
-    def forward(ctx, x, c, w_resp, b_resp, w_stat, b_stat, forward_fn, backward_fn):
-        x, c = x.contiguous(), c.contiguous()
-        heads = tuple(t.contiguous() for t in (w_resp, b_resp, w_stat, b_stat))
-        (num_particles, batch, num_points), (num_clusters, dim) = c.shape, (w_resp.shape[0], x.shape[-1])
-        sums = x.new_zeros(num_particles, batch, num_clusters, 1 + 2 * dim)
-        ctx.sizes = (num_particles, batch, num_points, num_clusters, dim)
-        call(forward_fn, x, c, *heads, sums, *ctx.sizes)
-        ctx.save_for_backward(x, c, *heads)
-        ctx.backward_fn = backward_fn
-        return sums
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, c, *heads = ctx.saved_tensors
-        grads = [torch.zeros_like(t) for t in heads]
-        call(ctx.backward_fn, x, c, *heads, grad.contiguous(), *grads, *ctx.sizes)
-        return None, None, *grads, None, None
+def _soft_moments_twin(
+    x: Tensor, c: Tensor, w_resp: Tensor, b_resp: Tensor, w_stat: Tensor, b_stat: Tensor
+) -> Tensor:
+    """``GlobalsProposal.forward`` (linear features) up to the sums of its NormalGamma update."""
+    num_clusters = w_resp.shape[0]
+    h_t = _soft_moments_inputs(x, c, num_clusters)
+    out = torch.matmul(torch.cat([w_resp, w_stat]), h_t) + torch.cat([b_resp, b_stat]).unsqueeze(-1)
+    resp_t = torch.softmax(out[..., :num_clusters, :], dim=-2)
+    return cluster_sums(resp_t.transpose(-1, -2), out[..., num_clusters:, :].transpose(-1, -2))
+
+
+def _soft_moments_sizes(x: Tensor, c: Tensor, w_resp: Tensor) -> tuple[int, ...]:
+    return (*c.shape, w_resp.shape[0], x.shape[-1])
+
+
+def _soft_moments_native(
+    fn, x: Tensor, c: Tensor, w_resp: Tensor, b_resp: Tensor, w_stat: Tensor, b_stat: Tensor
+) -> Tensor:
+    """One compiled pass: no one-hot, no (L, B, I + D, N) outputs."""
+    heads = tuple(t.contiguous() for t in (w_resp, b_resp, w_stat, b_stat))
+    sizes = _soft_moments_sizes(x, c, w_resp)
+    sums = x.new_zeros(*c.shape[:2], sizes[3], 1 + 2 * sizes[4])
+    call(fn, x, c, *heads, sums, *sizes)
+    return sums
+
+
+def _soft_moments_backward_twin(
+    x: Tensor, c: Tensor, w_resp: Tensor, b_resp: Tensor, w_stat: Tensor, b_stat: Tensor, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    num_clusters, dim = w_resp.shape[0], x.shape[-1]
+    h_t = _soft_moments_inputs(x, c, num_clusters)  # (L, B, D + I, N)
+    out = torch.matmul(torch.cat([w_resp, w_stat]), h_t) + torch.cat([b_resp, b_stat]).unsqueeze(-1)
+    resp_t = torch.softmax(out[..., :num_clusters, :], dim=-2)  # (L, B, I, N)
+    stat_t = out[..., num_clusters:, :]  # (L, B, D, N)
+    g0, g1, g2 = grad[..., :1], grad[..., 1 : 1 + dim], grad[..., 1 + dim :]  # (L, B, I, 1 | D | D)
+    grad_resp = g0 + g1 @ stat_t + g2 @ (stat_t * stat_t)  # (L, B, I, N)
+    grad_stat = g1.transpose(-1, -2) @ resp_t + 2 * stat_t * (g2.transpose(-1, -2) @ resp_t)  # (L, B, D, N)
+    grad_logits = resp_t * (grad_resp - (resp_t * grad_resp).sum(-2, keepdim=True))
+    grad_out = torch.cat([grad_logits, grad_stat], -2)  # (L, B, I + D, N)
+    grad_w = (grad_out @ h_t.transpose(-1, -2)).reshape(-1, num_clusters + dim, h_t.shape[-2]).sum(0)
+    grad_b = grad_out.sum(-1).reshape(-1, num_clusters + dim).sum(0)
+    parts = grad_w[:num_clusters], grad_b[:num_clusters], grad_w[num_clusters:], grad_b[num_clusters:]
+    return tuple(t.clone() for t in parts)  # type: ignore[return-value]
+
+
+def _soft_moments_backward_native(
+    fn, x: Tensor, c: Tensor, w_resp: Tensor, b_resp: Tensor, w_stat: Tensor, b_stat: Tensor, grad: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    heads = tuple(t.contiguous() for t in (w_resp, b_resp, w_stat, b_stat))
+    grads = tuple(torch.zeros_like(t) for t in heads)
+    call(fn, x, c, *heads, grad.contiguous(), *grads, *_soft_moments_sizes(x, c, w_resp))
+    return grads  # type: ignore[return-value]
+
+
+# The globals kernel's per-cluster sums ``(sum r, sum r t, sum r t^2)`` ``(L, B, I, 1 + 2D)``
+# from inputs ``[x_n, one-hot(c_n)]`` (``GlobalsProposal`` with linear features);
+# differentiable in the two heads' weights and biases, not in the data.
+soft_moments_op = KernelOp(
+    "gmm_soft_moments",
+    _soft_moments_twin,
+    kernel="gmm_soft_moments",
+    native=_soft_moments_native,
+    applies=_soft_moments_applies,
+    checked=lambda x, c, w_resp, b_resp, w_stat, b_stat: (x, w_resp, w_stat),
+    fake=lambda x, c, w_resp, *_: x.new_empty(*c.shape[:2], w_resp.shape[0], 1 + 2 * x.shape[-1]),
+    backward=KernelOp(
+        "gmm_soft_moments_backward",
+        _soft_moments_backward_twin,
+        kernel="gmm_soft_moments_backward",
+        native=_soft_moments_backward_native,
+        applies=_soft_moments_applies,
+        checked=lambda x, c, w_resp, b_resp, w_stat, b_stat, grad: (x,),
+        fake=lambda x, c, *heads_and_grad: tuple(t.new_empty(t.shape) for t in heads_and_grad[:4]),
+    ),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs),
+    gradients=lambda ctx, grads, run, wants: (None, None, *run(*ctx.saved_tensors, grads[0])),
+)
 
 
 def build_proposals(
