@@ -151,7 +151,7 @@ def score(
 
 
 def read_rows(path: Path, upto: int, key: str = "iteration") -> list[dict[str, Any]]:
-    """A table's rows whose ``key`` is at most ``upto`` (numbers as floats, text kept)."""
+    """A table's rows whose ``key`` is at most ``upto`` (numbers read as numbers, text kept)."""
     if not path.is_file():
         return []
     with open(path, newline="") as f:
@@ -255,6 +255,8 @@ def long_run(
     time or ``steps`` steps, whichever ends first; return its last segment's row."""
     run_dir = run_dir or root / RUN_DIR
     if (run_dir / RUN).is_file():
+        if new is not None:
+            raise ValueError(f"{run_dir / RUN}: a long run is there already; continue it without --start")
         run = json.loads((run_dir / RUN).read_text())
     elif new is None:
         raise FileNotFoundError(f"{run_dir / RUN}: no long run there; start one with --start")

@@ -77,6 +77,8 @@ def test_a_run_continued_in_parts_is_the_run_made_at_once(tmp_path, mnist_env):
     with open(parts / HISTORY, "a") as f:
         f.write(",".join(["99"] + ["0"] * (len(table(parts / HISTORY)[0]) - 1)) + "\n")
     long_run(tmp_path, steps=6, run_dir=parts)
+    with pytest.raises(ValueError, match="continue it without --start"):
+        long_run(tmp_path, steps=1, run_dir=parts, new=run)
     a, b = load_checkpoint(whole / FULL_STATE)[1], load_checkpoint(parts / FULL_STATE)[1]
     assert a["iteration"] == b["iteration"] == 8
     for group in ("model", "proposals"):
@@ -183,3 +185,51 @@ def test_float16_weights_score_as_the_float32_ones(tmp_path, mnist_env):
     after = score(trainer, x, truth)
     # the same held-out stream: float16 weights move the error by much less than its noise
     assert abs(after["pos_err"] - before["pos_err"]) <= 0.5 * before["pos_err_sem"], (before, after)
+
+
+def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
+    import pandas as pd
+
+    from pipeline.longrun import RUN_DIR
+    from pipeline.report.longrun import long_run_markdown, power_law_fit, steps_to_reach
+
+    steps = np.array([0, 250, 500, 1000, 2000, 4000])
+    errors = 40.0 * np.maximum(steps, 1) ** -0.25  # 10 px at 256 steps, 3 px at ~31,600
+    fit = power_law_fit(steps, errors)
+    assert fit is not None and fit[1] == pytest.approx(-0.25)
+    assert steps_to_reach(fit, 3.0) == pytest.approx((40 / 3) ** 4, rel=1e-6)
+    assert power_law_fit(steps[:3], errors[:3]) is None  # two points after step 0: no trend
+    assert steps_to_reach((1.0, 0.1), 3.0) == float("inf")
+    run_dir = tmp_path / RUN_DIR
+    run_dir.mkdir(parents=True)
+    run = new_run("paper")
+    (run_dir / RUN).write_text(__import__("json").dumps(run))
+    cpu = "a CPU"
+    pd.DataFrame(
+        {
+            "iteration": steps,
+            "pos_err": errors,
+            "pos_err_sem": 0.1,
+            "tracked": 0.5,
+            "seconds": steps * 4.0,
+            "device": cpu,
+        }
+    ).to_csv(run_dir / EVALS, index=False)
+    pd.DataFrame(
+        [
+            {
+                "from_iteration": 0,
+                "to_iteration": 4000,
+                "seconds": 16000.0,
+                "device": cpu,
+                "compiled": False,
+                "commit": "abc",
+            }
+        ]
+    ).to_csv(run_dir / SEGMENTS, index=False)
+    text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
+    assert (tmp_path / "reports" / "recorded" / "bmnist-long" / "curve.png").is_file()
+    assert "At step 4,000 of 200,000" in text and "| a CPU | 4,000 | 4.44 | 4.00 |" in text
+    assert "reaches 3 px at step 31,605, within the paper's 200,000 steps" in text
+    assert "31 more hours on a CPU" in text
+    assert long_run_markdown(tmp_path / "elsewhere", tmp_path / "reports", "png") == ""
