@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,12 @@ def score(
     """Mean position error (px) of the highest-weight particle after the last sweep, with its
     standard error over videos, and the tracked-frame fraction; from a random stream of its own."""
     cfg = trainer.cfg
-    devices = [trainer.device] if trainer.device.type == "cuda" else []
+    cuda = trainer.device.type == "cuda"
+    devices = (
+        [trainer.device.index if trainer.device.index is not None else torch.cuda.current_device()]
+        if cuda
+        else []
+    )
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(EVAL_SEED)
         curves = tracking_errors(
@@ -286,7 +292,8 @@ def long_run(
         "seconds": 0.0,
         "device": device_line(trainer.device),
         "compiled": compile,
-        "commit": git_commit(root),
+        # a copy of the tree without its git history (a GPU machine's) names it in APG_COMMIT
+        "commit": os.environ.get("APG_COMMIT") or git_commit(root),
         "started": utc_now(),
         "ended": "",
     }

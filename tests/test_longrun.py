@@ -66,6 +66,7 @@ def table(path: Path, drop: tuple[str, ...] = ()) -> list[dict]:
         return [{k: v for k, v in row.items() if k not in drop} for row in csv.DictReader(f)]
 
 
+@pytest.mark.slow
 @needs_mnist
 def test_a_run_continued_in_parts_is_the_run_made_at_once(tmp_path, mnist_env):
     run = tiny_run()
@@ -159,6 +160,7 @@ def test_the_compact_state_keeps_what_it_promises():
         expand(state)
 
 
+@pytest.mark.slow
 @needs_mnist
 def test_a_run_continues_from_its_committed_state_alone(tmp_path, mnist_env):
     run = tiny_run()
