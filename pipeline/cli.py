@@ -145,6 +145,7 @@ def cmd_long_run(args: argparse.Namespace) -> None:
         compile=args.compile,
         run_dir=Path(args.dir) if args.dir else None,
         new=new_run(args.start) if args.start else None,
+        full_state=not args.no_full_state,
     )
     print(
         f"long run: steps {segment['from_iteration']} -> {segment['to_iteration']} on {segment['device']} "
@@ -450,6 +451,11 @@ def _add_long_run(sub) -> None:
         help="no run yet: start one from this profile's Bouncing MNIST APG cell (paper)",
     )
     run.add_argument("--dir", default=None, help="the run's folder (default recorded/bmnist-long)")
+    run.add_argument(
+        "--no-full-state",
+        action="store_true",
+        help="checkpoint only the compact state (for a machine whose copy is discarded after the sitting)",
+    )
     run.set_defaults(func=cmd_long_run)
 
 

@@ -49,7 +49,7 @@ from pipeline.config import grid_cells
 from pipeline.driver import Callback, drive, write_history
 from pipeline.evaluate_particles import tracking_errors
 from pipeline.generate import simulate_set
-from pipeline.provenance import git_commit, machine, machine_line, utc_now
+from pipeline.provenance import device_line, git_commit, utc_now
 
 RUN_DIR = Path("recorded") / "bmnist-long"
 RUN, STATE, HISTORY, EVALS, SEGMENTS = "run.json", "state.pt", "history.csv", "evals.csv", "segments.csv"
@@ -174,18 +174,18 @@ def _number(text: str) -> Any:
     return text
 
 
-def device_line(device: torch.device) -> str:
-    """The device a sitting trains on, as its rows name it: the GPU's name, or the CPU's line."""
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
-    return machine_line(machine())
-
-
 class _Sitting(Callback):
     """Scores, logs and checkpoints the run as it goes."""
 
-    def __init__(self, run_dir: Path, run: dict[str, Any], segment: dict[str, Any], past: dict[str, list]):
-        self.dir, self.run, self.segment = run_dir, run, segment
+    def __init__(
+        self,
+        run_dir: Path,
+        run: dict[str, Any],
+        segment: dict[str, Any],
+        past: dict[str, list],
+        full_state: bool = True,
+    ):
+        self.dir, self.run, self.segment, self.full_state = run_dir, run, segment, full_state
         self.evals, self.segments = past["evals"], past["segments"]
         self.x, self.truth = held_out(run)
         self.started = time.perf_counter()
@@ -231,7 +231,10 @@ class _Sitting(Callback):
         write_history(self.dir / EVALS, self.evals)
         write_history(self.dir / SEGMENTS, [*self.segments, self.segment])
         state = trainer.state_dict()
-        save_checkpoint(self.dir / FULL_STATE, trainer.cfg.to_dict(), state)
+        if self.full_state:
+            save_checkpoint(self.dir / FULL_STATE, trainer.cfg.to_dict(), state)
+        else:  # a stale full state must not outlive the compact one it no longer matches
+            (self.dir / FULL_STATE).unlink(missing_ok=True)
         save_checkpoint(self.dir / STATE, trainer.cfg.to_dict(), compact(state))  # last: see the module
 
 
@@ -240,12 +243,12 @@ def latest_state(run_dir: Path) -> dict[str, Any] | None:
     when it is of the committed state's step, else the committed (compact) one, expanded."""
     if not (run_dir / STATE).is_file():
         return None
-    committed = expand(load_checkpoint(run_dir / STATE)[1])
+    committed = load_checkpoint(run_dir / STATE)[1]
     if (run_dir / FULL_STATE).is_file():
         full = load_checkpoint(run_dir / FULL_STATE)[1]
         if full["iteration"] == committed["iteration"]:
             return full
-    return committed
+    return expand(committed)
 
 
 def long_run(
@@ -256,9 +259,13 @@ def long_run(
     compile: bool = False,
     run_dir: Path | None = None,
     new: dict[str, Any] | None = None,
+    full_state: bool = True,
 ) -> dict[str, Any]:
     """Continue (or start, with ``new``'s ``run.json``) the long run for ``minutes`` of wall
-    time or ``steps`` steps, whichever ends first; return its last segment's row."""
+    time or ``steps`` steps, whichever ends first; return its last segment's row.
+
+    ``full_state=False`` writes only the compact state at each checkpoint (a machine whose
+    copy is thrown away after the sitting has no use for the 60 MB unquantized one)."""
     run_dir = run_dir or root / RUN_DIR
     if (run_dir / RUN).is_file():
         if new is not None:
@@ -297,7 +304,7 @@ def long_run(
         "started": utc_now(),
         "ended": "",
     }
-    sitting = _Sitting(run_dir, run, segment, past)
+    sitting = _Sitting(run_dir, run, segment, past, full_state)
     if done == 0 and not past["evals"]:
         sitting.evaluate(trainer)  # the curve's first point: the untrained networks
     deadline = None if minutes is None else time.time() + 60.0 * minutes

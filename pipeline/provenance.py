@@ -101,6 +101,16 @@ def machine_line(m: dict[str, Any]) -> str:
     return f"{m['cpu']}{vector}, {m['cores']} cores; torch {m['torch']}, Python {m['python']}"
 
 
+def device_line(device: str | Any) -> str:
+    """A device as the records of runs name it: the GPU's name, or this machine's CPU line."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
+    return machine_line(machine())
+
+
 def utc_now() -> str:
     """Now, as the records of runs write it (``2026-11-27T09:30:00Z``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

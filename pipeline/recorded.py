@@ -391,21 +391,13 @@ def _record_direct(
         starts["cells"] if starts is not None else None,
     )
     key = "eval_device" if stages == "evaluate" else "device"
-    info = {**info, key: _device_name(device)}
+    info = {**info, key: provenance.device_line(device)}
     if stages == "all":
         info["eval_device"] = info["device"]
     info["params_sha"] = _digest(yaml.safe_load((sandbox / "params.yaml").read_text()))
     (sandbox / SANDBOX_INFO).write_text(json.dumps(info, indent=2) + "\n")
     wall = sum(stage_times(sandbox).values())
     return info, wall
-
-
-def _device_name(device: str) -> str:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__})"
-    return f"cpu (torch {torch.__version__})"
 
 
 def check_summary(sandbox: Path, wall: float) -> str:

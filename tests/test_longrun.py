@@ -164,12 +164,16 @@ def test_the_compact_state_keeps_what_it_promises():
 @needs_mnist
 def test_a_run_continues_from_its_committed_state_alone(tmp_path, mnist_env):
     run = tiny_run()
-    long_run(tmp_path, steps=4, run_dir=tmp_path / "r", new=run)
-    (tmp_path / "r" / FULL_STATE).unlink()  # another machine: only what git holds
+    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", new=run)
+    assert (tmp_path / "r" / FULL_STATE).is_file()
+    # a machine whose copy is discarded: only the compact state, and no stale full one left
+    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", full_state=False)
+    assert not (tmp_path / "r" / FULL_STATE).exists()
     state = latest_state(tmp_path / "r")
     assert state["iteration"] == 4
     segment = long_run(tmp_path, steps=2, run_dir=tmp_path / "r")
     assert (segment["from_iteration"], segment["to_iteration"]) == (4, 6)
+    assert load_checkpoint(tmp_path / "r" / FULL_STATE)[1]["iteration"] == 6
 
 
 @needs_mnist
