@@ -24,7 +24,7 @@ one OpenMP thread). On the default and smoke params (17 configs each) the number
 at most 2.1e-4 relative, and at 4 digits 67 of the 68 (variant, config) fingerprints
 agreed with the default build's (at 5 digits 54, at 6 digits 35); one thread against two
 moved nothing. A change that moves any number by more than about 1e-3 relative always
-changes the fingerprint (a 0.1% error in the GMM's log joint does, tests/test_fingerprint.py);
+changes the fingerprint (a 0.1% error in the GMM's log joint does, tests/apg/test_fingerprint.py);
 a smaller one may not, as it is within what two CPUs disagree on. Where two machines'
 roundings part, the cell is retrained, never wrongly reused. docs/benchmarks.md
 ("Numerics fingerprint") has the table.

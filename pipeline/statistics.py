@@ -3,7 +3,7 @@
 A claim is decided over seeds (each seed first averaged over the held-out datasets): a mean
 with its Student-t interval, the difference of two independent sets of seeds by Welch, an
 equivalence by two one-sided tests (TOST) against a stated margin, and the smallest effect
-the seeds could detect. Quantiles come from ``scipy.stats``; tests/test_statistics.py checks
+the seeds could detect. Quantiles come from ``scipy.stats``; tests/pipeline/test_statistics.py checks
 each function against scipy's own tests.
 """
 

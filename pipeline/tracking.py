@@ -121,7 +121,7 @@ def ui_url(base: str, exp_id: str) -> str:
     """The MLflow UI's page of an experiment's runs table. MLflow 3.17's UI opens every
     experiment in its GenAI view (a traces overview saying "No data") unless the URL asks for
     the model-training one: the view is the browser's setting, and the experiment's kind
-    alone does not switch it (seen in headless Chromium, tests/test_cluster.py)."""
+    alone does not switch it (seen in headless Chromium, tests/pipeline/test_cluster.py)."""
     return f"{base.rstrip('/')}/#/experiments/{exp_id}?workflowType=machine_learning"
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import apg.kernels
+from tests.support import MNIST_DIR
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -28,3 +29,11 @@ def kernel_path(request, monkeypatch):
     else:
         monkeypatch.setattr(apg.kernels, "native_library", lambda: None)
     return request.param
+
+
+@pytest.fixture
+def mnist_env(monkeypatch):
+    """``APG_MNIST_DIR`` set to the real MNIST files (the test is skipped without them)."""
+    if MNIST_DIR is None:
+        pytest.skip("MNIST IDX files not available (set APG_MNIST_DIR)")
+    monkeypatch.setenv("APG_MNIST_DIR", str(MNIST_DIR))

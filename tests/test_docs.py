@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import REPO as ROOT
 
 
 def first_python_block(path: Path) -> str:

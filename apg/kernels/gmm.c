@@ -4,7 +4,7 @@
  * one-hot, a matrix product of moments, broadcasts over a cluster axis of 3), and a GMM
  * training step evaluates them at every block update. The model has no parameters, so
  * these run only where nothing asks for a gradient (apg/tasks/gmm/ keeps the PyTorch
- * twins for the rest; tests/test_gmm.py checks both agree).
+ * twins for the rest; tests/apg/tasks/test_gmm.py checks both agree).
  *
  * Shapes: x (B, N, D); mu, tau (L, B, I, D); c (L, B, N) cluster indices.
  *

@@ -6,7 +6,7 @@ compiled C function (the twin where the library is not built, is switched off, o
 arguments are outside what the C function handles), with a fake implementation for shapes
 (so a compiled graph can hold the op) and, where the kernel has a backward, its autograd
 registered once, the backward being an operator of its own (``<name>_backward``).
-``tests/test_ops.py`` runs ``torch.library.opcheck`` on every one.
+``tests/apg/kernels/test_ops.py`` runs ``torch.library.opcheck`` on every one.
 
 Calling a :class:`KernelOp` is what the math modules do, and the only way they reach a C
 function (nothing outside ``apg/kernels/`` calls ``native_function``). In eager mode the

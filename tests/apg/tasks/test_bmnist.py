@@ -1,0 +1,746 @@
+"""Bouncing MNIST: placement, likelihood, blankets, cost in T, simulator, sampler, training."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from apg.smc.sampler import run_apg
+from apg.tasks import bmnist, get_task
+from apg.tasks.bmnist import (
+    BMNISTConfig,
+    BouncingMNIST,
+    correlate,
+    crop,
+    frame_log_likelihood,
+    pixel_offsets,
+    reflect,
+    render,
+    simulate_trajectories,
+    where_key,
+)
+from tests.montecarlo import mean_se
+from tests.support import MNIST_DIR, needs_mnist
+
+
+@pytest.fixture
+def f64():
+    torch.set_default_dtype(torch.float64)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _bilinear_ref(img: np.ndarray, y: float, x: float) -> float:
+    """Bilinear sample of ``img`` at continuous (row y, column x), zero outside."""
+    h, w = img.shape
+    y0, x0 = math.floor(y), math.floor(x)
+    total = 0.0
+    for yy, wy in ((y0, 1 - (y - y0)), (y0 + 1, y - y0)):
+        for xx, wx in ((x0, 1 - (x - x0)), (x0 + 1, x - x0)):
+            if 0 <= yy < h and 0 <= xx < w:
+                total += wy * wx * img[yy, xx]
+    return total
+
+
+def _render_ref(digits: np.ndarray, offsets: np.ndarray, canvas: int) -> np.ndarray:
+    """Pixel by pixel: canvas(i, j) = sum_d digit_d sampled at (i - oy_d, j - ox_d)."""
+    out = np.zeros((canvas, canvas))
+    for img, (ox, oy) in zip(digits, offsets, strict=True):
+        for i in range(canvas):
+            for j in range(canvas):
+                out[i, j] += _bilinear_ref(img, i - oy, j - ox)
+    return out
+
+
+CASES = [  # (column, row) offsets of two 5x5 digits on a 13x13 canvas
+    [(0.0, 0.0), (8.0, 8.0)],  # integer, touching the corners
+    [(2.25, 3.5), (3.75, 2.125)],  # fractional, overlapping
+    [(-2.6, 4.3), (10.4, -1.2)],  # partly off the canvas
+    [(-9.0, 1.0), (20.5, 3.0)],  # entirely off the canvas
+]
+
+
+@pytest.mark.parametrize("offsets", CASES)
+def test_render_matches_pixel_reference(f64, offsets):
+    digits = torch.rand(2, 5, 5)
+    off = torch.tensor(offsets)
+    got = render(digits, off, canvas_size=13)
+    want = _render_ref(digits.numpy(), off.numpy(), 13)
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
+
+
+@pytest.mark.parametrize("offsets", CASES)
+def test_crop_matches_pixel_reference(f64, offsets):
+    frames = torch.rand(1, 1, 13, 13)
+    off = torch.tensor(offsets)[None, None, None]  # (L=1, B=1, F=1, D=2, 2)
+    got = crop(frames, off, digit_size=5)[0, 0, 0]
+    for d, (ox, oy) in enumerate(offsets):
+        want = [[_bilinear_ref(frames[0, 0].numpy(), oy + r, ox + c) for c in range(5)] for r in range(5)]
+        np.testing.assert_allclose(got[d].numpy(), np.array(want), atol=1e-12)
+
+
+def test_crop_is_adjoint_of_render(f64):
+    """<render(d, o), f> = <d, crop(f, o)>: cropping is placement's transpose."""
+    digit = torch.rand(1, 1, 1, 1, 6, 6)
+    frame = torch.rand(1, 1, 17, 17)
+    off = torch.tensor([3.3, 7.8]).reshape(1, 1, 1, 1, 2)
+    lhs = (render(digit[0, 0], off[0, 0], 17) * frame[0]).sum()
+    rhs = (digit * crop(frame, off, 6)).sum()
+    assert torch.allclose(lhs, rhs)
+
+
+def test_where_maps_to_canvas_box():
+    off = pixel_offsets(torch.tensor([[-1.0, -1.0], [1.0, 1.0], [0.0, 0.0]]))
+    assert off.tolist() == [[0.0, 0.0], [68.0, 68.0], [34.0, 34.0]]
+
+
+def test_correlate_matches_direct_sum(f64):
+    frames = torch.rand(2, 9, 9)
+    templates = torch.rand(3, 2, 2, 4, 4)  # (L, B, D, S, S)
+    got = correlate(frames, templates)
+    assert got.shape == (3, 2, 2, 6, 6)
+    for l, b, d, sy, sx in [(0, 0, 0, 0, 0), (2, 1, 1, 5, 3), (1, 0, 1, 2, 4)]:
+        want = (frames[b, sy : sy + 4, sx : sx + 4] * templates[l, b, d]).sum()
+        assert torch.allclose(got[l, b, d, sy, sx], want)
+
+
+def test_the_device_path_correlates_every_particle_as_the_cpu_path_does_its_originals(f64):
+    from apg.tasks.bmnist.likelihood import _correlate_all, _correlate_distinct, _first_copies
+
+    frames = torch.rand(2, 9, 9)
+    templates = torch.rand(4, 2, 3, 4, 4)  # (L, B, D, S, S)
+    templates[2, 0] = templates[0, 0]  # a resampled copy: the CPU path computes it once
+    z = templates.flatten(3)  # stands in for z_what: equal exactly where the templates are
+    cpu_maps, cpu_rows = _correlate_distinct(frames, templates, _first_copies(z))
+    all_maps, all_rows = _correlate_all(frames, templates)
+    assert all_maps.shape[0] == 4 * 2 * 3 > cpu_maps.shape[0]
+    assert torch.allclose(all_maps[all_rows], cpu_maps[cpu_rows])
+    assert torch.allclose(all_maps[all_rows], correlate(frames, templates))
+
+
+def test_frame_likelihood_equals_dense_bernoulli(f64):
+    cfg = BMNISTConfig(canvas_size=20, digit_size=6, prob_eps=1e-3)
+    L, B, Fr, D = 2, 3, 2, 3
+    templates = (torch.rand(L, B, D, 6, 6) * 0.8).requires_grad_()
+    where = torch.rand(L, B, Fr, D, 2) * 2.6 - 1.3  # some digits partly off the canvas
+    where[0, 0, 0, 1] = where[0, 0, 0, 0] + 0.05  # heavy overlap
+    x = torch.rand(B, Fr, 20, 20) * (torch.rand(B, Fr, 20, 20) < 0.3)
+    got = frame_log_likelihood(x, templates, where, cfg)
+    canvas = render(templates.unsqueeze(2), pixel_offsets(where, 20, 6), 20)
+    p = canvas.clamp(cfg.prob_eps, 1 - cfg.prob_eps)
+    want = (x * p.log() + (1 - x) * torch.log1p(-p)).sum((-3, -2, -1))
+    assert got.shape == (L, B)
+    assert torch.allclose(got, want, atol=1e-9)
+    # the hand-written backward pass equals autograd through the dense formula
+    weights = torch.rand(L, B)
+    (g_got,) = torch.autograd.grad((weights * got).sum(), templates)
+    (g_want,) = torch.autograd.grad((weights * want).sum(), templates)
+    assert g_want.abs().sum() > 0
+    assert torch.allclose(g_got, g_want, atol=1e-9)
+
+
+def test_frame_likelihood_gradient_in_positions(f64):
+    """Reparameterized methods (AVF) differentiate the likelihood in z_where too."""
+    cfg = BMNISTConfig(canvas_size=20, digit_size=6, prob_eps=1e-3)
+    L, B, Fr, D = 2, 2, 2, 3
+    templates = torch.rand(L, B, D, 6, 6) * 0.8
+    where = (torch.rand(L, B, Fr, D, 2) * 2.6 - 1.3).requires_grad_()
+    where.data[0, 0, 0, 1] = where.data[0, 0, 0, 0] + 0.05
+    x = torch.rand(B, Fr, 20, 20) * (torch.rand(B, Fr, 20, 20) < 0.3)
+    got = frame_log_likelihood(x, templates, where, cfg)
+    canvas = render(templates.unsqueeze(2), pixel_offsets(where, 20, 6), 20)
+    p = canvas.clamp(cfg.prob_eps, 1 - cfg.prob_eps)
+    want = (x * p.log() + (1 - x) * torch.log1p(-p)).sum((-3, -2, -1))
+    weights = torch.rand(L, B)
+    (g_got,) = torch.autograd.grad((weights * got).sum(), where)
+    (g_want,) = torch.autograd.grad((weights * want).sum(), where)
+    assert g_want.abs().sum() > 0
+    assert torch.allclose(g_got, g_want, atol=1e-9)
+
+
+def _with_copies(z: dict, L: int, B: int) -> dict:
+    """Particles resampled with repeats (as the sampler's resampling leaves them)."""
+    ancestors = torch.randint(0, L, (L, B))
+    ancestors[:, 0] = 1  # video 0: all copies of one particle
+    return {k: v[ancestors, torch.arange(B)] for k, v in z.items()}
+
+
+def test_blanket_of_copies_equals_per_particle(f64):
+    """Computing the blanket once per distinct particle changes neither values nor theta's gradient."""
+    L, B, T, D = 4, 3, 3, 2
+    model = BouncingMNIST(BMNISTConfig(canvas_size=48))
+    x = torch.rand(B, T, 48, 48) * (torch.rand(B, T, 48, 48) < 0.2)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    assert bmnist.likelihood._distinct_particles([z["z_what"]]) is not None
+    for block in ("what", "where_1", "where_2"):
+        got = model.log_blanket(block, x, z)
+        model._memo = None  # decode afresh: the per-particle reference shares nothing
+        want = model._log_blanket(block, x, z, T)
+        assert torch.allclose(got, want, atol=1e-9), block
+        weights = torch.rand(L, B)
+        g_got = torch.autograd.grad((weights * got).sum(), list(model.parameters()))
+        g_want = torch.autograd.grad((weights * want).sum(), list(model.parameters()))
+        model._memo = None
+        for a, b in zip(g_got, g_want, strict=True):
+            assert torch.allclose(a, b, atol=1e-9), block
+
+
+def test_templates_of_resampled_codes_reuse_the_decoder(f64):
+    L, B, D = 4, 3, 2
+    model = BouncingMNIST()
+    calls = []
+    model.decoder.register_forward_hook(lambda *args: calls.append(1))
+    z_what = torch.randn(L, B, D, 10)
+    first = model.templates(z_what)
+    copies = _with_copies({"z_what": z_what}, L, B)["z_what"]
+    again = model.templates(copies)
+    assert len(calls) == 1
+    assert torch.equal(again, model.decoder(copies))
+    assert first.grad_fn is not None and again.grad_fn is not None
+    model.templates(torch.randn(L, B, D, 10))  # fresh codes: decoded
+    assert len(calls) == 3
+
+
+def test_where_kernel_explains_away_the_digits_before(f64):
+    """Digit d's map is the frame minus the digits before it, placed at the positions being
+    proposed or scored: checked against rendering those digits into the frame and
+    correlating, particle by particle (copies included); propose's scores are log_prob's."""
+    L, B, T, D = 4, 2, 2, 3
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", D)
+    x = torch.rand(B, T, 96, 96)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    kernel = prop.kernel("where_2", x, z)
+    templates = model.decoder(z["z_what"]).detach()  # (L, B, D, S, S)
+    value = z[where_key(2)]
+    want = torch.zeros(L, B)
+    for l in range(L):
+        for b in range(B):
+            frame = x[b, 1].clone()
+            for d in range(D):
+                corr = F.conv2d(frame[None, None], templates[l, b, d][None, None])[0, 0]
+                q = prop.where_net(corr)
+                want[l, b] += q.log_prob(value[l, b, d]).sum()
+                offset = bmnist.pixel_offsets(value[l, b, d])
+                frame = frame - bmnist.render(templates[l, b, d][None], offset[None], 96)
+    got = kernel.log_prob({where_key(2): value})
+    assert torch.allclose(got, want, atol=1e-8)
+    torch.manual_seed(3)
+    new, log_q_new, log_q_old = kernel.propose({where_key(2): value})
+    assert new[where_key(2)].shape == (L, B, D, 2) and log_q_new.requires_grad
+    assert torch.allclose(log_q_old, want, atol=1e-8)
+    assert torch.allclose(log_q_new, kernel.log_prob(new), atol=1e-8)
+
+
+def test_where_kernel_of_copies_equals_per_particle(f64):
+    L, B, T, D = 4, 3, 2, 1  # one digit: a factorized kernel, one network pass per distinct particle
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", D)
+    x = torch.rand(B, T, 96, 96)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    got = prop.kernel("where_2", x, z).parts[where_key(2)][0]
+    templates = model.decoder(z["z_what"]).detach()
+    want = prop.where_net(correlate(x[:, 1], templates))
+    assert got.loc.shape == (L, B, D, 2)
+    assert torch.allclose(got.loc, want.loc, atol=1e-9)
+    assert torch.allclose(got.scale, want.scale, atol=1e-9)
+
+
+def test_what_kernel_of_copies_equals_per_particle(f64):
+    L, B, T, D = 4, 3, 3, 2
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", D)
+    x = torch.rand(B, T, 96, 96)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    got = prop.kernel("what", x, z).parts["z_what"][0]
+    want = prop._what(x, torch.stack([z[where_key(t)] for t in range(1, T + 1)], 2))
+    assert got.loc.shape == (L, B, D, 10)
+    assert torch.allclose(got.loc, want.loc, atol=1e-9)
+    assert torch.allclose(got.scale, want.scale, atol=1e-9)
+
+
+def test_where_net_fused_softmax_linear_matches_autograd(f64):
+    """The fused softmax + first layer gives autograd's output and parameter gradients;
+    gradient entries below the smallest normal float are flushed to zero."""
+    net = bmnist.WhereNet(49)
+    corr = torch.randn(5, 3, 7, 7) * 20
+    weights = torch.rand(5, 3, 2)
+    value = torch.randn(5, 3, 2)
+    fused = net(corr)
+    (fused.log_prob(value) * weights).sum().backward()
+    g_fused = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    plain = net(corr.clone().requires_grad_())  # the autograd path
+    (plain.log_prob(value) * weights).sum().backward()
+    assert torch.allclose(fused.loc, plain.loc) and torch.allclose(fused.scale, plain.scale)
+    for a, b in zip(g_fused, [p.grad for p in net.parameters()], strict=True):
+        assert torch.allclose(a, b, atol=1e-12)
+    tiny = torch.finfo(torch.float64).tiny
+    g = torch.tensor([tiny / 4, -tiny / 8, tiny, 1.0])
+    assert torch.equal(bmnist.model._flush_denormals(g), torch.tensor([0.0, 0.0, tiny, 1.0]))
+
+
+def test_explaining_away_is_correlation_of_residual(f64):
+    """The encoder's residual map equals the correlation of (frame - placed template)."""
+    cfg = BMNISTConfig()
+    model = BouncingMNIST(cfg)
+    prop = bmnist.BMNISTProposals(model, "apg", 1)
+    tmpl = prop.mean_template
+    frame = torch.rand(96, 96)
+    where = torch.tensor([0.31, -0.47])
+    off = pixel_offsets(where)
+    placed = render(tmpl[None], off[None], 96)
+    want = F.conv2d((frame - placed)[None, None], tmpl[None, None])[0, 0]
+    size = tmpl.shape[-1]
+    auto = F.conv2d(F.pad(tmpl, (size - 1,) * 4)[None, None], tmpl[None, None])[0, 0]
+    corr = F.conv2d(frame[None, None], tmpl[None, None])[0, 0]
+    got = corr - render(auto[None], (off - (size - 1))[None], corr.shape[-1])
+    assert torch.allclose(got, want, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- model and blankets
+
+
+def _random_latents(L, B, T, D, scale=0.6):
+    z = {"z_what": torch.randn(L, B, D, 10)}
+    for t in range(1, T + 1):
+        z[where_key(t)] = (torch.rand(L, B, D, 2) * 2 - 1) * scale
+    return z
+
+
+def test_blocks_depend_on_video_length():
+    model = BouncingMNIST()
+    blocks = model.blocks_for(torch.zeros(1, 4, 96, 96))
+    assert list(blocks) == ["what", "where_1", "where_2", "where_3", "where_4"]
+    assert blocks["where_3"] == ("z_where_3",)
+    with pytest.raises(ValueError, match=r"\(B, T, 96, 96\)"):
+        model.blocks_for(torch.zeros(4, 96, 96))
+    with pytest.raises(ValueError, match="unknown block"):
+        model.log_blanket("where_x", torch.zeros(1, 2, 96, 96), _random_latents(1, 1, 2, 1))
+
+
+def test_incremental_weight_from_blanket_equals_full_joint(f64):
+    """For every block, blanket(new) - blanket(old) = log_joint(new) - log_joint(old)."""
+    L, B, T, D = 3, 2, 4, 2
+    model = BouncingMNIST(BMNISTConfig(canvas_size=48))
+    x = torch.rand(B, T, 48, 48) * (torch.rand(B, T, 48, 48) < 0.2)
+    z = _random_latents(L, B, T, D)
+    for block, names in model.blocks_for(x).items():
+        new = dict(z)
+        for name in names:
+            new[name] = _random_latents(L, B, T, D)[name]
+        local = model.log_blanket(block, x, new) - model.log_blanket(block, x, z)
+        full = model.log_joint(x, new) - model.log_joint(x, z)
+        assert torch.allclose(local, full, rtol=0, atol=1e-8), block
+        assert local.abs().min() > 1e-3  # the test is not vacuous
+
+
+def test_log_joint_matches_direct_formula(f64):
+    L, B, T, D = 2, 1, 3, 2
+    cfg = BMNISTConfig(sigma0=0.3)
+    model = BouncingMNIST(cfg)
+    x = torch.rand(B, T, 96, 96) * (torch.rand(B, T, 96, 96) < 0.2)
+    z = _random_latents(L, B, T, D)
+    where = torch.stack([z[where_key(t)] for t in range(1, T + 1)], 2)
+    std = torch.distributions.Normal(0.0, 1.0)
+    prior = std.log_prob(z["z_what"]).sum((-2, -1)) + std.log_prob(where[:, :, 0]).sum((-2, -1))
+    prior = prior + torch.distributions.Normal(where[:, :, :-1], 0.3).log_prob(where[:, :, 1:]).sum(
+        (-3, -2, -1)
+    )
+    canvas = model.reconstruct(z, T).clamp(cfg.prob_eps, 1 - cfg.prob_eps)
+    lik = (x * canvas.log() + (1 - x) * torch.log1p(-canvas)).sum((-3, -2, -1))
+    assert torch.allclose(model.log_joint(x, z), prior + lik, atol=1e-8)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts aten calls and the elements they output (a proxy for work done)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls[str(func.overloadpacket)] += 1
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.elements += t.numel()
+        return out
+
+
+def _block_cost(block: str, num_frames: int) -> tuple[Counter, int]:
+    torch.manual_seed(0)
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", 2)
+    x = torch.rand(1, num_frames, 96, 96)
+    z = _random_latents(2, 1, num_frames, 2)
+    counter = _OpCounter()
+    with counter:  # what one block update of run_apg does
+        kernel = prop.kernel(block, x, z)
+        new = kernel.sample()
+        kernel.log_prob(new)
+        kernel.log_prob({k: z[k] for k in new})
+        z_new = {**z, **new}
+        model.log_blanket(block, x, z_new) - model.log_blanket(block, x, z)
+    return counter.calls, counter.elements
+
+
+def test_where_block_cost_does_not_grow_with_T():
+    calls10, elems10 = _block_cost("where_5", 10)
+    calls100, elems100 = _block_cost("where_5", 100)
+    assert calls10 == calls100
+    assert elems10 == elems100
+    # the what block touches every frame once: linear, not quadratic
+    _, what10 = _block_cost("what", 10)
+    _, what100 = _block_cost("what", 100)
+    assert 5 < what100 / what10 < 11
+
+
+# --------------------------------------------------------------------------- simulator
+
+
+def test_reflect_folds_into_the_box():
+    u = torch.tensor([0.0, 0.5, 1.2, -1.2, 3.0, -5.5, 7.9])
+    assert torch.allclose(reflect(u), torch.tensor([0.0, 0.5, 0.8, -0.8, -1.0, -0.5, -0.1]), atol=1e-6)
+
+
+def test_trajectories_stay_inside_and_follow_the_random_walk():
+    g = torch.Generator().manual_seed(1)
+    where = simulate_trajectories(400, 30, 3, 0.2, g)
+    assert where.shape == (400, 30, 3, 2)
+    assert where.abs().max() <= 1.0
+    steps = where[:, 1:] - where[:, :-1]
+    # away from the walls a step is the model's Normal(0, 0.2^2) increment
+    interior = (where[:, :-1].abs() < 0.4).all(-1, keepdim=True).expand_as(steps)
+    sd = steps[interior].std().item()
+    assert abs(sd - 0.2) < 4 * 0.2 / math.sqrt(2 * int(interior.sum()))  # 4 standard errors of an sd
+
+
+@needs_mnist
+def test_simulated_videos_keep_digits_inside_the_canvas():
+    task = get_task("bmnist")
+    model = task.build_model()
+    g = torch.Generator().manual_seed(0)
+    data = task.simulate(model, 6, g, num_frames=7, num_digits=3, split="test", mnist_dir=str(MNIST_DIR))
+    x, where = data["x"], data["z_where"]
+    assert x.shape == (6, 7, 96, 96) and where.shape == (6, 7, 3, 2)
+    assert data["labels"].shape == (6, 3) and x.min() >= 0 and x.max() <= 1
+    assert where.abs().max() <= 1
+    # MNIST centres each digit's ink in its box (to a pixel or so)
+    assert data["centres"].shape == (6, 3, 2) and ((data["centres"] - 13.5).abs() < 1.5).all()
+    # every digit lies wholly inside its 29 x 29 box and every box inside the canvas: all
+    # ink of each digit shows, and there is no ink outside the boxes
+    from apg.data.mnist import load_mnist
+
+    images = torch.from_numpy(load_mnist("test", str(MNIST_DIR)).images).float() / 255
+    off = pixel_offsets(where)
+    assert off.min() >= 0 and off.max() <= 68
+    for m in range(6):
+        for t in range(7):
+            for d in range(3):
+                alone = render(images[data["indices"][m, d]][None], off[m, t, d][None])
+                assert torch.allclose(alone.sum(), images[data["indices"][m, d]].sum(), rtol=1e-5)
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    base = torch.floor(off).long()
+    for m in range(6):
+        for t in range(7):
+            for d in range(3):
+                c, r = base[m, t, d].tolist()
+                mask[m, t, r : r + 29, c : c + 29] = True
+    assert x[~mask].abs().max() == 0
+    # training videos come from the training split
+    train = task.simulate(model, 2, g, num_frames=2, num_digits=2, split="train", mnist_dir=str(MNIST_DIR))
+    assert train["indices"].max() < 60000 and train["x"].shape == (2, 2, 96, 96)
+
+
+# --------------------------------------------------------------------------- proposals and sampler
+
+
+def test_apg_run_shapes_and_gradients():
+    task = get_task("bmnist")
+    model = task.build_model()
+    prop = task.build_proposals(model, "apg", num_digits=2)
+    x = torch.rand(2, 3, 96, 96) * (torch.rand(2, 3, 96, 96) < 0.1)
+    result = run_apg(model, prop, x, 2, 3)
+    assert result.z["z_what"].shape == (3, 2, 2, 10)
+    assert result.z["z_where_3"].shape == (3, 2, 2, 2)
+    assert list(result.sweeps[-1].ess_blocks) == ["what", "where_1", "where_2", "where_3"]
+    assert len(result.steps) == 1 + 4
+    from apg.objectives import apg_loss
+
+    apg_loss(result).backward()
+    for name, module in (("decoder", model.decoder), ("where", prop.where_net), ("what", prop.what_net)):
+        grads = [p.grad for p in module.parameters()]
+        assert all(g is not None and torch.isfinite(g).all() for g in grads), name
+        assert any(g.abs().sum() > 0 for g in grads), name
+    recon = task.reconstruct(model, x, result.z)
+    assert recon.shape == (3, 2, 3, 96, 96) and recon.min() >= 0 and recon.max() <= 1
+
+
+def test_template_memo_sees_parameter_updates():
+    model = BouncingMNIST()
+    z_what = torch.randn(2, 1, 3, 10)
+    first = model.templates(z_what)
+    assert model.templates(z_what) is first  # one decode per block update
+    with torch.no_grad():
+        model.decoder.net[-1].bias.add_(1.0)
+    assert not torch.allclose(model.templates(z_what), first)
+
+
+def test_proposal_does_not_train_the_decoder():
+    """eq. 5 trains phi only: the where kernel uses detached templates."""
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", 2)
+    x = torch.rand(1, 2, 96, 96)
+    z = _random_latents(2, 1, 2, 2)
+    q = prop.kernel("where_1", x, z)
+    q.log_prob(q.sample()).sum().backward()
+    assert all(p.grad is None for p in model.decoder.parameters())
+    assert not any(n.startswith("model") for n, _ in prop.named_parameters())
+
+
+def test_rws_architecture_has_no_kernels():
+    model = BouncingMNIST()
+    prop = bmnist.build_proposals(model, "mlp", num_digits=2)
+    x = torch.rand(1, 2, 96, 96)
+    result = run_apg(model, prop, x, 1, 4)
+    assert result.z["z_what"].shape == (4, 1, 2, 10)
+    with pytest.raises(NotImplementedError):
+        prop.kernel("what", x, result.z)
+    with pytest.raises(ValueError, match="architecture"):
+        bmnist.build_proposals(model, "lstm")
+
+
+def test_num_digits_is_not_in_the_state_dict():
+    model = BouncingMNIST()
+    a = bmnist.build_proposals(model, "apg", num_digits=3)
+    b = bmnist.build_proposals(model, "apg", num_digits=5)
+    b.load_state_dict(a.state_dict())
+    z, log_q = b.initial(torch.rand(1, 2, 96, 96), 2)
+    assert z["z_what"].shape == (2, 1, 5, 10) and log_q.shape == (2, 1)
+
+
+def test_animate_and_draw():
+    model = BouncingMNIST()
+    x = torch.rand(4, 96, 96)
+    z = {k: v[0, 0] for k, v in _random_latents(1, 1, 4, 3).items()}
+    frames = bmnist.animate(model, x, z)
+    assert frames.shape == (4, 96, 196, 3) and frames.dtype == np.uint8
+    corner = np.round((z["z_where_1"][0].numpy() + 1) * 34).astype(int)
+    assert (frames[0, corner[1], corner[0]] == bmnist.plots._COLORS[0]).all()
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    bmnist.draw(ax, x.numpy(), {k: v.numpy() for k, v in z.items()})
+    assert len(ax.patches) == 4 * 3
+    plt.close(fig)
+    # Figure 3: a second row with the reconstructions, boxed the same way
+    recon = bmnist.reconstruct(model, x[None], {k: v[None, None] for k, v in z.items()})[0, 0].detach()
+    fig, ax = plt.subplots()
+    bmnist.draw(ax, x.numpy(), {**{k: v.numpy() for k, v in z.items()}, "recon": recon.numpy()})
+    assert len(ax.patches) == 2 * 4 * 3
+    image = ax.get_images()[0].get_array()
+    assert image.shape == (2 * 96 + 4, 4 * 96)
+    assert np.allclose(image[100:, :96], recon[0].numpy(), atol=1e-6)
+    plt.close(fig)
+    # with the simulator's positions: the paths so far, inferred and true, in every frame
+    truth = torch.stack([z[f"z_where_{t}"] for t in range(1, 5)]) * 0.5  # (T, D, 2)
+    fig, ax = plt.subplots()
+    bmnist.draw(ax, x.numpy(), {**{k: v.numpy() for k, v in z.items()}, "true_where": truth.numpy()})
+    assert len(ax.patches) == 4 * 3 and len(ax.lines) == 4 * 3 + 4 * 3 * 2
+    plt.close(fig)
+    marked = bmnist.animate(model, x, {**z, "true_where": truth})
+    centre = np.round((truth[0, 0].numpy() + 1) * 34).astype(int) + 14
+    assert (marked[0, centre[1], centre[0]] == 255).all()
+    assert (marked[:, :, 96:] == frames[:, :, 96:]).all()  # the reconstruction panel is unchanged
+
+
+# --------------------------------------------------------------------------- training (slow)
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_training_lowers_heldout_mse_and_sweeps_help():
+    from apg.training import TrainConfig, Trainer, evaluate
+
+    torch.set_num_threads(1)
+    task = get_task("bmnist")
+    g = torch.Generator().manual_seed(0)
+    sim_model = task.build_model()
+    train = task.simulate(
+        sim_model, 200, g, num_frames=5, num_digits=2, split="train", mnist_dir=str(MNIST_DIR)
+    )
+    test = task.simulate(sim_model, 10, g, num_frames=5, num_digits=2, split="test", mnist_dir=str(MNIST_DIR))
+    cfg = TrainConfig(
+        task="bmnist",
+        method="apg",
+        sweeps=3,
+        particles=4,
+        batch_size=5,
+        iterations=80,
+        lr=1e-3,
+        network={"num_digits": 2},
+    )
+    trainer = Trainer(cfg, train["x"])
+
+    def mse() -> np.ndarray:
+        return evaluate(
+            cfg, trainer.model, trainer.proposals, test["x"], sweeps=4, particles=4, batch_size=10
+        )["mse"]
+
+    before = mse()
+    for _ in trainer.run():
+        pass
+    after = mse()
+    for name, (drop, se) in (
+        ("training", mean_se(np.asarray(before[-1]) - np.asarray(after[-1]))),  # paired per video
+        ("more sweeps", mean_se(np.asarray(after[0]) - np.asarray(after[-1]))),  # lower error
+    ):
+        assert drop > 3 * se, (name, drop, se)
+
+
+def test_position_errors_match_digits_once_per_video():
+    from apg.tasks.bmnist import TRACK_TOLERANCE_PX, position_errors
+
+    gen = torch.Generator().manual_seed(0)
+    truth = torch.rand(4, 6, 3, 2, generator=gen) * 1.6 - 0.8
+    px = 0.5 * (96 - 28)  # pixels per model unit
+    # The same digits in another order: no error, every frame tracked.
+    swapped = truth[:, :, [2, 0, 1]]
+    exact = position_errors(truth, swapped)
+    assert np.allclose(exact["pos_err"], 0.0) and np.allclose(exact["tracked"], 1.0)
+    # One digit of video 0 off by 2 px in x in every frame: 2/3 px mean, still tracked;
+    # off by 4 px in one frame of video 1: 4 / (6 * 3) px, 5 of 6 frames tracked.
+    shifted = swapped.clone()
+    shifted[0, :, 1, 0] += 2.0 / px
+    shifted[1, 2, 0, 1] += 4.0 / px
+    err = position_errors(truth, shifted)
+    assert err["pos_err"][0] == pytest.approx(2.0 / 3, rel=1e-6)
+    assert err["pos_err"][1] == pytest.approx(4.0 / 18, rel=1e-6)
+    assert err["tracked"][0] == 1.0 and err["tracked"][1] == pytest.approx(5 / 6)
+    # A constant shift is all offset: no motion error. The one-frame jump is motion.
+    assert err["pos_err_aligned"][0] == pytest.approx(0.0, abs=1e-5)  # float32 inputs
+    jump = torch.zeros(6, 2)
+    jump[2, 1] = 4.0
+    assert err["pos_err_aligned"][1] == pytest.approx(
+        float((jump - jump.mean(0)).norm(dim=-1).sum()) / 18, rel=1e-6
+    )
+    assert TRACK_TOLERANCE_PX == 3.0
+    # Matching is per video: digits that trade places half-way are not a perfect track.
+    traded = truth.clone()
+    traded[:, 3:] = truth[:, 3:, [1, 0, 2]]
+    # (per frame, every frame would match exactly; per video, half the frames of two digits are off)
+    far = (truth[:, :, 0] - truth[:, :, 1]).norm(dim=-1) * px  # (M, T)
+    expected = torch.minimum(far[:, 3:].sum(1), far[:, :3].sum(1)) * 2 / (6 * 3)
+    traded_err = position_errors(truth, traded)
+    assert np.allclose(traded_err["pos_err"], expected.numpy())
+    # Matched per frame, the traded boxes are on the digits: a localization error of 0, and
+    # the frames after the trade (every box within 3 px of some digit, not of its own) are
+    # swapped wherever the two digits are more than 3 px apart.
+    assert np.allclose(traded_err["pos_err_frame"], 0.0) and np.allclose(traded_err["tracked_frame"], 1.0)
+    apart = (far[:, 3:] > TRACK_TOLERANCE_PX).double().sum(1) / 6
+    kept_half = far[:, 3:].sum(1) <= far[:, :3].sum(1)  # the video's matching follows the first half
+    swapped = torch.where(kept_half, apart, (far[:, :3] > TRACK_TOLERANCE_PX).double().sum(1) / 6)
+    assert np.allclose(traded_err["swapped"], swapped.numpy()) and (swapped > 0).all()
+    assert np.allclose(traded_err["swapped"], traded_err["tracked_frame"] - traded_err["tracked"])
+    # Without a trade, per-frame and per-video matching agree and nothing is swapped.
+    assert np.allclose(err["pos_err_frame"], err["pos_err"]) and np.allclose(err["swapped"], 0.0)
+    with pytest.raises(ValueError, match="positions must both be"):
+        position_errors(truth, truth[:, :, :2])
+
+
+def test_position_error_compares_where_the_ink_is():
+    """A decoder that draws its digit 2 px to the right, in a box 2 px to the left of the
+    true box, makes the same frame: no position error, a 2 px boxes' error."""
+    from apg.tasks.bmnist import ink_centres, position_errors
+
+    digit = torch.zeros(28, 28)
+    digit[10:18, 12:16] = 1.0  # ink centre (column 13.5, row 13.5)
+    assert torch.allclose(ink_centres(digit), torch.tensor([13.5, 13.5]))
+    drawn = torch.roll(digit, 2, dims=1)  # the decoder's template: 2 px to the right
+    assert torch.allclose(ink_centres(drawn), torch.tensor([15.5, 13.5]))
+    assert torch.allclose(ink_centres(torch.zeros(2, 28, 28)), torch.full((2, 2), 13.5))  # empty: box centre
+    px = 0.5 * (96 - 28)
+    truth = torch.rand(3, 5, 1, 2, generator=torch.Generator().manual_seed(1)) * 1.6 - 0.8
+    where = truth.clone()
+    where[..., 0] -= 2.0 / px  # box 2 px to the left
+    true_centres = ink_centres(digit).expand(3, 1, 2)
+    centres = ink_centres(drawn).expand(3, 1, 2)
+    err = position_errors(truth, where, true_centres=true_centres, centres=centres)
+    assert np.allclose(err["pos_err"], 0.0, atol=1e-5) and np.allclose(err["tracked"], 1.0)
+    assert np.allclose(err["box_err"], 2.0, rtol=1e-5)
+    # the same box offset with a centred template is a 2 px error
+    err = position_errors(truth, where, true_centres=true_centres, centres=true_centres)
+    assert np.allclose(err["pos_err"], 2.0, rtol=1e-5) and "box_err" in err
+    with pytest.raises(ValueError, match="both"):
+        position_errors(truth, where, true_centres=true_centres)
+    with pytest.raises(ValueError, match="centres must be"):
+        position_errors(truth, where, true_centres=true_centres, centres=centres[:, :, :1])
+
+
+def test_where_network_can_start_as_a_soft_argmax():
+    """``read_coordinates``: before any training, a map peaked at one offset gives a mean
+    within 0.1 model units (3.4 px) of that offset's position; random weights do not."""
+    from apg.tasks.bmnist import WhereNet
+
+    torch.manual_seed(0)
+    side = 69
+    peaks = torch.tensor([[10, 40], [34, 34], [60, 5], [3, 66]])  # (row, column)
+    maps = torch.full((len(peaks), side, side), -50.0)
+    maps[torch.arange(len(peaks)), peaks[:, 0], peaks[:, 1]] = 0.0
+    expected = peaks.flip(-1).double() / 34 - 1  # (column, row) in model coordinates
+    read = WhereNet(side * side, read_coordinates=True)(maps).loc.double()
+    assert (read - expected).abs().max() < 0.1
+    random = WhereNet(side * side)(maps).loc.double()
+    assert (random - expected).abs().max() > 0.3
+
+
+def test_encoder_where_network_shared_or_its_own():
+    from apg.tasks.bmnist import build_model, build_proposals
+
+    model = build_model()
+    shared = build_proposals(model, "apg", 1, share_where_net=True)
+    own = build_proposals(model, "apg", 1)
+    assert shared.initial_where_net is None
+    assert not any(k.startswith("initial_where_net") for k in shared.state_dict())
+    assert sum(p.numel() for p in own.parameters()) == sum(p.numel() for p in shared.parameters()) + sum(
+        p.numel() for p in own.where_net.parameters()
+    )
+    x = torch.zeros(2, 3, 96, 96)
+    z, log_q = own.initial(x, 4)
+    assert z["z_where_1"].shape == (4, 2, 1, 2) and torch.isfinite(log_q).all()
+    # RWS has no kernels: its one position network is the encoder's
+    assert build_proposals(model, "mlp", 1).initial_where_net is None
+
+
+def test_the_encoders_position_scale_has_its_floor_and_the_kernels_keep_theirs():
+    """However far the scale head pushes down, the encoder's position proposal keeps a scale
+    of ``encoder_min_scale`` (about a pixel), RWS's one network too; APG's kernels keep 1e-3."""
+    from apg.tasks.bmnist import build_model, build_proposals
+
+    model = build_model()
+    corr = torch.randn(2, 3, 69, 69)
+    apg_props, rws_props = build_proposals(model, "apg", 1), build_proposals(model, "mlp", 1)
+    nets = {
+        "encoder": apg_props.initial_where_net,
+        "kernel": apg_props.where_net,
+        "rws encoder": rws_props.where_net,
+    }
+    for net in nets.values():
+        with torch.no_grad():
+            net.scale[-1].bias.fill_(-100.0)  # softplus -> 0
+    scales = {name: net(corr).scale for name, net in nets.items()}
+    assert torch.allclose(scales["encoder"], torch.tensor(0.03))
+    assert torch.allclose(scales["rws encoder"], torch.tensor(0.03))
+    assert torch.allclose(scales["kernel"], torch.tensor(1e-3))
+    assert build_proposals(model, "apg", 1, encoder_min_scale=0.1).initial_where_net(corr).scale.min() >= 0.1

@@ -1,0 +1,232 @@
+"""The long Bouncing MNIST run: its videos made when read, and a run continued in parts
+that is the run made in one."""
+
+import csv
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from apg.checkpoint import load_checkpoint
+from apg.tasks.bmnist.simulator import VideoRows, row_seed
+from pipeline.compact import compact, expand
+from pipeline.longrun import (
+    EVALS,
+    FULL_STATE,
+    HISTORY,
+    RUN,
+    SEGMENTS,
+    held_out,
+    latest_state,
+    long_run,
+    new_run,
+    score,
+    training_rows,
+)
+from tests.support import needs_mnist
+
+
+@needs_mnist
+def test_video_rows_are_each_a_function_of_their_index(mnist_env):
+    rows = VideoRows(50, seed=3, num_frames=4, num_digits=2)
+    batch = rows[torch.tensor([7, 2, 7])]
+    assert batch.shape == (3, 4, 96, 96) and batch.dtype == torch.get_default_dtype()
+    assert 0.0 <= batch.min() and batch.max() <= 1.0 and batch.sum() > 0
+    assert torch.equal(batch[0], batch[2])  # the same row, read twice in one batch
+    assert torch.equal(batch[1], rows[torch.tensor([2])][0])  # and alone, later
+    assert not torch.equal(batch[0], batch[1])
+    other = VideoRows(50, seed=4, num_frames=4, num_digits=2)
+    assert not torch.equal(other[torch.tensor([7])][0], batch[0])
+    assert len(rows) == 50 and row_seed(3, 7) != row_seed(7, 3)
+    with pytest.raises(IndexError):
+        rows[torch.tensor([50])]
+
+
+def tiny_run() -> dict:
+    """The paper profile's run at a few videos, frames and particles."""
+    run = new_run("paper", eval_videos=4, every={"log": 2, "checkpoint": 2, "eval": 4})
+    run["train"].update(sweeps=2, particles=2, batch_size=2, network={"num_digits": 1})
+    run["rows"].update(num_videos=20, num_frames=3, num_digits=1)
+    run["eval"]["sizes"] = {**run["eval"]["sizes"], "num_frames": 3, "num_digits": 1}
+    return run
+
+
+def table(path: Path, drop: tuple[str, ...] = ()) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: v for k, v in row.items() if k not in drop} for row in csv.DictReader(f)]
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_a_run_continued_in_parts_is_the_run_made_at_once(tmp_path, mnist_env):
+    run = tiny_run()
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    long_run(tmp_path, steps=8, run_dir=whole, new=run)
+    first = long_run(tmp_path, steps=2, run_dir=parts, new=run)
+    assert (first["from_iteration"], first["to_iteration"]) == (0, 2)
+    # a sitting killed after writing its tables but before its state: rows past the state go
+    with open(parts / HISTORY, "a") as f:
+        f.write(",".join(["99"] + ["0"] * (len(table(parts / HISTORY)[0]) - 1)) + "\n")
+    long_run(tmp_path, steps=6, run_dir=parts)
+    with pytest.raises(ValueError, match="continue it without --start"):
+        long_run(tmp_path, steps=1, run_dir=parts, new=run)
+    a, b = load_checkpoint(whole / FULL_STATE)[1], load_checkpoint(parts / FULL_STATE)[1]
+    assert a["iteration"] == b["iteration"] == 8
+    for group in ("model", "proposals"):
+        for name, tensor in a[group].items():
+            assert torch.equal(tensor, b[group][name]), (group, name)
+    timing = ("it_per_s", "step_seconds", "seconds")
+    assert table(whole / HISTORY, timing) == table(parts / HISTORY, timing)
+    assert [r["iteration"] for r in table(parts / HISTORY)] == ["2", "4", "6", "8"]
+    evals = table(parts / EVALS, timing)
+    assert evals == table(whole / EVALS, timing) and [r["iteration"] for r in evals] == ["0", "4", "8"]
+    assert all(np.isfinite(float(r["pos_err"])) and float(r["pos_err"]) > 0 for r in evals)
+    segments = table(parts / SEGMENTS)
+    assert [(s["from_iteration"], s["to_iteration"]) for s in segments] == [("0", "2"), ("2", "8")]
+    assert all(s["device"] and s["commit"] for s in segments)
+
+
+def test_the_run_is_the_papers_configuration():
+    run = new_run("paper")
+    train = run["train"]
+    assert (train["task"], train["method"], train["sweeps"], train["particles"]) == ("bmnist", "apg", 5, 10)
+    assert (
+        train["batch_size"] == 10 and train["iterations"] == 200_000 and train["network"]["num_digits"] == 3
+    )
+    assert run["rows"]["num_videos"] == 60_000 and (run["rows"]["num_frames"], run["rows"]["num_digits"]) == (
+        10,
+        3,
+    )
+    assert run["eval"]["name"] == "T10_D3" and run["eval"]["num_videos"] == 100
+    with pytest.raises(ValueError, match="not a multiple"):
+        new_run("paper", every={"log": 25, "eval": 30})
+
+
+def test_long_run_says_what_is_missing(tmp_path, capsys):
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit, match="--minutes or --steps"):
+        main(["long-run"])
+    with pytest.raises(FileNotFoundError, match="no long run there"):
+        long_run(tmp_path, steps=1, run_dir=tmp_path / "none")
+    assert not (tmp_path / "none" / RUN).exists()
+
+
+def test_the_compact_state_keeps_what_it_promises():
+    torch.manual_seed(1)
+    w = {"w": torch.randn(300, 70) * 0.1, "b": torch.randn(70), "n": torch.tensor(3)}
+    v = torch.randn(300, 70).pow(2) * 1e-4
+    v[0, :5] = 0.0  # parameters without gradient so far
+    v[1, :5] = 1e-44  # subnormal: far below Adam's eps
+    m = torch.randn(300, 70) * 1e-3
+    state = {
+        "model": w,
+        "proposals": {"p": torch.randn(5000)},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(7.0), "exp_avg": m, "exp_avg_sq": v}},
+            "param_groups": [],
+        },
+        "iteration": 7,
+        "order": torch.randperm(1000),
+        "cursor": 20,
+        "rng": torch.get_rng_state(),
+    }
+    back = expand(compact(state))
+    assert torch.equal(back["order"], state["order"]) and torch.equal(back["rng"], state["rng"])
+    assert (back["iteration"], back["cursor"]) == (7, 20) and torch.equal(back["model"]["n"], w["n"])
+    for name, t in w.items():
+        if t.is_floating_point():
+            assert back["model"][name].dtype == torch.float32
+            assert torch.allclose(back["model"][name], t, rtol=2**-11, atol=1e-7)
+    moments = back["optimizer"]["state"][0]
+    assert (moments["exp_avg"] - m).abs().max() <= m.abs().max() / 254 * 1.0001
+    assert torch.equal(moments["exp_avg_sq"] == 0, v == 0)
+    kept = v.sqrt() > 1e-8 / 16
+    ratio = moments["exp_avg_sq"][kept].sqrt() / v[kept].sqrt()
+    # half a code step of the block's log range (floor to its largest root), as the module says
+    half_step = (torch.log2(v.max().sqrt()) - np.log2(1e-8 / 16)) / 254 / 2
+    assert (ratio.log2().abs() <= half_step * 1.0001).all()
+    with pytest.raises(ValueError, match="not a compact trainer state"):
+        expand(state)
+
+
+@pytest.mark.slow
+@needs_mnist
+def test_a_run_continues_from_its_committed_state_alone(tmp_path, mnist_env):
+    run = tiny_run()
+    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", new=run)
+    assert (tmp_path / "r" / FULL_STATE).is_file()
+    # a machine whose copy is discarded: only the compact state, and no stale full one left
+    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", full_state=False)
+    assert not (tmp_path / "r" / FULL_STATE).exists()
+    state = latest_state(tmp_path / "r")
+    assert state["iteration"] == 4
+    segment = long_run(tmp_path, steps=2, run_dir=tmp_path / "r")
+    assert (segment["from_iteration"], segment["to_iteration"]) == (4, 6)
+    assert load_checkpoint(tmp_path / "r" / FULL_STATE)[1]["iteration"] == 6
+
+
+@needs_mnist
+def test_float16_weights_score_as_the_float32_ones(tmp_path, mnist_env):
+    from apg.training import TrainConfig, Trainer
+
+    run = tiny_run()
+    run["eval"]["num_videos"] = 30
+    trainer = Trainer(TrainConfig.from_dict(run["train"]), training_rows(run))
+    for _ in range(4):
+        trainer.step()
+    x, truth = held_out(run)
+    before = score(trainer, x, truth)
+    trainer.load_state_dict(expand(compact(trainer.state_dict())))
+    after = score(trainer, x, truth)
+    # the same held-out stream: float16 weights move the error by much less than its noise
+    assert abs(after["pos_err"] - before["pos_err"]) <= 0.5 * before["pos_err_sem"], (before, after)
+
+
+def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
+    import pandas as pd
+
+    from pipeline.longrun import RUN_DIR
+    from pipeline.report.longrun import long_run_markdown, power_law_fit, steps_to_reach
+
+    steps = np.array([0, 250, 500, 1000, 2000, 4000])
+    errors = 40.0 * np.maximum(steps, 1) ** -0.25  # 10 px at 256 steps, 3 px at ~31,600
+    fit = power_law_fit(steps, errors)
+    assert fit is not None and fit[1] == pytest.approx(-0.25)
+    assert steps_to_reach(fit, 3.0) == pytest.approx((40 / 3) ** 4, rel=1e-6)
+    assert power_law_fit(steps[:3], errors[:3]) is None  # two points after step 0: no trend
+    assert steps_to_reach((1.0, 0.1), 3.0) == float("inf")
+    run_dir = tmp_path / RUN_DIR
+    run_dir.mkdir(parents=True)
+    run = new_run("paper")
+    (run_dir / RUN).write_text(__import__("json").dumps(run))
+    cpu = "a CPU"
+    pd.DataFrame(
+        {
+            "iteration": steps,
+            "pos_err": errors,
+            "pos_err_sem": 0.1,
+            "tracked": 0.5,
+            "seconds": steps * 4.0,
+            "device": cpu,
+        }
+    ).to_csv(run_dir / EVALS, index=False)
+    pd.DataFrame(
+        [
+            {
+                "from_iteration": 0,
+                "to_iteration": 4000,
+                "seconds": 16000.0,
+                "device": cpu,
+                "compiled": False,
+                "commit": "abc",
+            }
+        ]
+    ).to_csv(run_dir / SEGMENTS, index=False)
+    text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
+    assert (tmp_path / "reports" / "recorded" / "bmnist-long" / "curve.png").is_file()
+    assert "At step 4,000 of 200,000" in text and "| a CPU | 4,000 | 4.44 | 4.00 |" in text
+    assert "reaches 3 px at step 31,605, within the paper's 200,000 steps" in text
+    assert "31 more hours on a CPU" in text
+    assert long_run_markdown(tmp_path / "elsewhere", tmp_path / "reports", "png") == ""
