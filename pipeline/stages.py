@@ -98,7 +98,7 @@ def record_stage_time(root: Path, stage: str, task: str | None, seconds: float) 
 
 def stage_times(root: Path) -> dict[str, float]:
     """``{stage@task: seconds}`` recorded by the stages of the last run in ``root``, in
-    pipeline order (generate, sweep, evaluate per task)."""
+    pipeline order (generate, sweep, evaluate per task, then the report)."""
     folder = root / TIMINGS
     if not folder.is_dir():
         return {}

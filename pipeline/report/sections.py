@@ -465,7 +465,7 @@ def pipeline_time_markdown(times: dict[str, float], threads: int | None = None) 
     return (
         "## Time\n\nWall time of each stage when it last ran (2 trials at once on a 2-core machine "
         "unless the params say otherwise; after a partial `dvc repro`, the stages it skipped keep "
-        "the times of the run that made their outputs):\n\n| stage | minutes |\n| --- | ---: |\n"
+        "the times of the run that made their outputs; the report's own is its previous run's):\n\n| stage | minutes |\n| --- | ---: |\n"
         f"{rows}\n| **sum** | **{total:.1f}** |\n\n"
         f"Machine that made this report (a from-scratch `dvc repro` trains and evaluates on the same "
         f"one; trained numbers differ across CPUs): {provenance.machine_line(provenance.machine())}"

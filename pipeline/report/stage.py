@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -299,7 +300,11 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.errors import run_guarded
 
     def work() -> None:
-        out = make_report(load_params(args.params), project_root(), from_committed=args.from_committed)
+        start = time.monotonic()
+        root = project_root()
+        out = make_report(load_params(args.params), root, from_committed=args.from_committed)
+        if not args.from_committed:  # its time shows in the next report's table, and in smoke's
+            stages.record_stage_time(root, "report", None, time.monotonic() - start)
         print(f"wrote {out}/README.md")
 
     run_guarded(work)

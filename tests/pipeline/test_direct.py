@@ -17,7 +17,7 @@ import yaml
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.training import TrainConfig, build
-from pipeline import direct, recorded
+from pipeline import direct, provenance, recorded
 from pipeline.common import seed_everything
 
 SMOKE = "smoke"  # the profile laid under paper-gmm in place of the paper's sizes
@@ -253,7 +253,7 @@ def test_direct_record_trains_to_the_clock_on_one_machine_and_evaluates_on_anoth
     kept = tmp_path / "recorded" / "paper-gmm"
     manifest = json.loads((kept / "manifest.json").read_text())
     assert manifest["commit"] == "c0ffee1"  # named by the caller: a lent machine's git may be stale
-    assert manifest["device"].startswith("cpu") and manifest["eval_device"].startswith("cpu")
+    assert manifest["device"] == manifest["eval_device"] == provenance.device_line("cpu")  # the CPU's line
     assert "pipeline.direct" in manifest["machine"]
     assert set(manifest["stage_minutes"]) == {"generate@gmm", "sweep@gmm", "evaluate@gmm"}
     for name in recorded.EVAL_FILES:

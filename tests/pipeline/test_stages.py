@@ -626,6 +626,7 @@ def test_smoke_profile_runs_every_stage_of_every_task_from_scratch(tmp_path):
         for stage in ("generate", "sweep", "evaluate"):
             assert f"`{stage}@{task}`" in proc.stdout, (stage, task)
         assert f"sweep {task}: " in proc.stdout  # progress lines
+    assert "| `report` |" in proc.stdout  # the report stage is in the stage table too
     assert "smoke run of smoke: dvc repro from scratch in" in proc.stdout
     report = (box / "reports" / "README.md").read_text()
     assert "Claims of the paper" in report
