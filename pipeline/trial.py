@@ -28,7 +28,7 @@ from pipeline.common import seed_everything, training_rows
 from pipeline.diskfull import report_disk_full
 from pipeline.driver import DONE, HISTORY, Callback, Outcome, drive, mark_done, write_cell
 from pipeline.errors import SweepError
-from pipeline.ray_setup import quiet_checkpoint_log
+from pipeline.ray_setup import quiet_trial_process
 
 RESUME = "resume.pt"
 ATTEMPTS = "attempts.jsonl"
@@ -90,7 +90,7 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
     import ray
     from ray import tune
 
-    quiet_checkpoint_log()
+    quiet_trial_process()
     torch.set_num_threads(config["torch_threads"])
     cfg = TrainConfig.from_dict(config["train"])
     cell_dir = Path(config["cell_dir"])

@@ -62,7 +62,7 @@ from pipeline import provenance, stages, tracking
 from pipeline.common import project_root, seed_everything, training_rows
 from pipeline.config import apply_setting, load_params
 from pipeline.driver import Callback, drive
-from pipeline.ray_setup import quiet_checkpoint_log
+from pipeline.ray_setup import quiet_trial_process
 from pipeline.tune_plan import check_section, computed, load_section, plan_key, tune_space
 from pipeline.tune_report import (
     ATTEMPTS,
@@ -100,7 +100,7 @@ def run_trial(config: dict[str, Any], plan: dict[str, Any], paths: dict[str, str
     resumed search continues from there)."""
     from ray import tune
 
-    quiet_checkpoint_log()
+    quiet_trial_process()
     torch.set_num_threads(1)
     setting = {key: config[key] for key in plan["space"]}
     cfg = TrainConfig.from_dict(apply_setting(plan["base"], setting)).validate()
