@@ -134,9 +134,17 @@ def cmd_long_run(args: argparse.Namespace) -> None:
     from pipeline.common import project_root
     from pipeline.longrun import long_run, new_run
 
-    if args.minutes is None and args.steps is None:
-        raise SystemExit("long-run: give --minutes or --steps (how long this sitting trains)")
     root = project_root()
+    if args.grid:
+        from pipeline.longrun_grid import evaluate_grid
+
+        path = evaluate_grid(
+            root, Path(args.dir) if args.dir else None, videos=args.videos, device=args.device
+        )
+        print(f"long run: wrote {path}; commit it with the run's folder")
+        return
+    if args.minutes is None and args.steps is None:
+        raise SystemExit("long-run: give --minutes or --steps (how long this sitting trains), or --grid")
     segment = long_run(
         root,
         minutes=args.minutes,
@@ -451,6 +459,12 @@ def _add_long_run(sub) -> None:
         help="no run yet: start one from this profile's Bouncing MNIST APG cell (paper)",
     )
     run.add_argument("--dir", default=None, help="the run's folder (default recorded/bmnist-long)")
+    run.add_argument(
+        "--grid",
+        action="store_true",
+        help="train nothing: score the run's state on the profile's held-out T x D sets (grid.csv, trail.npz)",
+    )
+    run.add_argument("--videos", type=int, default=None, help="with --grid: the first N videos of each set")
     run.add_argument(
         "--no-full-state",
         action="store_true",

@@ -14,6 +14,7 @@ import pandas as pd
 
 from pipeline.longrun import EVALS, RUN, RUN_DIR, SEGMENTS
 from pipeline.report.figures import _save
+from pipeline.report.longrun_grid import grid_markdown
 
 TARGET_PX = 3.0  # position error the paper's tracking reaches at T10_D3 (issue target)
 FIT_MIN_POINTS = 3
@@ -83,6 +84,7 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
         "",
         extrapolation_text(fit, int(last["iteration"]), train["iterations"], rates),
         "",
+        grid_markdown(run_dir, figure.parent, f"recorded/{run_dir.name}", fmt),
     ]
     return "\n".join(lines)
 

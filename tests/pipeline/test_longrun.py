@@ -230,3 +230,44 @@ def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
     assert "reaches 3 px at step 31,605, within the paper's 200,000 steps" in text
     assert "31 more hours on a CPU" in text
     assert long_run_markdown(tmp_path / "elsewhere", tmp_path / "reports", "png") == ""
+
+
+@needs_mnist
+def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_and_4(
+    tmp_path, mnist_env, monkeypatch
+):
+    from pipeline import longrun_grid
+    from pipeline.report.longrun_grid import grid_markdown
+
+    run = tiny_run()
+    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", new=run)
+    sets = [
+        {
+            "name": f"T{t}_D{d}",
+            "num_datasets": 3,
+            "seed": 50 + t + d,
+            "sizes": {"num_frames": t, "num_digits": d, "split": "test"},
+            "network": {"num_digits": d},
+        }
+        for t, d in ((3, 1), (4, 2))
+    ]
+    monkeypatch.setattr(longrun_grid, "grid_sets", lambda run: sets)
+    path = longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2)
+    grid = table(path)
+    assert [(r["set"], r["sweep"], r["videos"], r["iteration"]) for r in grid] == [
+        ("T3_D1", "1", "2", "2"),
+        ("T3_D1", "2", "2", "2"),
+        ("T4_D2", "1", "2", "2"),
+        ("T4_D2", "2", "2", "2"),
+    ]
+    assert all(
+        float(r["pos_err"]) >= 0 and 0 <= float(r["tracked"]) <= 1 and float(r["mse"]) > 0 for r in grid
+    )
+    again = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2))
+    assert again == grid  # scoring draws from its own stream: the same state, the same table
+    with np.load(tmp_path / "r" / longrun_grid.TRAIL) as trail:
+        assert trail["frames"].shape == (4, 96, 96) and trail["frames"].dtype == np.uint8
+        assert trail["found_z_where"].shape == trail["true_z_where"].shape == (1, 4, 2, 2)
+    text = grid_markdown(tmp_path / "r", tmp_path / "out", "recorded/r", "png")
+    assert "### The paper's held-out grid at step 2" in text and "| T4_D2 | 2 |" in text
+    assert (tmp_path / "out" / "figure4.png").is_file() and (tmp_path / "out" / "figure3.png").is_file()
