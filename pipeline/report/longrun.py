@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from pipeline.longrun import EVALS, RUN, RUN_DIR, SEGMENTS
+from pipeline.longrun import EVALS, HISTORY, RUN, RUN_DIR, SEGMENTS
 from pipeline.report.figures import _save
 from pipeline.report.longrun_grid import grid_markdown
 
@@ -38,12 +38,19 @@ def steps_to_reach(fit: tuple[float, float], target: float) -> float:
     return float(np.exp((np.log(target) - a) / b)) if b < 0 else float("inf")
 
 
-def sitting_rates(segments: pd.DataFrame) -> pd.DataFrame:
-    """Per device: steps, wall seconds and seconds per step (scoring included)."""
+def sitting_rates(segments: pd.DataFrame, history: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per device: steps, wall seconds and seconds per step. With the run's ``history`` (a
+    rate per logged window of steps), the median window's seconds per step: a sitting paused
+    for a while (a stopped process, a suspended machine) does not count its pause as
+    training; without it, wall seconds over steps (scoring included)."""
     frame = segments.assign(steps=segments["to_iteration"] - segments["from_iteration"])
     frame = frame[frame["steps"] > 0]
     per = frame.groupby("device", sort=False)[["steps", "seconds"]].sum().reset_index()
-    return per.assign(seconds_per_step=per["seconds"] / per["steps"])
+    per = per.assign(seconds_per_step=per["seconds"] / per["steps"])
+    if history is not None and {"it_per_s", "device"} <= set(history.columns):
+        median = (1.0 / history["it_per_s"]).groupby(history["device"]).median()
+        per["seconds_per_step"] = per["device"].map(median).fillna(per["seconds_per_step"])
+    return per
 
 
 def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
@@ -58,7 +65,8 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
     curve_figure(evals, fit, run, figure)
     train, rows, ev = run["train"], run["rows"], run["eval"]
     last = evals.iloc[-1]
-    rates = sitting_rates(segments)
+    history = pd.read_csv(run_dir / HISTORY) if (run_dir / HISTORY).is_file() else None
+    rates = sitting_rates(segments, history)
     lines = [
         "## Bouncing MNIST at the paper's configuration: one long run",
         "",
@@ -75,7 +83,7 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
         f"At step {int(last['iteration']):,} of {train['iterations']:,}: **{last['pos_err']:.2f} px** "
         f"(± {last['pos_err_sem']:.2f}) on {ev['name']}; target {TARGET_PX:g} px.",
         "",
-        "| device | steps | hours | seconds per step (scoring included) |",
+        "| device | steps | wall hours | seconds per step (median over logged windows of steps) |",
         "|---|---|---|---|",
         *(
             f"| {r.device} | {int(r.steps):,} | {r.seconds / 3600:.2f} | {r.seconds_per_step:.2f} |"

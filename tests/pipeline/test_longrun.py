@@ -229,6 +229,14 @@ def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
     assert "At step 4,000 of 200,000" in text and "| a CPU | 4,000 | 4.44 | 4.00 |" in text
     assert "reaches 3 px at step 31,605, within the paper's 200,000 steps" in text
     assert "31 more hours on a CPU" in text
+    # With the run's history the rate is the median window's: a paused window (a stopped
+    # process) does not count as training time; the wall hours stay as they were.
+    rates = [0.5] * 9 + [0.01]  # 2 s per step, and one window of 100 s per step
+    pd.DataFrame({"iteration": np.arange(1, 11) * 400, "it_per_s": rates, "device": cpu}).to_csv(
+        run_dir / HISTORY, index=False
+    )
+    text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
+    assert "| a CPU | 4,000 | 4.44 | 2.00 |" in text and "15 more hours on a CPU" in text
     assert long_run_markdown(tmp_path / "elsewhere", tmp_path / "reports", "png") == ""
 
 
