@@ -22,6 +22,7 @@ from pipeline.report.figures import _save
 # T=100 three-digit videos, 4 px with four and five digits on T=20 ones.
 TARGETS_PX = {"T10_D3": 3.0, "T100_D3": 3.0, "T20_D4": 4.0, "T20_D5": 4.0}
 STRIP_FRAMES = 8
+TRAIL_FRAMES = 10  # each panel draws the paths over the frames up to it, at most this many
 
 
 def grid_markdown(run_dir: Path, out_dir: Path, rel: str, fmt: str) -> str:
@@ -92,7 +93,7 @@ def figure4(grid: pd.DataFrame, path: Path) -> None:
 
 def figure3(trail_path: Path, path: Path) -> None:
     """Evenly spaced frames of one video with each digit's true path (solid) and inferred path
-    (dashed) up to that frame, the current positions marked."""
+    (dashed) over the frames up to it (``TRAIL_FRAMES`` at most), the current positions marked."""
     with np.load(trail_path) as npz:
         meta = json.loads(str(npz["meta"]))
         frames = npz["frames"]
@@ -105,8 +106,9 @@ def figure3(trail_path: Path, path: Path) -> None:
         ax.imshow(frames[t], cmap="gray", vmin=0, vmax=255)
         for d in range(true_px.shape[1]):
             colour = f"C{d}"
-            ax.plot(true_px[: t + 1, d, 0], true_px[: t + 1, d, 1], "-", color=colour, lw=0.8)
-            ax.plot(found_px[: t + 1, d, 0], found_px[: t + 1, d, 1], "--", color=colour, lw=0.8)
+            span = slice(max(0, t + 1 - TRAIL_FRAMES), t + 1)
+            ax.plot(true_px[span, d, 0], true_px[span, d, 1], "-", color=colour, lw=0.8)
+            ax.plot(found_px[span, d, 0], found_px[span, d, 1], "--", color=colour, lw=0.8)
             ax.plot(*found_px[t, d], "x", color=colour, ms=4)
         ax.set(xlim=(-0.5, frames.shape[2] - 0.5), ylim=(frames.shape[1] - 0.5, -0.5))  # the canvas only
         ax.set_title(f"frame {t + 1}", fontsize=7)
@@ -115,7 +117,8 @@ def figure3(trail_path: Path, path: Path) -> None:
         fig,
         path,
         f"One {meta['set']} video (seed {meta['seed']}, video {meta['video']}): each digit's true path "
-        "(solid) and inferred path (dashed, x: inferred position in the frame), one colour per digit "
+        f"(solid) and inferred path (dashed) over the last {TRAIL_FRAMES} frames up to the one shown (x: "
+        "the inferred position in it), one colour per digit "
         "(inferred digits matched to true ones over the whole video).",
     )
 
