@@ -22,7 +22,8 @@ from pipeline.report.figures import _save
 # T=100 three-digit videos, 4 px with four and five digits on T=20 ones.
 TARGETS_PX = {"T10_D3": 3.0, "T100_D3": 3.0, "T20_D4": 4.0, "T20_D5": 4.0}
 STRIP_FRAMES = 8
-TRAIL_FRAMES = 4  # each panel draws the paths over the frames up to it, at most this many (digits move ~8 px a frame)
+# Each panel draws the paths over the frames up to it, at most this many (digits move ~8 px a frame).
+TRAIL_FRAMES = 4
 
 
 def grid_markdown(run_dir: Path, out_dir: Path, rel: str, fmt: str) -> str:
