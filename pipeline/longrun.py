@@ -114,13 +114,37 @@ def training_rows(run: dict[str, Any]) -> VideoRows:
 
 
 def held_out(run: dict[str, Any]) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
-    """The held-out videos ``x`` (as the profile's file stores them: cast to its ``x_dtype``)
-    and their true positions."""
+    """The held-out videos ``x`` of the run's curve and their true positions."""
+    ev = run["eval"]
+    return simulate_videos(run, ev["num_videos"], ev["seed"], ev["sizes"])
+
+
+def simulate_videos(
+    run: dict[str, Any], num_videos: int, seed: int, sizes: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    """Held-out videos ``x`` (as the profile's files store them: cast to its ``x_dtype``) and
+    their true positions, from the run's simulator model."""
     ev = run["eval"]
     with torch.random.fork_rng(devices=[]):  # building the simulator's model draws its weights
-        arrays = simulate_set("bmnist", ev["model"], ev["num_videos"], ev["seed"], ev["sizes"])
+        arrays = simulate_set("bmnist", ev["model"], num_videos, seed, sizes)
     x = torch.from_numpy(arrays["x"].astype(ev["x_dtype"])).to(torch.get_default_dtype())
     return x, {"z_where": arrays["z_where"], "centres": arrays["centres"]}
+
+
+def restore(run: dict[str, Any], run_dir: Path, device: str = "cpu", compile: bool = False) -> Trainer:
+    """The run's trainer at its latest state (at step 0 before the first checkpoint)."""
+    seed_everything(run["seed"])
+    cfg = TrainConfig.from_dict({**run["train"], "compile": compile}).validate()
+    trainer = Trainer(cfg, training_rows(run), device)
+    state = latest_state(run_dir)
+    if state is not None:
+        trainer.load_state_dict(state)
+    return trainer
+
+
+def sem(values: np.ndarray) -> float:
+    """Standard error of the mean over videos (NaN for one video)."""
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
 
 
 def score(
@@ -151,7 +175,7 @@ def score(
     err = curves["pos_err"][-1]
     return {
         "pos_err": float(err.mean()),
-        "pos_err_sem": float(err.std(ddof=1) / np.sqrt(len(err))) if len(err) > 1 else float("nan"),
+        "pos_err_sem": sem(err),
         "tracked": float(curves["tracked"][-1].mean()),
     }
 
@@ -277,12 +301,7 @@ def long_run(
         run = new
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write(run_dir / RUN, lambda tmp: tmp.write_text(json.dumps(run, indent=2) + "\n"))
-    seed_everything(run["seed"])
-    cfg = TrainConfig.from_dict({**run["train"], "compile": compile}).validate()
-    trainer = Trainer(cfg, training_rows(run), device)
-    state = latest_state(run_dir)
-    if state is not None:
-        trainer.load_state_dict(state)
+    trainer = restore(run, run_dir, device, compile)
     done = trainer.iteration
     segments = [
         s

@@ -23,12 +23,11 @@ import numpy as np
 import torch
 
 from apg.data import atomic_write
-from apg.training import TrainConfig, Trainer, evaluate
-from pipeline.common import seed_everything, with_network
+from apg.training import evaluate
+from pipeline.common import with_network
 from pipeline.driver import write_history
 from pipeline.evaluate_particles import tracking_errors
-from pipeline.generate import simulate_set
-from pipeline.longrun import EVAL_SEED, RUN, RUN_DIR, latest_state, training_rows
+from pipeline.longrun import EVAL_SEED, RUN, RUN_DIR, STATE, restore, sem, simulate_videos
 
 GRID, TRAIL = "grid.csv", "trail.npz"
 
@@ -53,23 +52,17 @@ def evaluate_grid(
     if not (run_dir / RUN).is_file():
         raise FileNotFoundError(f"{run_dir / RUN}: no long run there; start one with --start")
     run = json.loads((run_dir / RUN).read_text())
-    state = latest_state(run_dir)
-    if state is None:
+    if not (run_dir / STATE).is_file():
         raise FileNotFoundError(f"{run_dir}: the run has no checkpoint yet; train it first")
-    seed_everything(run["seed"])
-    cfg = TrainConfig.from_dict(run["train"]).validate()
-    trainer = Trainer(cfg, training_rows(run), device)
-    trainer.load_state_dict(state)
+    trainer = restore(run, run_dir, device)
+    cfg = trainer.cfg
     sweeps, particles = cfg.sweeps, cfg.particles
     rows: list[dict[str, Any]] = []
     sets = grid_sets(run)
     for i, entry in enumerate(sets):
         n = min(videos or entry["num_datasets"], entry["num_datasets"])
         sizes = entry.get("sizes", {})
-        with torch.random.fork_rng(devices=[]):  # building the simulator's model draws its weights
-            arrays = simulate_set("bmnist", run["eval"]["model"], n, entry["seed"], sizes)
-        x = torch.from_numpy(arrays["x"].astype(run["eval"]["x_dtype"])).to(torch.get_default_dtype())
-        truth = {"z_where": arrays["z_where"], "centres": arrays["centres"]}
+        x, truth = simulate_videos(run, n, entry["seed"], sizes)
         set_cfg, proposals = with_network(cfg, trainer.model, trainer.proposals, entry.get("network"), device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(EVAL_SEED)
@@ -91,9 +84,9 @@ def evaluate_grid(
                     "videos": n,
                     "sweep": k + 1,
                     "mse": float(curves["mse"][k].mean()),
-                    "mse_sem": _sem(curves["mse"][k]),
+                    "mse_sem": sem(curves["mse"][k]),
                     "pos_err": float(errors["pos_err"][k].mean()),
-                    "pos_err_sem": _sem(errors["pos_err"][k]),
+                    "pos_err_sem": sem(errors["pos_err"][k]),
                     "tracked": float(errors["tracked"][k].mean()),
                 }
             )
@@ -106,10 +99,6 @@ def evaluate_grid(
             _write_trail(run_dir / TRAIL, trainer, set_cfg, proposals, x[:1], truth, entry, sweeps, particles)
     write_history(run_dir / GRID, rows)
     return run_dir / GRID
-
-
-def _sem(values: np.ndarray) -> float:
-    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else float("nan")
 
 
 def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particles) -> None:
