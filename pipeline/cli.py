@@ -127,6 +127,7 @@ def cmd_record(args: argparse.Namespace) -> None:
         check=args.check,
         stages=args.stages,
         deadline_minutes=args.deadline,
+        tasks=args.tasks.split(",") if args.tasks else None,
     )
 
 
@@ -437,6 +438,12 @@ def _add_record(sub) -> None:
     )
     rec.add_argument(
         "--deadline", type=float, default=None, help="with --direct: stop training after this many minutes"
+    )
+    rec.add_argument(
+        "--tasks",
+        default=None,
+        help="re-record these tasks of the recorded run (comma-separated), starting from its "
+        "finished cells; its other tasks stay as recorded",
     )
     rec.set_defaults(func=cmd_record)
 

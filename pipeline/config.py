@@ -391,6 +391,8 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
             overrides, f"{where}.train", {k: v for k, v in TRAIN_KEYS.items() if k != "method_options"}
         )
         entry_train = {**train, **overrides}
+        # Its keys are checked where every cell's network is built (validate_params).
+        entry_network = {**section.get("network", {}), **(entry.get("network") or {})}
         axes = check_axes(entry.get("axes") or {}, f"{where}.axes")
         seeds = entry.get("seeds", [0])
         for j, seed in enumerate(seeds):
@@ -408,7 +410,7 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
                     sweeps=k,
                     particles=l,
                     model=dict(section.get("model", {})),
-                    network=dict(section.get("network", {})),
+                    network=dict(entry_network),
                     method_options=dict(options.get(method, {})),
                     **entry_train,
                 )

@@ -68,7 +68,9 @@ TRAIN_KEYS: dict[str, Any] = {
     "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}
 }
 # ``train``: overrides of ``<task>.train`` for this entry's cells only (e.g. one iteration
-# for exact Gibbs, which has nothing to learn).
+# for exact Gibbs, which has nothing to learn). ``network``: overrides of ``<task>.network``
+# for this entry's cells only (a baseline at the width its own search chose); the cells keep
+# their method's name, unlike an axis value.
 # ``axes``: ``{section.key: [values]}`` crossed with the entry's methods, budgets and seeds;
 # section is one of AXIS_SECTIONS (``train.lr``, ``network.hidden``, ``model.sigma0``).
 GRID_KEYS: dict[str, Any] = {
@@ -77,6 +79,7 @@ GRID_KEYS: dict[str, Any] = {
     "budget": dict,
     "seeds": list,
     "train": dict,
+    "network": dict,
     "axes": dict,
 }
 AXIS_SECTIONS = ("train", "network", "model")

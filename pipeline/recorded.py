@@ -18,6 +18,13 @@ beside the paper's numbers without retraining.
     apg-pipeline record paper-check         # every task and method, a few steps at paper sizes
     apg-pipeline record replicate           # the default run with other seeds (params.yaml; ~2 h)
     nohup apg-pipeline record paper-gmm > runs/paper-gmm.log 2>&1 &    # in the background
+    apg-pipeline record replicate --tasks gmm   # re-record one task; the others stay as recorded
+
+``--tasks`` re-records some tasks of a recorded run after their params changed, when the
+run's sandbox is gone: a new sandbox runs those tasks' stages alone, starting from the
+recorded run's finished cells that the grid still names (so only changed cells train), and
+the tasks' results replace theirs in ``recorded/<profile>``; the manifest names the commit
+of each re-recorded task (``rerecorded``).
 
 On one GPU machine with PyTorch alone (no Ray, MLflow or DVC), ``--direct`` runs the same
 stages in-process (``pipeline.direct``) and ``--minutes`` sizes the training to the clock;
@@ -135,15 +142,19 @@ def sandbox_for(
     fresh: bool,
     check: bool = False,
     direct: bool = False,
+    tasks: list[str] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """The profile's sandbox repo: made anew, or the one a stopped run left, resumed only
     under the same params. Resumed under other code, the sandbox takes this code's copy and
     its finished cells are kept only where their numerics fingerprint still matches
-    (``pipeline.sweep.plan``); the earlier commits are listed in ``commits``."""
+    (``pipeline.sweep.plan``); the earlier commits are listed in ``commits``. ``tasks``:
+    those of the profile's tasks alone (``--tasks``)."""
     from pipeline.profiles import params_file
 
     code = package_root()
     params = derive(name, check, under)
+    if tasks:
+        params = {**params, "tasks": tasks}
     info = {
         "profile": name,
         "base": base_name(name, under),
@@ -179,6 +190,41 @@ def sandbox_for(
     return directory, info
 
 
+# What a sweep reads back from a finished cell's done.json, all in the recorded summary.
+DONE_KEYS = ("cell_id", "name", "fingerprint", "iterations", "mean_it_per_s", "final", "checkpoint_sha256")
+
+
+def restore_cells(sandbox: Path, run: Path, root: Path) -> dict[str, int]:
+    """Put recorded run ``run``'s finished cells of the sandbox's tasks back into the
+    sandbox's sweep storage, each as its sweep left it (``model.pt``, ``history.csv`` and a
+    ``done.json`` made from the recorded summary), so that its sweep trains only the cells
+    whose id the recorded run lacks. A cell kept without its proposals (``generative.pt``)
+    cannot be resumed and is left out. Returns per task how many cells were restored."""
+    from pipeline.common import file_digest
+    from pipeline.driver import DONE, HISTORY, MODEL
+
+    params = yaml.safe_load((sandbox / "params.yaml").read_text())
+    storage = sandbox / params["sweep"]["storage"]
+    restored = {}
+    for task in params["tasks"]:
+        summary = run / "eval" / task / "sweep.json"
+        if not summary.is_file():
+            raise ValueError(f"{run} has no results for task {task} to start from")
+        restored[task] = 0
+        for cell in json.loads(summary.read_text())["cells"]:
+            checkpoint = root / cell["checkpoint"]
+            if checkpoint.name != MODEL or file_digest(checkpoint) != cell["checkpoint_sha256"]:
+                continue
+            cell_dir = storage / task / "cells" / cell["cell_id"]
+            cell_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(checkpoint, cell_dir / MODEL)
+            shutil.copy(root / cell["history"], cell_dir / HISTORY)
+            done = {k: cell.get(k) for k in DONE_KEYS}
+            (cell_dir / DONE).write_text(json.dumps({**done, "restored_from": run.name}, indent=2) + "\n")
+            restored[task] += 1
+    return restored
+
+
 def _digest(params: dict[str, Any]) -> str:
     import hashlib
 
@@ -199,12 +245,27 @@ def run_profile(sandbox: Path) -> float:
     return time.monotonic() - start
 
 
-def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float) -> Path:
-    """Copy the report's inputs, each cell's summary and weights, and a manifest."""
+def collect(
+    sandbox: Path,
+    info: dict[str, Any],
+    dest: Path,
+    wall_seconds: float,
+    whole: dict[str, Any] | None = None,
+) -> Path:
+    """Copy the report's inputs, each cell's summary and weights, and a manifest.
+
+    ``whole``: the profile's params when the sandbox ran some of its tasks (``--tasks``):
+    those tasks' results replace theirs in ``dest`` and the rest stay as recorded."""
     params = yaml.safe_load((sandbox / "params.yaml").read_text())
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if whole is None:
+        tmp.mkdir(parents=True)
+    else:
+        shutil.copytree(dest, tmp)
+        for task in params["tasks"]:
+            for part in ("eval", "cells"):
+                shutil.rmtree(tmp / part / task, ignore_errors=True)
     cells = {}
     for task in params["tasks"]:
         for name in EVAL_FILES:
@@ -230,7 +291,8 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
             cell["checkpoint"] = kept.get(cell["cell_id"], cell["checkpoint"])
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
         cells[task] = len(sweep["cells"])
-    shutil.copy(sandbox / "params.yaml", tmp / "params.yaml")
+    if whole is None:
+        shutil.copy(sandbox / "params.yaml", tmp / "params.yaml")
     manifest = {
         **info,
         "finished": provenance.utc_now(),
@@ -244,10 +306,41 @@ def collect(sandbox: Path, info: dict[str, Any], dest: Path, wall_seconds: float
         else f"{provenance.machine_line(provenance.machine())}; torch threads per trial "
         f"{params['sweep']['torch_threads']}",
     }
+    if whole is not None:
+        manifest = merged_manifest(
+            json.loads((dest / MANIFEST).read_text()), manifest, whole, params["tasks"]
+        )
+        from pipeline.profiles import params_file
+
+        with params_file(whole) as path:
+            shutil.copy(path, tmp / "params.yaml")
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
     return dest
+
+
+def merged_manifest(
+    old: dict[str, Any], new: dict[str, Any], whole: dict[str, Any], tasks: list[str]
+) -> dict[str, Any]:
+    """A recorded run's manifest after ``tasks`` were re-recorded (``new``: the sandbox's):
+    the first commit and start stay, each re-recorded task names its commit, finish and
+    machine under ``rerecorded``, and the per-task entries are the new ones."""
+    stages = {k: v for k, v in old["stage_minutes"].items() if k.split("@")[-1] not in tasks}
+    stages.update({k: v for k, v in new["stage_minutes"].items() if k.split("@")[-1] in tasks})
+    again = {
+        t: {"commit": new["commit"], "finished": new["finished"], "machine": new["machine"]} for t in tasks
+    }
+    commits = old.get("commits", [old["commit"]])
+    return {
+        **old,
+        "commits": commits + ([new["commit"]] if commits[-1] != new["commit"] else []),
+        "code_digest": {**old["code_digest"], **new["code_digest"]},
+        "params_sha": _digest(whole),
+        "stage_minutes": stages,
+        "cells": {**old["cells"], **new["cells"]},
+        "rerecorded": {**old.get("rerecorded", {}), **again},
+    }
 
 
 def compress_samples(source: Path, target: Path) -> None:
@@ -291,6 +384,7 @@ def record(
     check: bool = False,
     stages: str = "all",
     deadline_minutes: float | None = None,
+    tasks: list[str] | None = None,
 ) -> Path:
     """Run profile ``name`` (resuming a stopped run) and keep its results in ``recorded/<name>``;
     ``paper-check`` (or any profile with ``check``) is a check, not results: it prints what
@@ -301,9 +395,13 @@ def record(
     training sized to ``minutes`` when given and cut at ``deadline_minutes`` from now. With
     ``stages="train"`` it stops after training (the sandbox keeps the cells); ``"evaluate"``
     then evaluates that sandbox, possibly on another machine or device, and keeps the run.
+
+    ``tasks``: re-record these tasks of the recorded run alone, from its finished cells
+    (``restore_cells``); its other tasks stay as recorded.
     """
     root = project_root()
     _check_record_options(name, direct, minutes, stages, deadline_minutes)
+    whole = _check_tasks(name, tasks, under, check, direct, root) if tasks else None
     label = f"{name}-check" if check and name != CHECK_PROFILE else name
     directory = (directory or root / "runs" / label).resolve()
     if stages == "evaluate":
@@ -314,7 +412,11 @@ def record(
             )
         sandbox, info = directory, json.loads(marker.read_text())
     else:
-        sandbox, info = sandbox_for(name, under, directory, fresh or direct, check, direct)
+        made = fresh or direct or not (directory / SANDBOX_INFO).is_file()
+        sandbox, info = sandbox_for(name, under, directory, fresh or direct, check, direct, tasks)
+        if tasks and made:
+            restored = restore_cells(sandbox, root / RECORDED / name, root)
+            print(f"record {label}: {restored} finished cells restored from recorded/{name}", flush=True)
     if direct:
         info, wall = _record_direct(
             name, label, sandbox, info, root, device, None if check else minutes, stages, deadline_minutes
@@ -332,7 +434,7 @@ def record(
         (sandbox / "summary.md").write_text(text + "\n")
         print(text)
         return sandbox
-    dest = collect(sandbox, info, root / RECORDED / name, wall)
+    dest = collect(sandbox, info, root / RECORDED / name, wall, whole)
     print(
         f"record {name}: done in {wall / 60:.1f} min; kept in {dest} (commit it; `dvc repro report` shows it)"
     )
@@ -349,6 +451,23 @@ def _check_record_options(
         raise ValueError(f"profile {name} starts from {STARTS_FROM[name]}'s weights: run it with --direct")
     if stages not in ("all", "train", "evaluate"):
         raise ValueError(f"stages must be all, train or evaluate, got {stages!r}")
+
+
+def _check_tasks(
+    name: str, tasks: list[str], under: str | Path | None, check: bool, direct: bool, root: Path
+) -> dict[str, Any]:
+    """``--tasks``'s conditions; returns the profile's whole params (the recorded run's)."""
+    if direct or check or name == CHECK_PROFILE:
+        raise ValueError(
+            "--tasks re-records a recorded run's tasks with dvc repro: not with --direct or --check"
+        )
+    if not (root / RECORDED / name / MANIFEST).is_file():
+        raise ValueError(f"--tasks re-records some tasks of recorded/{name}, which has no {MANIFEST}")
+    whole = derive(name, False, under)
+    unknown = [t for t in tasks if t not in whole["tasks"]]
+    if unknown:
+        raise ValueError(f"--tasks: {', '.join(unknown)} not among profile {name}'s tasks {whole['tasks']}")
+    return whole
 
 
 def _record_direct(

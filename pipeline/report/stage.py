@@ -208,6 +208,16 @@ def recorded_about(run_dir: Path, manifest: dict[str, Any], parts: list[dict[str
         f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
         f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
     )
+    again = manifest.get("rerecorded") or {}
+    if again:  # some tasks trained again since (apg-pipeline record --tasks)
+        about += (
+            " Re-recorded since: "
+            + "; ".join(
+                f"{task} by commit `{r['commit']}` (finished {r['finished']}; {r['machine']})"
+                for task, r in again.items()
+            )
+            + "."
+        )
     partial = [
         c["name"]
         for part in parts

@@ -263,16 +263,71 @@ def test_record_keeps_a_run_that_the_report_shows_without_retraining(tmp_path):
     assert {c["cell_id"]: c["checkpoint_sha256"] for c in again["cells"]} == first
     assert json.loads((kept / "manifest.json").read_text())["resumed"] == 1
 
+    # The sandbox gone, one task re-recorded from the recorded cells: none trains again.
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs" / "paper-gmm")
+    proc = subprocess.run(
+        [*cmd, "--tasks", "gmm"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "{'gmm': 4} finished cells restored from recorded/paper-gmm" in proc.stdout
+    last = json.loads(
+        (tmp_path / "runs" / "paper-gmm" / "results" / "sweeps" / "gmm" / "last_run.json").read_text()
+    )
+    assert last["trained"] == [] and sorted(last["skipped"]) == sorted(first)
+    again = json.loads((kept / "eval" / "gmm" / "sweep.json").read_text())
+    assert {c["cell_id"]: c["checkpoint_sha256"] for c in again["cells"]} == first
+    rerecorded = json.loads((kept / "manifest.json").read_text())
+    assert rerecorded["started"] == manifest["started"] and rerecorded["cells"] == {"gmm": 4}
+    assert rerecorded["rerecorded"]["gmm"]["commit"] == manifest["commit"]
+    assert yaml.safe_load((kept / "params.yaml").read_text()) == recorded.derive("paper-gmm", under="smoke")
+
     from pipeline import report
 
     paper_all = yaml.safe_load(report.PAPER_NUMBERS.read_text())
     md = report.recorded_markdown(tmp_path, tmp_path / "reports", paper_all, "png")
     assert "### [`paper-gmm`](recorded/paper-gmm/README.md): paper scale" in md
     assert f"Trained by commit `{manifest['commit']}`" in md and "Training code today: the same" in md
+    assert f"Re-recorded since: gmm by commit `{manifest['commit']}`" in md
     assert "Table 1, gmm" in md and "| apg" in md
     page = (tmp_path / "reports" / "recorded" / "paper-gmm" / "README.md").read_text()
     assert "at the paper's scale, APG {c} ESS/L at or above the paper's" in page  # paper-scale claims
     assert (tmp_path / "reports" / "recorded" / "paper-gmm" / "figures" / "gmm_training.png").is_file()
+
+
+def test_re_recording_some_tasks_keeps_the_others_and_names_its_commit():
+    old = {
+        "commit": "a" * 10,
+        "started": "t0",
+        "code_digest": {"gmm": "g0", "dgmm": "d0"},
+        "stage_minutes": {"sweep@gmm": 70.0, "sweep@dgmm": 17.0, "report": 1.0},
+        "cells": {"gmm": 33, "dgmm": 17},
+    }
+    new = {
+        "commit": "b" * 10,
+        "started": "t1",
+        "finished": "t2",
+        "machine": "cpu",
+        "code_digest": {"gmm": "g1"},
+        "stage_minutes": {"sweep@gmm": 15.0, "report": 2.0},
+        "cells": {"gmm": 33},
+    }
+    merged = recorded.merged_manifest(old, new, {"tasks": ["gmm", "dgmm"]}, ["gmm"])
+    assert merged["commit"] == "a" * 10 and merged["started"] == "t0"
+    assert merged["commits"] == ["a" * 10, "b" * 10]
+    assert merged["code_digest"] == {"gmm": "g1", "dgmm": "d0"}
+    assert merged["stage_minutes"] == {"sweep@dgmm": 17.0, "report": 1.0, "sweep@gmm": 15.0}
+    assert merged["rerecorded"] == {"gmm": {"commit": "b" * 10, "finished": "t2", "machine": "cpu"}}
+
+
+def test_tasks_are_re_recorded_only_for_a_recorded_run_with_dvc(tmp_path):
+    with pytest.raises(ValueError, match="not with --direct"):
+        recorded._check_tasks("replicate", ["gmm"], None, False, True, REPO)
+    with pytest.raises(ValueError, match="recorded/replicate, which has no manifest.json"):
+        recorded._check_tasks("replicate", ["gmm"], None, False, False, tmp_path)
+    with pytest.raises(ValueError, match="rings not among profile replicate's tasks"):
+        recorded._check_tasks("replicate", ["rings"], None, False, False, REPO)
 
 
 def test_the_report_has_no_recorded_section_without_recorded_runs(tmp_path):

@@ -76,6 +76,24 @@ def test_axes_cross_any_key_with_methods_and_seeds(tiny):
     assert len({c.name for c in cells}) == len({c.cell_id("d") for c in cells}) == len(cells)
 
 
+def test_an_entry_sets_its_methods_own_network_and_rate(tiny):
+    """A baseline at its own searched width and rate keeps its method's name (the claims
+    read cells by method); the other entries keep the task's network."""
+    apg = {"methods": ["apg"], "pairs": [[2, 3]], "seeds": [0]}
+    mlp = {**apg, "methods": ["rws-mlp"], "network": {"hidden": 16}, "train": {"lr": 0.003}}
+    cells = {c.method: c for c in grid_cells(tiny(**{"gmm.grid": [apg, mlp]}), "gmm")}
+    assert cells["rws-mlp"].name == "gmm/rws-mlp/K2/L3/seed0" and not cells["rws-mlp"].axes
+    assert cells["rws-mlp"].train.network["hidden"] == 16 and cells["rws-mlp"].train.lr == 0.003
+    assert cells["apg"].train.network == TINY["gmm"]["network"]
+    default = {c.method: c for c in grid_cells(tiny(), "gmm")}["rws-mlp"]
+    assert cells["rws-mlp"].cell_id("d") != default.cell_id("d")
+    validate_params(tiny(**{"gmm.grid": [apg, mlp]}))
+    with pytest.raises(ParamsError, match=r"gmm.grid\[1\].network: must be dict"):
+        validate_params(tiny(**{"gmm.grid": [apg, {**mlp, "network": 16}]}))
+    with pytest.raises(ParamsError, match=r"gmm.grid \(gmm/rws-mlp/K2/L3/seed0\): .*widht"):
+        validate_params(tiny(**{"gmm.grid": [apg, {**mlp, "network": {"widht": 16}}]}))
+
+
 @pytest.mark.parametrize(
     "axes, expected",
     [
