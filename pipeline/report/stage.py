@@ -41,6 +41,7 @@ from pipeline.report.headline import claims_json, headline_metrics
 from pipeline.report.longrun import long_run_markdown
 from pipeline.report.sections import (
     RESULTS_START,
+    cells_training_seconds,
     index_markdown,
     pipeline_time_markdown,
     readme_results,
@@ -52,6 +53,13 @@ from pipeline.report.sections import (
 from pipeline.statistics import (
     MIN_SEEDS,
 )
+
+
+def trials_at_once(sweep: dict[str, Any]) -> int:
+    """How many CPU trials a sweep runs at once on this machine (``pipeline.sweep``'s rule)."""
+    cpus = sweep.get("num_cpus") or os.cpu_count() or 1
+    parallel = max(int(cpus // max(sweep.get("cpus_per_trial", 1), 1e-9)), 1)
+    return min(parallel, sweep["max_concurrent"]) if sweep.get("max_concurrent") else parallel
 
 
 def make_report(params: dict[str, Any], root: Path, from_committed: bool = False) -> Path:
@@ -98,15 +106,27 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
     else:
         times = stages.stage_times(root)
         atomic_write(data / STAGE_TIMES, lambda tmp: tmp.write_text(json.dumps(times, indent=2) + "\n"))
+    training = {
+        f"sweep@{task}": cells_training_seconds(json.loads((data / task / "meta.json").read_text()))
+        for task in params["tasks"]
+    }
+    parallel = trials_at_once(params.get("sweep", {}))
     lead = reused_cells_markdown(parts) + pipeline_time_markdown(
-        times, params.get("sweep", {}).get("torch_threads")
+        times, params.get("sweep", {}).get("torch_threads"), training, parallel
     )
     text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
     readme = root / "README.md"
     if readme.is_file() and RESULTS_START in readme.read_text():
         block = readme_results(
-            claims, claims_md, times, label, final.relative_to(root).as_posix(), replication
+            claims,
+            claims_md,
+            times,
+            label,
+            final.relative_to(root).as_posix(),
+            replication,
+            training,
+            parallel,
         )
         write_readme_results(readme, block)
     full = {p["task"]: p["metrics"] for p in parts}

@@ -1140,3 +1140,17 @@ def test_the_report_stage_clears_a_stale_line_in_the_readme(tmp_path):
     readme = (tmp_path / "README.md").read_text()
     assert "provenance:stale" not in readme and stale not in readme
     assert readme.startswith("# x\n\n## Results\n\n<!-- results:start -->")
+
+
+def test_the_time_table_estimates_a_from_scratch_run_from_every_cells_training():
+    from pipeline.report.sections import cells_training_seconds, from_scratch_minutes, pipeline_time_markdown
+
+    meta = {"cells": [{"iterations": 600, "mean_it_per_s": 10.0}, {"iterations": 0, "mean_it_per_s": 0.0}]}
+    assert cells_training_seconds(meta) == 60.0
+    # The sweep last trained one new cell (6 s); from scratch its cells take 240 s on 2 slots.
+    times = {"sweep@gmm": 6.0, "evaluate@gmm": 60.0}
+    training = {"sweep@gmm": 240.0}
+    assert from_scratch_minutes(times, training, 2) == (120.0 + 60.0) / 60
+    table = pipeline_time_markdown(times, 1, training, 2)
+    assert "| `sweep@gmm` | 0.1 | 2.0 |" in table and "| `evaluate@gmm` | 1.0 | 1.0 |" in table
+    assert "| **sum** | **1.1** | **3.0** |" in table and "divided by the 2 trials run at once" in table
