@@ -416,7 +416,11 @@ def record(
         sandbox, info = sandbox_for(name, under, directory, fresh or direct, check, direct, tasks)
         if tasks and made:
             restored = restore_cells(sandbox, root / RECORDED / name, root)
-            print(f"record {label}: {restored} finished cells restored from recorded/{name}", flush=True)
+            print(
+                f"record {label}: finished cells put back from recorded/{name}: {restored} "
+                "(the sweep keeps those whose id its grid still gives)",
+                flush=True,
+            )
     if direct:
         info, wall = _record_direct(
             name, label, sandbox, info, root, device, None if check else minutes, stages, deadline_minutes

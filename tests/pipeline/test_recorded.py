@@ -271,7 +271,7 @@ def test_record_keeps_a_run_that_the_report_shows_without_retraining(tmp_path):
         [*cmd, "--tasks", "gmm"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "{'gmm': 4} finished cells restored from recorded/paper-gmm" in proc.stdout
+    assert "finished cells put back from recorded/paper-gmm: {'gmm': 4}" in proc.stdout
     last = json.loads(
         (tmp_path / "runs" / "paper-gmm" / "results" / "sweeps" / "gmm" / "last_run.json").read_text()
     )
