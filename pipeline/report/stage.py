@@ -218,13 +218,16 @@ def recorded_about(run_dir: Path, manifest: dict[str, Any], parts: list[dict[str
     """Where a recorded run comes from: the commit and machine that trained it, whether the
     training code is still that code, its profile, and what a clone cannot re-check; links
     start with ``{up}``, the way from the page to the repository's root."""
-    same = all(
-        stages.code_digest("sweep", t, stages.package_root()) == d for t, d in manifest["code_digest"].items()
-    )
+    changed = [
+        t
+        for t, d in manifest["code_digest"].items()
+        if stages.code_digest("sweep", t, stages.package_root()) != d
+    ]
+    code_today = f"**changed since** ({', '.join(changed)})" if changed else "the same"
     about = (
         f"Trained by commit `{manifest['commit']}` ({manifest.get('started', '?')} to "
         f"{manifest['finished']}, last run {manifest['wall_minutes_last_run']} min wall; "
-        f"{manifest['machine']}). Training code today: {'the same' if same else '**changed since**'}. "
+        f"{manifest['machine']}). Training code today: {code_today}. "
         f"Profile `{manifest['profile']}` of `{manifest['base']}`; its params: "
         f"[`recorded/{run_dir.name}/params.yaml`]({{up}}recorded/{run_dir.name}/params.yaml)."
     )
