@@ -462,10 +462,17 @@ def cells_training_seconds(meta: dict[str, Any]) -> float:
     )
 
 
-def from_scratch_minutes(times: dict[str, float], training: dict[str, float], parallel: int) -> float:
+def from_scratch_seconds(
+    times: dict[str, float], training: dict[str, float], parallel: int
+) -> dict[str, float]:
     """A from-scratch run's stages: each sweep as its cells' training over the trials run at
     once (``training``: seconds per sweep stage), the others as they last ran."""
-    return sum(training.get(name, seconds * parallel) / parallel for name, seconds in times.items()) / 60
+    return {name: training[name] / parallel if name in training else s for name, s in times.items()}
+
+
+def from_scratch_minutes(times: dict[str, float], training: dict[str, float], parallel: int) -> float:
+    """The from-scratch estimate of the whole run (``from_scratch_seconds``), in minutes."""
+    return sum(from_scratch_seconds(times, training, parallel).values()) / 60
 
 
 def pipeline_time_markdown(
@@ -478,13 +485,9 @@ def pipeline_time_markdown(
     estimate beside it (``training``: each sweep's cells' training seconds), and the machine."""
     if not times:
         return ""
-    training = training or {}
-
-    def scratch(name: str, seconds: float) -> str:
-        return f"{training[name] / parallel / 60:.1f}" if name in training else f"{seconds / 60:.1f}"
-
+    scratch = from_scratch_seconds(times, training or {}, parallel)
     rows = "\n".join(
-        f"| `{name}` | {seconds / 60:.1f} | {scratch(name, seconds)} |" for name, seconds in times.items()
+        f"| `{name}` | {seconds / 60:.1f} | {scratch[name] / 60:.1f} |" for name, seconds in times.items()
     )
     total = sum(times.values()) / 60
     per_trial = f"; {threads} torch thread{'s' if threads != 1 else ''} per trial" if threads else ""
@@ -497,7 +500,7 @@ def pipeline_time_markdown(
         f"summed and divided by the {parallel} trials run at once, without Ray's start-up (1-3 "
         "minutes a sweep); the other stages as they last ran.\n\n"
         "| stage | minutes (last run) | minutes (from scratch) |\n| --- | ---: | ---: |\n"
-        f"{rows}\n| **sum** | **{total:.1f}** | **{from_scratch_minutes(times, training, parallel):.1f}** |\n\n"
+        f"{rows}\n| **sum** | **{total:.1f}** | **{sum(scratch.values()) / 60:.1f}** |\n\n"
         f"Machine that made this report (a from-scratch `dvc repro` trains and evaluates on the same "
         f"one; trained numbers differ across CPUs): {provenance.machine_line(provenance.machine())}"
         f"{per_trial}.\n\n"
