@@ -9,9 +9,15 @@ median of the per-pair ratios.
 
     python bench/ab_step.py --old 6c609ec --task gmm --threads 2 --steps 30
     python bench/ab_step.py --old HEAD~3 --task dgmm --threads 2 --steps 8
+    python bench/ab_step.py --old HEAD~1 --task bmnist --threads 1 --steps 6 \
+        --weights recorded/bmnist-long
 
 Paper training configs: B=20 datasets, K=10 sweeps, L=10 particles; N=60 (gmm) or 200
-(dgmm) points. Run from the repository root.
+(dgmm) points; Bouncing MNIST B=10 three-digit T=10 videos (of 50 simulated from MNIST
+in ``APG_MNIST_DIR``), K=5, L=10. ``--weights``: a long run's folder (``apg-pipeline
+long-run``), whose latest model and proposals weights both arms load (a trained model's particles, and so its cost, differ from a fresh
+one's). Both arms then take the same steps; the script says whether their losses agreed
+exactly. Run from the repository root.
 """
 
 from __future__ import annotations
@@ -46,22 +52,51 @@ def export_old_package(rev: str, root: Path) -> Path:
     return root
 
 
-def make_trainer(pkg: str, task_name: str):
+def make_trainer(pkg: str, task_name: str, weights: str | None = None):
     tasks = importlib.import_module(f"{pkg}.tasks")
     training = importlib.import_module(f"{pkg}.training")
     torch.manual_seed(0)
     task = tasks.get_task(task_name)
-    data = task.simulate(
-        task.build_model(), 400, torch.Generator().manual_seed(0), num_points=POINTS[task_name]
-    )
-    cfg = training.TrainConfig(task=task_name, method="apg", sweeps=10, particles=10, batch_size=20, lr=1e-4)
-    return training.Trainer(cfg, data["x"].float())
+    g = torch.Generator().manual_seed(0)
+    if task_name == "bmnist":
+        sizes = {
+            "num_frames": 10,
+            "num_digits": 3,
+            "split": "train",
+            "mnist_dir": os.environ.get("APG_MNIST_DIR"),
+        }
+        data = task.simulate(task.build_model(), 50, g, **sizes)
+        cfg = training.TrainConfig(
+            task=task_name,
+            method="apg",
+            sweeps=5,
+            particles=10,
+            batch_size=10,
+            lr=1e-4,
+            network={"num_digits": 3},
+        )
+    else:
+        data = task.simulate(task.build_model(), 400, g, num_points=POINTS[task_name])
+        cfg = training.TrainConfig(
+            task=task_name, method="apg", sweeps=10, particles=10, batch_size=20, lr=1e-4
+        )
+    trainer = training.Trainer(cfg, data["x"].float())
+    if weights is not None:
+        from pipeline.longrun import latest_state
+
+        state = latest_state(Path(weights))
+        if state is None:
+            raise SystemExit(f"{weights}: no long-run state")
+        trainer.model.load_state_dict(state["model"])
+        trainer.proposals.load_state_dict(state["proposals"])
+    return trainer
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", required=True, help="git revision of the baseline")
-    parser.add_argument("--task", choices=sorted(POINTS), default="gmm")
+    parser.add_argument("--task", choices=[*sorted(POINTS), "bmnist"], default="gmm")
+    parser.add_argument("--weights", default=None, help="a long run's folder: both arms load its weights")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
@@ -70,18 +105,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, str(export_old_package(args.old, Path(tmp))))
-        arms = {"old": make_trainer("apg_old", args.task), "new": make_trainer("apg", args.task)}
-        for _ in range(args.warmup):
-            for trainer in arms.values():
-                trainer.step()
+        arms = {pkg: make_trainer(pkg, args.task, args.weights) for pkg in ("apg_old", "apg")}
+        arms = {"old": arms["apg_old"], "new": arms["apg"]}
+        # each arm draws from its own copy of the global generator: both take the same steps
+        rng = dict.fromkeys(arms, torch.get_rng_state())
+        losses: dict[str, list[float]] = {k: [] for k in arms}
         wall: dict[str, list[float]] = {k: [] for k in arms}
         cpu: dict[str, list[float]] = {k: [] for k in arms}
-        for _ in range(args.steps):
+        for i in range(args.warmup + args.steps):
             for name, trainer in arms.items():
+                torch.set_rng_state(rng[name])
                 start, start_cpu = time.perf_counter(), time.process_time()
-                trainer.step()
-                wall[name].append(time.perf_counter() - start)
-                cpu[name].append(time.process_time() - start_cpu)
+                metrics = trainer.step(log=True)
+                if i >= args.warmup:
+                    wall[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - start_cpu)
+                rng[name] = torch.get_rng_state()
+                losses[name].append(float(metrics["loss"]))
     old, new = (statistics.median(wall[k]) for k in ("old", "new"))
     ratio = statistics.median(b / a for a, b in zip(wall["old"], wall["new"], strict=True))
     print(
@@ -89,6 +129,7 @@ def main() -> None:
         f"old ({args.old}) {old * 1e3:.1f} ms (CPU {statistics.median(cpu['old']) * 1e3:.1f}), "
         f"new {new * 1e3:.1f} ms (CPU {statistics.median(cpu['new']) * 1e3:.1f}); "
         f"speed-up {old / new:.2f}x, median paired ratio new/old {ratio:.3f}; "
+        f"losses of all {len(losses['old'])} steps equal: {losses['old'] == losses['new']}; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
 

@@ -159,7 +159,7 @@ class BouncingMNIST(Model):
         """
         if torch.compiler.is_compiling():  # the graph holds no tensor versions or weak references
             return self.decoder(z_what)
-        key = (torch.is_grad_enabled(), self.training, tuple(p._version for p in self.decoder.parameters()))
+        key = (torch.is_grad_enabled(), self.training, weights_key(self.decoder))
         memo = self._memo
         if memo is not None and memo[0] == key:
             last, last_version, last_out = memo[1]
@@ -263,18 +263,32 @@ def _check_video(x: Tensor, cfg: BMNISTConfig) -> int:
     return x.shape[1]
 
 
-def _gather_copies(z: Tensor, source: Tensor, source_out: Tensor) -> Tensor | None:
-    """``source_out`` reindexed to ``z``'s particles when every particle of ``z (L, B, ...)``
-    is an exact copy of a particle of ``source (L', B, ...)`` for the same video
-    (``source_out[a(l, b), b]``); else ``None``."""
+def weights_key(module: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Each parameter's storage and version: equal only while no weight has changed (an
+    optimizer step or a loaded state bumps the versions; a copied module has new storage)."""
+    return tuple((p.data_ptr(), p._version) for p in module.parameters())
+
+
+def _copy_ancestors(z: Tensor, source: Tensor) -> Tensor | None:
+    """``a (L, B)`` such that particle l of video b of ``z (L, B, ...)`` is an exact copy of
+    particle ``a[l, b]`` of ``source (L', B, ...)``, when every particle is one; else ``None``
+    (and on a device, where computing again costs less than the host read this needs)."""
     if z.shape[1:] != source.shape[1:] or z.dtype != source.dtype or z.device != source.device:
         return None
-    if not values_on_host(z):  # a device: decoding again costs less than a host read
+    if not values_on_host(z):
         return None
     same = (z.unsqueeze(1) == source.unsqueeze(0)).flatten(3).all(-1)  # (L, L', B)
     if not bool(same.any(1).all()):
         return None
-    ancestor = same.to(torch.uint8).argmax(1)  # (L, B)
+    return same.to(torch.uint8).argmax(1)
+
+
+def _gather_copies(z: Tensor, source: Tensor, source_out: Tensor) -> Tensor | None:
+    """``source_out`` reindexed to ``z``'s particles (``source_out[a(l, b), b]``, ``a`` from
+    :func:`_copy_ancestors`); ``None`` where ``z`` is not all copies of ``source``."""
+    ancestor = _copy_ancestors(z, source)
+    if ancestor is None:
+        return None
     return source_out[ancestor, torch.arange(z.shape[1], device=z.device)]
 
 

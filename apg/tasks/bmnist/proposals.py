@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,15 @@ from apg.tasks.bmnist.likelihood import (
     pixel_offsets,
     render,
 )
-from apg.tasks.bmnist.model import BouncingMNIST, _check_video, _flush_denormals, _FlushDenormalGrad, _run
+from apg.tasks.bmnist.model import (
+    BouncingMNIST,
+    _check_video,
+    _copy_ancestors,
+    _flush_denormals,
+    _FlushDenormalGrad,
+    _run,
+    weights_key,
+)
 
 
 def _mean_digit_blob(size: int = DIGIT) -> Tensor:
@@ -275,6 +284,7 @@ class BMNISTProposals(Proposals):
         self.initial_where_net = where_net(encoder_min_scale) if own else None
         self.what_net = WhatNet(cfg.digit_size, cfg.z_what_dim)
         self.register_buffer("mean_template", _mean_digit_blob(cfg.digit_size))
+        self._where_memo: tuple[Any, ...] | None = None  # see _where_inputs
 
     @property
     def cfg(self) -> BMNISTConfig:
@@ -330,6 +340,33 @@ class BMNISTProposals(Proposals):
                 z[where_key(t + 1)] = stacked[:, :, t - lo]
         return z, log_q
 
+    def _where_inputs(self, z_what: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The where kernels' templates ``(L, B, D, S, S)`` (detached: eq. 5 trains phi only,
+        the decoder belongs to theta; subnormal ink, sigmoid(-88) and below, would slow the
+        convolutions down) and, for more than one digit, their ``cross_correlations``.
+
+        Between the where blocks of a sweep z_what changes only by the copies and drops
+        resampling makes, so both are computed once per fresh set of codes, as
+        ``BouncingMNIST.templates`` decodes: a ``z_what`` each of whose particles equals a
+        particle of the last computed one, for the same video, gets that particle's templates
+        and maps by indexing (the same numbers: each is its particle's own). The key holds
+        the decoder's weights (``weights_key``) and its train/eval mode.
+        """
+        decoder = self.model[0].decoder
+        key = (decoder.training, weights_key(decoder))
+        memo = self._where_memo
+        if memo is not None and memo[0] == key and memo[1]._version == memo[2]:
+            ancestor = _copy_ancestors(z_what, memo[1])
+            if ancestor is not None:
+                videos = torch.arange(z_what.shape[1], device=z_what.device)
+                cross = memo[4] if memo[4] is None else memo[4][ancestor, videos]
+                return memo[3][ancestor, videos], cross
+        templates = _flush_denormals(self.model[0].templates(z_what).detach())
+        cross = cross_correlations(templates) if templates.shape[2] > 1 else None
+        if values_on_host(z_what):  # on a device nothing is reused (see _copy_ancestors)
+            self._where_memo = (key, z_what, z_what._version, templates, cross)
+        return templates, cross
+
     # -- the Proposals interface
 
     def initial(self, x: Tensor, num_particles: int) -> tuple[Latents, Tensor]:
@@ -355,9 +392,7 @@ class BMNISTProposals(Proposals):
                 q = Normal(q.loc.gather(0, index), q.scale.gather(0, index), validate_args=False)
             return Factorized({"z_what": (q, 2)})
         t = _frame_of(block)
-        # Templates are detached: eq. 5 trains phi only, the decoder belongs to theta.
-        # (Subnormal ink, sigmoid(-88) and below, would slow the convolution down.)
-        templates = _flush_denormals(self.model[0].templates(z["z_what"]).detach())
+        templates, cross = self._where_inputs(z["z_what"])
         # Resampling leaves copies of particles; a copy's z_what, hence its correlation
         # maps and proposal, are its original's: compute them once per distinct particle.
         if values_on_host(templates):
@@ -368,9 +403,8 @@ class BMNISTProposals(Proposals):
             q = self.where_net(corr)  # over (N distinct, 2)
             q = Normal(q.loc[rows], q.scale[rows], validate_args=False)
             return Factorized({where_key(t): (q, 2)})
-        return ExplainingAwayWhere(
-            self.where_net, corr[rows], cross_correlations(templates), self.cfg, where_key(t)
-        )
+        assert cross is not None
+        return ExplainingAwayWhere(self.where_net, corr[rows], cross, self.cfg, where_key(t))
 
 
 def build_proposals(

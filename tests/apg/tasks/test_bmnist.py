@@ -495,6 +495,37 @@ def test_template_memo_sees_parameter_updates():
     assert not torch.allclose(model.templates(z_what), first)
 
 
+def test_where_inputs_of_resampled_copies_are_read_back_as_the_fresh_numbers():
+    """The where kernels' templates and cross-correlation maps are kept across the where
+    blocks of a sweep: for particles resampling copied or dropped they are read back by
+    indexing, and are then the very numbers computed afresh."""
+    torch.manual_seed(3)
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", 3)
+    z_what = torch.randn(6, 2, 3, 10)
+    prop._where_inputs(z_what)
+    ancestors = torch.tensor([[3, 3, 0, 5, 1, 1], [2, 0, 0, 4, 4, 5]]).T  # (L, B): copies and drops
+    copies = z_what[ancestors, torch.arange(2)]
+    templates, cross = prop._where_inputs(copies)
+    assert prop._where_memo is not None and prop._where_memo[1] is z_what  # read back, not recomputed
+    prop._where_memo = model._memo = None
+    fresh, fresh_cross = prop._where_inputs(copies)
+    assert torch.equal(templates, fresh) and torch.equal(cross, fresh_cross)
+
+
+def test_where_inputs_memo_sees_new_weights():
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", 2)
+    z_what = torch.randn(2, 1, 2, 10)
+    first, cross = prop._where_inputs(z_what)
+    assert torch.equal(prop._where_inputs(z_what)[1], cross)
+    with torch.no_grad():
+        model.decoder.net[-1].bias.add_(1.0)
+    again, _ = prop._where_inputs(z_what)
+    assert not torch.allclose(again, first)
+    assert torch.equal(again, model.decoder(z_what).detach())
+
+
 def test_proposal_does_not_train_the_decoder():
     """eq. 5 trains phi only: the where kernel uses detached templates."""
     model = BouncingMNIST()
