@@ -270,7 +270,7 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
             "",
             made_at_line(summary),
             "",
-            f"**Best** (the highest score among the longest-trained of the trials that finished with a "
+            f"**Best** (the {'lowest' if plan['mode'] == 'min' else 'highest'} score among the longest-trained of the trials that finished with a "
             f"score, {best.get('iterations', plan['iterations'])} iterations): trial `{best['trial']}`, {trial_name(best['setting'])}: {best['score']:.6g}. "
             f"`{best_file}` has the task's sections with these settings.",
             "",

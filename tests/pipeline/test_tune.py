@@ -494,6 +494,9 @@ def test_the_report_draws_a_choice_as_categories_and_goes_where_asked(tmp_path, 
     assert path == tmp_path / "elsewhere" / "search.md" and (tmp_path / "elsewhere" / "search.png").is_file()
     text = path.read_text()
     assert "`apg-pipeline tune --task gmm --method rws-mlp`" in text and "`x/best-params.yaml`" in text
+    assert "the highest score among" in text
+    plan["mode"] = "min"  # a score to lower (mse): the best is the lowest
+    assert "the lowest score among" in write_report(plan, out, tmp_path / "min.md").read_text()
 
 
 @pytest.mark.slow
