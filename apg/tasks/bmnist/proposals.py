@@ -354,13 +354,17 @@ class BMNISTProposals(Proposals):
         """
         decoder = self.model[0].decoder
         key = (decoder.training, weights_key(decoder))
-        memo = self._where_memo
-        if memo is not None and memo[0] == key and memo[1]._version == memo[2]:
-            ancestor = _copy_ancestors(z_what, memo[1])
+        if self._where_memo is not None:
+            kept_key, source, source_version, kept_templates, kept_cross = self._where_memo
+            ancestor = (
+                _copy_ancestors(z_what, source)
+                if kept_key == key and source._version == source_version
+                else None
+            )
             if ancestor is not None:
                 videos = torch.arange(z_what.shape[1], device=z_what.device)
-                cross = memo[4] if memo[4] is None else memo[4][ancestor, videos]
-                return memo[3][ancestor, videos], cross
+                cross = None if kept_cross is None else kept_cross[ancestor, videos]
+                return kept_templates[ancestor, videos], cross
         templates = _flush_denormals(self.model[0].templates(z_what).detach())
         cross = cross_correlations(templates) if templates.shape[2] > 1 else None
         if values_on_host(z_what):  # on a device nothing is reused (see _copy_ancestors)
