@@ -352,9 +352,10 @@ class BMNISTProposals(Proposals):
         and maps by indexing (the same numbers: each is its particle's own). The key holds
         the decoder's weights (``weights_key``) and its train/eval mode.
         """
+        kept = values_on_host(z_what)  # a device or torch.compile: nothing kept (see _copy_ancestors)
         decoder = self.model[0].decoder
-        key = (decoder.training, weights_key(decoder))
-        if self._where_memo is not None:
+        key = (decoder.training, weights_key(decoder)) if kept else None
+        if kept and self._where_memo is not None:
             kept_key, source, source_version, kept_templates, kept_cross = self._where_memo
             ancestor = (
                 _copy_ancestors(z_what, source)
@@ -367,7 +368,7 @@ class BMNISTProposals(Proposals):
                 return kept_templates[ancestor, videos], cross
         templates = _flush_denormals(self.model[0].templates(z_what).detach())
         cross = cross_correlations(templates) if templates.shape[2] > 1 else None
-        if values_on_host(z_what):  # on a device nothing is reused (see _copy_ancestors)
+        if kept:
             self._where_memo = (key, z_what, z_what._version, templates, cross)
         return templates, cross
 
