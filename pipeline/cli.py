@@ -133,15 +133,17 @@ def cmd_record(args: argparse.Namespace) -> None:
 
 def cmd_long_run(args: argparse.Namespace) -> None:
     from pipeline.common import project_root
-    from pipeline.longrun import long_run, new_run
+    from pipeline.longrun import long_run, new_run, run_dir_of, run_method
 
     root = project_root()
+    run_dir = Path(args.dir) if args.dir else root / run_dir_of(args.method or "apg")
+    found = run_method(run_dir)
+    if args.method and found and found != args.method:
+        raise SystemExit(f"long-run: {run_dir} is a {found} run, not {args.method}")
     if args.grid:
         from pipeline.longrun_grid import evaluate_grid
 
-        path = evaluate_grid(
-            root, Path(args.dir) if args.dir else None, videos=args.videos, device=args.device
-        )
+        path = evaluate_grid(root, run_dir, videos=args.videos, device=args.device)
         print(f"long run: wrote {path}; commit it with the run's folder")
         return
     if args.minutes is None and args.steps is None:
@@ -152,8 +154,8 @@ def cmd_long_run(args: argparse.Namespace) -> None:
         steps=args.steps,
         device=args.device,
         compile=args.compile,
-        run_dir=Path(args.dir) if args.dir else None,
-        new=new_run(args.start) if args.start else None,
+        run_dir=run_dir,
+        new=new_run(args.start, method=args.method or "apg") if args.start else None,
         full_state=not args.no_full_state,
     )
     print(
@@ -463,9 +465,15 @@ def _add_long_run(sub) -> None:
         "--start",
         metavar="PROFILE",
         default=None,
-        help="no run yet: start one from this profile's Bouncing MNIST APG cell (paper)",
+        help="no run yet: start one from this profile's Bouncing MNIST cell of --method (paper)",
     )
-    run.add_argument("--dir", default=None, help="the run's folder (default recorded/bmnist-long)")
+    run.add_argument(
+        "--method",
+        default=None,
+        help="apg (default) or a baseline trained the same way for the comparison (rws-mlp, avf): "
+        "its run is recorded/bmnist-long-<method>",
+    )
+    run.add_argument("--dir", default=None, help="the run's folder (default: the --method's, above)")
     run.add_argument(
         "--grid",
         action="store_true",

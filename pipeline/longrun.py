@@ -51,18 +51,29 @@ from pipeline.evaluate_particles import tracking_errors
 from pipeline.generate import simulate_set
 from pipeline.provenance import device_line, git_commit, utc_now
 
-RUN_DIR = Path("recorded") / "bmnist-long"
+RUN_DIR = Path("recorded") / "bmnist-long"  # APG's run; a baseline's: ``run_dir_of(method)``
 RUN, STATE, HISTORY, EVALS, SEGMENTS = "run.json", "state.pt", "history.csv", "evals.csv", "segments.csv"
 FULL_STATE = "full-state.pt"  # the same state unquantized, for this machine only (not in git)
 PROFILE, TEST_SET, METHOD, PAIR, SEED = "paper", "T10_D3", "apg", (5, 10), 0
 EVAL_SEED = 12345  # held-out scoring's own random stream (the same particles for the same weights)
 
 
+def run_dir_of(method: str = METHOD) -> Path:
+    """A method's long run, relative to the project: APG's ``recorded/bmnist-long``, a
+    baseline's (trained the same way, for the comparison) ``recorded/bmnist-long-<method>``."""
+    return RUN_DIR if method == METHOD else RUN_DIR.with_name(f"{RUN_DIR.name}-{method}")
+
+
 def new_run(
-    profile: str = PROFILE, eval_videos: int = 100, every: dict[str, int] | None = None
+    profile: str = PROFILE,
+    eval_videos: int = 100,
+    every: dict[str, int] | None = None,
+    method: str = METHOD,
 ) -> dict[str, Any]:
-    """``run.json`` of a new run: ``profile``'s Bouncing MNIST APG cell (K=5, L=10, seed 0) and
-    its training and ``T10_D3`` sets; ``every``: the cadences (log, checkpoint, eval)."""
+    """``run.json`` of a new run: ``profile``'s Bouncing MNIST cell of ``method`` (K=5, L=10,
+    seed 0) and its training and ``T10_D3`` sets; ``every``: the cadences (log, checkpoint,
+    eval). A baseline's run shares APG's videos, data order, seed and cadences, so their
+    curves compare step for step."""
     from pipeline import profiles
 
     params = profiles.resolve(profile)
@@ -70,11 +81,11 @@ def new_run(
     cells = [
         c
         for c in grid_cells(params, "bmnist")
-        if (c.method, c.sweeps, c.particles, c.seed) == (METHOD, *PAIR, SEED)
+        if (c.method, c.sweeps, c.particles, c.seed) == (method, *PAIR, SEED)
     ]
     if not cells:
         raise ValueError(
-            f"profile {profile!r} trains no Bouncing MNIST {METHOD} cell at K, L = {PAIR}, seed {SEED}"
+            f"profile {profile!r} trains no Bouncing MNIST {method} cell at K, L = {PAIR}, seed {SEED}"
         )
     tests = [t for t in section["data"].get("tests", []) if t.get("name") == TEST_SET]
     if not tests:
@@ -100,6 +111,12 @@ def new_run(
         "every": every,
         "started": utc_now(),
     }
+
+
+def run_method(run_dir: Path) -> str | None:
+    """The method the run in ``run_dir`` trains (``None``: no run there)."""
+    path = run_dir / RUN
+    return json.loads(path.read_text())["train"]["method"] if path.is_file() else None
 
 
 def training_rows(run: dict[str, Any]) -> VideoRows:

@@ -1,6 +1,7 @@
 """The long Bouncing MNIST run (``apg-pipeline long-run``, ``recorded/bmnist-long/``) in the
 report: its held-out learning curve with each sitting's device, its sittings, and, from a
-power law fitted to the curve, when its target would be met at the rate measured."""
+power law fitted to the curve, when its target would be met at the rate measured; then the
+baselines trained the same way (``recorded/bmnist-long-<method>/``) beside it, step for step."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from pipeline.longrun import EVALS, HISTORY, RUN, RUN_DIR, SEGMENTS
+from pipeline.longrun import EVALS, HISTORY, METHOD, RUN, RUN_DIR, SEGMENTS, run_dir_of
 from pipeline.report.figures import _save
 from pipeline.report.longrun_grid import grid_markdown
 
 TARGET_PX = 3.0  # position error the paper's tracking reaches at T10_D3 (issue target)
 FIT_MIN_POINTS = 3
+BASELINES = ("rws-mlp", "avf")  # methods whose long runs stand beside APG's when recorded
 
 
 def power_law_fit(steps: np.ndarray, errors: np.ndarray) -> tuple[float, float] | None:
@@ -93,8 +95,92 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
         extrapolation_text(fit, int(last["iteration"]), train["iterations"], rates),
         "",
         grid_markdown(run_dir, figure.parent, f"recorded/{run_dir.name}", fmt),
+        baselines_markdown(root, out, fmt, evals),
     ]
     return "\n".join(lines)
+
+
+def baselines_markdown(root: Path, out: Path, fmt: str, apg: pd.DataFrame) -> str:
+    """The baselines' long runs beside APG's: their held-out curves in one figure and the
+    position errors at the steps every run has scored (empty without a baseline run)."""
+    curves = {METHOD: apg}
+    for method in BASELINES:
+        path = root / run_dir_of(method) / EVALS
+        if path.is_file():
+            curves[method] = pd.read_csv(path)
+    if len(curves) == 1:
+        return ""
+    figure = out / "recorded" / RUN_DIR.name / f"methods.{fmt}"
+    methods_figure(curves, figure)
+    common = sorted(set.intersection(*(set(c["iteration"]) for c in curves.values())) - {0})
+    lines = [
+        "### Baselines trained the same way",
+        "",
+        "Each baseline's own long run (`apg-pipeline long-run --start paper --method M`, state in "
+        f"`recorded/{RUN_DIR.name}-M/`): the `paper` profile's cell of the method at the same K·L, on "
+        "the same videos in the same order with the same batch, learning rate and seed, scored on the "
+        "same held-out videos, so the curves compare at equal training steps (one run each: no "
+        "verdicts; the spreads are over videos).",
+        "",
+        f"![methods](recorded/{RUN_DIR.name}/{figure.name})",
+        "",
+    ]
+    if common:
+        indexed = {m: c.set_index("iteration") for m, c in curves.items()}
+        lines += [
+            "| step | " + " | ".join(f"{m} (px)" for m in curves) + " |",
+            "|---" * (len(curves) + 1) + "|",
+            *(
+                f"| {step:,} | "
+                + " | ".join(
+                    f"{indexed[m].loc[step, 'pos_err']:.2f} ± {indexed[m].loc[step, 'pos_err_sem']:.2f}"
+                    for m in curves
+                )
+                + " |"
+                for step in common
+            ),
+            "",
+        ]
+    for method in curves:
+        if method != METHOD:
+            run_dir = root / run_dir_of(method)
+            last = curves[method].iloc[-1]
+            lines += [
+                f"`{method}`: step {int(last['iteration']):,}, {last['pos_err']:.2f} px (± "
+                f"{last['pos_err_sem']:.2f}).",
+                "",
+                grid_markdown(run_dir, out / "recorded" / run_dir.name, f"recorded/{run_dir.name}", fmt),
+            ]
+    return "\n".join(lines)
+
+
+def draw_curve(ax, evals: pd.DataFrame, colour: str, label: str) -> None:
+    """A held-out curve: position error ± its standard error against steps."""
+    ax.errorbar(
+        evals["iteration"],
+        evals["pos_err"],
+        yerr=evals["pos_err_sem"],
+        fmt="o-",
+        ms=3,
+        color=colour,
+        label=label,
+    )
+
+
+def methods_figure(curves: dict[str, pd.DataFrame], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, (method, evals) in enumerate(curves.items()):
+        draw_curve(ax, evals[evals["iteration"] > 0], f"C{i}", method)
+    ax.axhline(TARGET_PX, color="grey", lw=0.8, ls=":", label=f"target {TARGET_PX:g} px")
+    ax.set(xscale="log", yscale="log", xlabel="training step", ylabel="T10_D3 position error (px)")
+    ax.legend(fontsize=7)
+    _save(
+        fig,
+        path,
+        "Held-out T10_D3 position error of each method's long run (same videos, order, batch, "
+        "learning rate and seed) against its training steps.",
+    )
 
 
 def extrapolation_text(fit: tuple[float, float] | None, done: int, total: int, rates: pd.DataFrame) -> str:
@@ -125,15 +211,7 @@ def curve_figure(
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     shown = evals[evals["iteration"] > 0]
     for i, (device, rows) in enumerate(shown.groupby("device", sort=False)):
-        ax.errorbar(
-            rows["iteration"],
-            rows["pos_err"],
-            yerr=rows["pos_err_sem"],
-            fmt="o-",
-            ms=3,
-            color=f"C{i}",
-            label=device if len(device) < 60 else device[:57] + "...",
-        )
+        draw_curve(ax, rows, f"C{i}", device if len(device) < 60 else device[:57] + "...")
     if fit is not None and len(shown):
         a, b = fit
         steps = np.geomspace(shown["iteration"].min(), run["train"]["iterations"], 100)

@@ -279,3 +279,74 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     text = grid_markdown(tmp_path / "r", tmp_path / "out", "recorded/r", "png")
     assert "### The paper's held-out grid at step 2" in text and "| T4_D2 | 2 |" in text
     assert (tmp_path / "out" / "figure4.png").is_file() and (tmp_path / "out" / "figure3.png").is_file()
+
+
+def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
+    from pipeline.longrun import RUN_DIR, run_dir_of
+
+    apg, rws = new_run("paper"), new_run("paper", method="rws-mlp")
+    assert rws["train"]["method"] == "rws-mlp" and apg["train"]["method"] == "apg"
+    different = {k for k in apg["train"] if apg["train"][k] != rws["train"][k]}
+    assert different <= {"method", "network", "method_options"}, different
+    assert (rws["rows"], rws["eval"], rws["every"], rws["seed"]) == (
+        apg["rows"],
+        apg["eval"],
+        apg["every"],
+        apg["seed"],
+    )
+    assert run_dir_of("apg") == RUN_DIR and run_dir_of("rws-mlp") == RUN_DIR.with_name("bmnist-long-rws-mlp")
+    with pytest.raises(ValueError, match="no Bouncing MNIST gibbs cell"):
+        new_run("paper", method="gibbs")
+
+
+def test_the_cli_keeps_a_runs_method(tmp_path, monkeypatch):
+    from pipeline.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("pipeline.common.project_root", lambda: tmp_path)
+    run_dir = tmp_path / "r"
+    run_dir.mkdir()
+    (run_dir / RUN).write_text(__import__("json").dumps(new_run("paper")))
+    with pytest.raises(SystemExit, match="is a apg run, not rws-mlp"):
+        main(["long-run", "--dir", str(run_dir), "--method", "rws-mlp", "--steps", "1"])
+
+
+def test_the_report_sets_the_baselines_runs_beside_apgs_step_for_step(tmp_path):
+    import pandas as pd
+
+    from pipeline.longrun import run_dir_of
+    from pipeline.report.longrun import long_run_markdown
+
+    for method, scale in (("apg", 1.0), ("rws-mlp", 2.0)):
+        run_dir = tmp_path / run_dir_of(method)
+        run_dir.mkdir(parents=True)
+        (run_dir / RUN).write_text(__import__("json").dumps(new_run("paper", method=method)))
+        steps = [0, 250, 500] if method == "apg" else [0, 250]
+        pd.DataFrame(
+            {
+                "iteration": steps,
+                "pos_err": [scale * (10 - s / 100) for s in steps],
+                "pos_err_sem": 0.1,
+                "tracked": 0.5,
+                "seconds": 1.0,
+                "device": "a CPU",
+            }
+        ).to_csv(run_dir / EVALS, index=False)
+        pd.DataFrame(
+            [
+                {
+                    "from_iteration": 0,
+                    "to_iteration": steps[-1],
+                    "seconds": 10.0,
+                    "device": "a CPU",
+                    "compiled": False,
+                    "commit": "abc",
+                }
+            ]
+        ).to_csv(run_dir / SEGMENTS, index=False)
+    text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
+    assert "### Baselines trained the same way" in text
+    assert "| step | apg (px) | rws-mlp (px) |" in text
+    assert "| 250 | 7.50 ± 0.10 | 15.00 ± 0.10 |\n\n" in text  # only the steps both runs scored
+    assert "`rws-mlp`: step 250, 15.00 px" in text
+    assert (tmp_path / "reports" / "recorded" / "bmnist-long" / "methods.png").is_file()
