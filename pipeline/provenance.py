@@ -15,6 +15,10 @@ Two uses:
   again), and the test suite fails when the two disagree. So a commit that changes code
   without regenerating either says so where the numbers are read, or does not pass CI.
 
+A rebuild of the report from its committed rows (``apg-pipeline report --from-committed``)
+runs only the report stage: the record then takes the digests of the code only that stage
+reads (``refresh_report_inputs``) and keeps the rest as the training and evaluation left it.
+
 The code each stage reads is taken from ``dvc.yaml`` by :mod:`pipeline.stages` (one list,
 so the provenance record and DVC's own change detection agree).
 """
@@ -64,6 +68,44 @@ def _all_stage_inputs(root: Path, tasks: list[str]) -> tuple[list[str], list[str
             code += stage_code(root, stage, task)
             keys += stage_params(root, stage, task)
     return code, keys
+
+
+REPORT_STAGE = "report"
+
+
+def report_only_inputs(root: Path, tasks: list[str]) -> tuple[list[str], list[str]]:
+    """The code files and params keys that the report stage reads and no other stage does:
+    what a rebuild from the committed rows runs afresh (``apg-pipeline report --from-committed``)."""
+    stages = stage_specs(root) or {}
+    code, keys = [], []
+    for stage, spec in stages.items():
+        if stage != REPORT_STAGE:
+            for task in tasks if "foreach" in spec else [None]:
+                code += stage_code(root, stage, task)
+                keys += stage_params(root, stage, task)
+    if REPORT_STAGE not in stages:
+        return [], []
+    mine = set(code_files(root, stage_code(root, REPORT_STAGE))) - set(code_files(root, code))
+    return sorted(mine), sorted(set(stage_params(root, REPORT_STAGE)) - set(keys))
+
+
+def refresh_report_inputs(params: dict[str, Any], root: Path, path: Path) -> dict[str, Any] | None:
+    """After a rebuild from the committed rows, the record at ``path`` with the report stage's
+    own inputs (``report_only_inputs``) at this checkout's digests and commit, written back;
+    what trained and evaluated stays as recorded (``None``: no record there)."""
+    from apg.data import atomic_write
+
+    if not path.is_file():
+        return None
+    recorded = json.loads(path.read_text())
+    files, keys = report_only_inputs(root, params["tasks"])
+    code = {k: v for k, v in recorded.get("code", {}).items() if k not in files or (root / k).is_file()}
+    recorded["code"] = {**code, **file_digests(root, files)}
+    recorded["params"] = {**recorded.get("params", {}), **params_digests(params, keys)}
+    recorded["report_commit"] = git_commit(root)
+    text = json.dumps(recorded, indent=2, sort_keys=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+    return recorded
 
 
 def machine() -> dict[str, Any]:

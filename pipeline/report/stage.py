@@ -141,8 +141,16 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         atomic_write(path, lambda tmp, payload=payload: tmp.write_text(payload))
     # What produced these results (code and params digests, commit): the CI check that
     # committed results are the checkout's own reads it (pipeline.provenance). A rebuild
-    # from the committed rows trained and evaluated nothing: the record stays as it was.
-    if not from_committed:
+    # from the committed rows trained and evaluated nothing: the record keeps what did, and
+    # takes the report stage's own code (which did run) at this checkout's digests.
+    if from_committed:
+        recorded = provenance.refresh_report_inputs(params, root, out / provenance.RECORD)
+        changed = provenance.changes(root, params, recorded) if recorded else []
+        stale = provenance.stale_line(recorded, changed) if recorded and changed else None
+        provenance.set_banner(out / "README.md", dict(provenance.BANNER_PLACES)["reports/README.md"], stale)
+        if readme.is_file():
+            provenance.set_banner(readme, dict(provenance.BANNER_PLACES)["README.md"], stale)
+    else:
         provenance.write_record(params, root, out)
         # These results are now the checkout's own: a stale line that an earlier
         # `provenance mark` put in the README goes (reports/README.md is written anew).

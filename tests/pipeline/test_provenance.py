@@ -121,6 +121,20 @@ def test_check_names_what_changed_and_mark_writes_then_clears_the_stale_line(tmp
     assert (root / "README.md").read_text() == "# x\n\n## Results\n\nnumbers\n"
 
 
+def test_a_rebuild_from_the_committed_rows_refreshes_only_the_report_stages_own_inputs(tmp_path):
+    root = make_project(tmp_path)
+    path = provenance.write_record(PARAMS, root, root / "reports")
+    assert provenance.report_only_inputs(root, PARAMS["tasks"]) == (["pipeline/report.py"], ["report"])
+    (root / "pipeline/report.py").write_text("R = 2\n")  # report code: the rebuild runs it
+    refreshed = provenance.refresh_report_inputs(PARAMS, root, path)
+    assert refreshed is not None and provenance.check(root)[0]
+    (root / "apg/core.py").write_text("CORE = 2\n")  # training code: only retraining makes it current
+    provenance.refresh_report_inputs(PARAMS, root, path)
+    current, message = provenance.check(root)
+    assert not current and "`apg/core.py`" in message and "pipeline/report.py" not in message
+    assert provenance.refresh_report_inputs(PARAMS, root, root / "none.json") is None
+
+
 def test_the_record_names_uncommitted_code_by_its_full_path(tmp_path):
     root = make_project(tmp_path)
     for cmd in (

@@ -956,7 +956,7 @@ def test_stalled_seeds_count_the_runs_far_below_the_best():
 def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
     # The report keeps the rows it read in reports/data/; with results/ gone (a clone that
     # trained nothing) --from-committed writes the same verdicts, tables and README, and
-    # leaves the provenance record alone.
+    # leaves the provenance record's account of what trained and evaluated as it was.
     root = synthetic_report.parent
     assert (synthetic_report / "data" / "gmm" / "metrics.parquet").is_file()
     before = {
@@ -965,7 +965,8 @@ def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
     }
     tables = {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")}
     shutil.rmtree(root / "results")
-    (synthetic_report / "provenance.json").write_text("{}\n")
+    recorded = {"commit": "abc", "code": {}, "params": {}, "fingerprints": {"gmm": {"c": {"cell_id": "c-1"}}}}
+    (synthetic_report / "provenance.json").write_text(json.dumps(recorded))
     report.make_report(
         {"tasks": ["gmm"], "report": {"out": "reports", "figure_format": "png", "scale": "synthetic"}},
         root,
@@ -975,7 +976,8 @@ def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
         assert (synthetic_report / name).read_text() == before[name], name
     assert (synthetic_report / "README.md").read_text() == before["README.md"]
     assert {p.name: p.read_text() for p in (synthetic_report / "tables").glob("*.csv")} == tables
-    assert (synthetic_report / "provenance.json").read_text() == "{}\n"
+    after = json.loads((synthetic_report / "provenance.json").read_text())
+    assert {k: after[k] for k in recorded} == recorded and "report_commit" in after
 
 
 def files_of(folder: Path) -> dict[str, str]:
@@ -1127,7 +1129,8 @@ def test_the_evaluation_logs_each_cells_held_out_numbers_to_its_mlflow_run(tmp_p
 
 def test_the_report_stage_clears_a_stale_line_in_the_readme(tmp_path):
     # `provenance mark` left the results marked stale; the report stage then made them anew
-    # from this code, so the README's stale line goes (the from-committed rebuild keeps it).
+    # from this code, so the README's stale line goes (a from-committed rebuild keeps it
+    # while code that trains or evaluates differs from the record's).
     write_results(tmp_path, with_training_trend=False)
     stale = "**Stale since abc:** `apg/x.py` changed after these results were made."
     (tmp_path / "README.md").write_text(
