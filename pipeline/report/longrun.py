@@ -12,6 +12,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
 
 from pipeline.longrun import EVALS, HISTORY, METHOD, RUN, RUN_DIR, SEGMENTS, run_dir_of
 from pipeline.report.figures import _save
@@ -102,7 +103,7 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
 
 def baselines_markdown(root: Path, out: Path, fmt: str, apg: pd.DataFrame) -> str:
     """The baselines' long runs beside APG's: their held-out curves in one figure and the
-    position errors at the steps every run has scored (empty without a baseline run)."""
+    position errors at the steps APG and a baseline have scored (empty without a baseline run)."""
     curves = {METHOD: apg}
     for method in BASELINES:
         path = root / run_dir_of(method) / EVALS
@@ -112,7 +113,9 @@ def baselines_markdown(root: Path, out: Path, fmt: str, apg: pd.DataFrame) -> st
         return ""
     figure = out / "recorded" / RUN_DIR.name / f"methods.{fmt}"
     methods_figure(curves, figure)
-    common = sorted(set.intersection(*(set(c["iteration"]) for c in curves.values())) - {0})
+    # The steps APG and at least one baseline scored (step 0: the untrained networks, left out)
+    apg_steps = set(apg["iteration"]) - {0}
+    steps = sorted(apg_steps & set().union(*(set(c["iteration"]) for m, c in curves.items() if m != METHOD)))
     lines = [
         "### Baselines trained the same way",
         "",
@@ -125,7 +128,7 @@ def baselines_markdown(root: Path, out: Path, fmt: str, apg: pd.DataFrame) -> st
         f"![methods](recorded/{RUN_DIR.name}/{figure.name})",
         "",
     ]
-    if common:
+    if steps:
         indexed = {m: c.set_index("iteration") for m, c in curves.items()}
         lines += [
             "| step | " + " | ".join(f"{m} (px)" for m in curves) + " |",
@@ -134,10 +137,12 @@ def baselines_markdown(root: Path, out: Path, fmt: str, apg: pd.DataFrame) -> st
                 f"| {step:,} | "
                 + " | ".join(
                     f"{indexed[m].loc[step, 'pos_err']:.2f} ± {indexed[m].loc[step, 'pos_err_sem']:.2f}"
+                    if step in indexed[m].index
+                    else "–"
                     for m in curves
                 )
                 + " |"
-                for step in common
+                for step in steps
             ),
             "",
         ]
@@ -167,6 +172,15 @@ def draw_curve(ax, evals: pd.DataFrame, colour: str, label: str) -> None:
     )
 
 
+def plain_numbers(ax) -> None:
+    """Log axes labelled 500, 1000, 2000 and 6 rather than 10^3 and 6 x 10^0."""
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+
+
 def methods_figure(curves: dict[str, pd.DataFrame], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -174,6 +188,7 @@ def methods_figure(curves: dict[str, pd.DataFrame], path: Path) -> None:
         draw_curve(ax, evals[evals["iteration"] > 0], f"C{i}", method)
     ax.axhline(TARGET_PX, color="grey", lw=0.8, ls=":", label=f"target {TARGET_PX:g} px")
     ax.set(xscale="log", yscale="log", xlabel="training step", ylabel="T10_D3 position error (px)")
+    plain_numbers(ax)
     ax.legend(fontsize=7)
     _save(
         fig,
@@ -223,6 +238,7 @@ def curve_figure(
         xlabel="training step",
         ylabel=f"{run['eval']['name']} position error (px)",
     )
+    plain_numbers(ax)
     ax.legend(fontsize=6)
     _save(
         fig,

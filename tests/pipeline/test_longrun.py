@@ -317,11 +317,12 @@ def test_the_report_sets_the_baselines_runs_beside_apgs_step_for_step(tmp_path):
     from pipeline.longrun import run_dir_of
     from pipeline.report.longrun import long_run_markdown
 
-    for method, scale in (("apg", 1.0), ("rws-mlp", 2.0)):
+    scored = {"apg": [0, 250, 500, 750], "rws-mlp": [0, 250], "avf": [0, 500]}
+    for method, scale in (("apg", 1.0), ("rws-mlp", 2.0), ("avf", 3.0)):
         run_dir = tmp_path / run_dir_of(method)
         run_dir.mkdir(parents=True)
         (run_dir / RUN).write_text(__import__("json").dumps(new_run("paper", method=method)))
-        steps = [0, 250, 500] if method == "apg" else [0, 250]
+        steps = scored[method]
         pd.DataFrame(
             {
                 "iteration": steps,
@@ -346,7 +347,8 @@ def test_the_report_sets_the_baselines_runs_beside_apgs_step_for_step(tmp_path):
         ).to_csv(run_dir / SEGMENTS, index=False)
     text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
     assert "### Baselines trained the same way" in text
-    assert "| step | apg (px) | rws-mlp (px) |" in text
-    assert "| 250 | 7.50 ± 0.10 | 15.00 ± 0.10 |\n\n" in text  # only the steps both runs scored
+    assert "| step | apg (px) | rws-mlp (px) | avf (px) |" in text
+    # the steps APG and a baseline scored, "–" where a baseline did not
+    assert "| 250 | 7.50 ± 0.10 | 15.00 ± 0.10 | – |\n| 500 | 5.00 ± 0.10 | – | 15.00 ± 0.10 |\n\n" in text
     assert "`rws-mlp`: step 250, 15.00 px" in text
     assert (tmp_path / "reports" / "recorded" / "bmnist-long" / "methods.png").is_file()
