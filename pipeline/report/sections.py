@@ -480,9 +480,11 @@ def pipeline_time_markdown(
     threads: int | None = None,
     training: dict[str, float] | None = None,
     parallel: int = 1,
+    made_on: dict[str, Any] | None = None,
 ) -> str:
     """Wall time of each stage when it last ran (``results/timings``), a from-scratch
-    estimate beside it (``training``: each sweep's cells' training seconds), and the machine."""
+    estimate beside it (``training``: each sweep's cells' training seconds), and the machine
+    the results were made on (``made_on``, a ``provenance.machine()``; default: this one)."""
     if not times:
         return ""
     scratch = from_scratch_seconds(times, training or {}, parallel)
@@ -502,7 +504,7 @@ def pipeline_time_markdown(
         "| stage | minutes (last run) | minutes (from scratch) |\n| --- | ---: | ---: |\n"
         f"{rows}\n| **sum** | **{total:.1f}** | **{sum(scratch.values()) / 60:.1f}** |\n\n"
         f"Machine that made this report (a from-scratch `dvc repro` trains and evaluates on the same "
-        f"one; trained numbers differ across CPUs): {provenance.machine_line(provenance.machine())}"
+        f"one; trained numbers differ across CPUs): {provenance.machine_line(made_on or provenance.machine())}"
         f"{per_trial}.\n\n"
     )
 

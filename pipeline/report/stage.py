@@ -111,8 +111,11 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         for task in params["tasks"]
     }
     parallel = trials_at_once(params.get("sweep", {}))
+    # A rebuild from the committed rows names the machine that made them (its record's).
+    record = out / provenance.RECORD
+    made_on = json.loads(record.read_text()).get("machine") if from_committed and record.is_file() else None
     lead = reused_cells_markdown(parts) + pipeline_time_markdown(
-        times, params.get("sweep", {}).get("torch_threads"), training, parallel
+        times, params.get("sweep", {}).get("torch_threads"), training, parallel, made_on
     )
     text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
