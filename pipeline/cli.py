@@ -133,10 +133,11 @@ def cmd_record(args: argparse.Namespace) -> None:
 
 def cmd_long_run(args: argparse.Namespace) -> None:
     from pipeline.common import project_root
-    from pipeline.longrun import long_run, new_run, run_dir_of, run_method
+    from pipeline.longrun import METHOD, long_run, new_run, run_dir_of, run_method
 
     root = project_root()
-    run_dir = Path(args.dir) if args.dir else root / run_dir_of(args.method or "apg")
+    method = args.method or METHOD  # None: APG, unless the folder's run says otherwise (below)
+    run_dir = Path(args.dir) if args.dir else root / run_dir_of(method)
     found = run_method(run_dir)
     if args.method and found and found != args.method:
         raise SystemExit(f"long-run: {run_dir} is a {found} run, not {args.method}")
@@ -155,7 +156,7 @@ def cmd_long_run(args: argparse.Namespace) -> None:
         device=args.device,
         compile=args.compile,
         run_dir=run_dir,
-        new=new_run(args.start, method=args.method or "apg") if args.start else None,
+        new=new_run(args.start, method=method) if args.start else None,
         full_state=not args.no_full_state,
     )
     print(
