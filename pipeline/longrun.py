@@ -15,8 +15,8 @@ whole state in ``recorded/bmnist-long/``, for git:
 - ``history.csv``: a row per logged step (the step's metrics, its rate and the device);
 - ``evals.csv``: every ``eval_every`` steps, the position error on the held-out T10_D3 videos
   (the ``paper`` profile's set, first ``eval_videos`` of it), with the training seconds so far;
-- ``segments.csv``: one row per sitting: its first and last step, seconds, device, machine
-  and commit.
+- ``segments.csv``: one row per sitting: its first and last step, seconds, device (a CPU's
+  with its torch threads), machine and commit.
 
 At a checkpoint the tables are written before the state, and a continuation drops rows past
 the state's step, so a sitting killed anywhere leaves a consistent run. Held-out scoring
@@ -279,6 +279,13 @@ class _Sitting(Callback):
         save_checkpoint(self.dir / STATE, trainer.cfg.to_dict(), compact(state))  # last: see the module
 
 
+def sitting_device(device: str | torch.device) -> str:
+    """The device a sitting names in the run's tables; on a CPU with the torch threads it ran
+    on, since a CPU's seconds per step depend on them (the report's rates are per device)."""
+    line = device_line(device)
+    return line if torch.device(device).type == "cuda" else f"{line}; {torch.get_num_threads()} torch threads"
+
+
 def latest_state(run_dir: Path) -> dict[str, Any] | None:
     """The run's state (``None`` before its first checkpoint): the full one this machine wrote
     when it is of the committed state's step, else the committed (compact) one, expanded."""
@@ -333,7 +340,7 @@ def long_run(
         "from_iteration": done,
         "to_iteration": done,
         "seconds": 0.0,
-        "device": device_line(trainer.device),
+        "device": sitting_device(trainer.device),
         "compiled": compile,
         # a copy of the tree without its git history (a GPU machine's) names it in APG_COMMIT
         "commit": os.environ.get("APG_COMMIT") or git_commit(root),

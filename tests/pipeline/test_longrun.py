@@ -85,6 +85,8 @@ def test_a_run_continued_in_parts_is_the_run_made_at_once(tmp_path, mnist_env):
     segments = table(parts / SEGMENTS)
     assert [(s["from_iteration"], s["to_iteration"]) for s in segments] == [("0", "2"), ("2", "8")]
     assert all(s["device"] and s["commit"] for s in segments)
+    # a CPU's seconds per step depend on its threads: the device names them
+    assert all(s["device"].endswith(f"; {torch.get_num_threads()} torch threads") for s in segments)
 
 
 def test_the_run_is_the_papers_configuration():
