@@ -141,10 +141,14 @@ def cmd_long_run(args: argparse.Namespace) -> None:
     found = run_method(run_dir)
     if args.method and found and found != args.method:
         raise SystemExit(f"long-run: {run_dir} is a {found} run, not {args.method}")
+    if args.state is not None and not args.grid:
+        raise SystemExit(
+            "long-run: --state goes with --grid (a sitting continues from the run's latest state)"
+        )
     if args.grid:
         from pipeline.longrun_grid import evaluate_grid
 
-        path = evaluate_grid(root, run_dir, videos=args.videos, device=args.device)
+        path = evaluate_grid(root, run_dir, videos=args.videos, device=args.device, state=args.state)
         print(f"long run: wrote {path}; commit it with the run's folder")
         return
     if args.minutes is None and args.steps is None:
@@ -481,6 +485,13 @@ def _add_long_run(sub) -> None:
         help="train nothing: score the run's state on the profile's held-out T x D sets (grid.csv, trail.npz)",
     )
     run.add_argument("--videos", type=int, default=None, help="with --grid: the first N videos of each set")
+    run.add_argument(
+        "--state",
+        type=Path,
+        default=None,
+        help="with --grid: score this checkpoint of the run (an earlier step's state.pt, from git "
+        "history) instead of its latest state",
+    )
     run.add_argument(
         "--no-full-state",
         action="store_true",

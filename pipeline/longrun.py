@@ -148,12 +148,19 @@ def simulate_videos(
     return x, {"z_where": arrays["z_where"], "centres": arrays["centres"]}
 
 
-def restore(run: dict[str, Any], run_dir: Path, device: str = "cpu", compile: bool = False) -> Trainer:
-    """The run's trainer at its latest state (at step 0 before the first checkpoint)."""
+def restore(
+    run: dict[str, Any],
+    run_dir: Path,
+    device: str = "cpu",
+    compile: bool = False,
+    state_file: Path | None = None,
+) -> Trainer:
+    """The run's trainer at its latest state (at step 0 before the first checkpoint), or at
+    the checkpoint ``state_file`` (a committed state of an earlier step, say)."""
     seed_everything(run["seed"])
     cfg = TrainConfig.from_dict({**run["train"], "compile": compile}).validate()
     trainer = Trainer(cfg, training_rows(run), device)
-    state = latest_state(run_dir)
+    state = latest_state(run_dir) if state_file is None else expand(load_checkpoint(state_file)[1])
     if state is not None:
         trainer.load_state_dict(state)
     return trainer

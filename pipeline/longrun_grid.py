@@ -1,20 +1,24 @@
-"""The paper's Bouncing MNIST evaluation (Figures 3 and 4) of the long run's current state.
+"""The paper's Bouncing MNIST evaluation (Figures 3 and 4) of the long run's states.
 
-``apg-pipeline long-run --grid`` scores the state in ``recorded/bmnist-long/`` on the run's
-profile's held-out sets (the ``paper`` profile: T in {10, 20, 100} x D in {3, 4, 5}, 100
-test-split videos each; ``videos`` takes the first n of each) at the run's K and L, and
-writes ``grid.csv``: per set and sweep, the reconstruction MSE and the position error (px)
-of the highest-weight particle, each with its standard error over videos, and the fraction
-of tracked frames, all at the step the state is of. The proposals track each set's D digits
-(the trained weights do not depend on D). Each set is scored on a random stream of its own
-(``EVAL_SEED``), so the same state gives the same table; ``trail.npz`` keeps, for the
-first video of the last set (T=100, D=5 in the paper's grid), the inferred and true
-positions of every digit in every frame and its frames (8 bits), which the report draws as
-Figure 3.
+``apg-pipeline long-run --grid`` scores the state in ``recorded/bmnist-long/`` (or, with
+``--state FILE``, an earlier checkpoint of the run, from git history) on the run's profile's
+held-out sets (the ``paper`` profile: T in {10, 20, 100} x D in {3, 4, 5}, 100 test-split
+videos each; ``videos`` takes the first n of each) at the run's K and L, and writes its rows
+into ``grid.csv``: per step, set, video and sweep, the reconstruction MSE (weighted over
+particles) and the position error (px) and tracked-frame fraction of the highest-weight
+particle, all from one run of the method per batch of videos. Rows of other steps stay, so
+that runs of two methods can be compared at a step both have scored. The proposals track
+each set's D digits (the trained weights do not depend on D). Each set is scored on a random
+stream of its own (``EVAL_SEED``), so the same state gives the same rows; ``trail.npz``
+keeps, for the first video of the last set (T=100, D=5 in the paper's grid) and the run's
+latest state, the inferred and true positions of every digit in every frame and its frames
+(8 bits), which the report draws as Figure 3.
 """
 
 from __future__ import annotations
 
+import csv
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -23,11 +27,11 @@ import numpy as np
 import torch
 
 from apg.data import atomic_write
-from apg.training import evaluate
+from apg.metrics import reconstruction_mse
+from apg.training import make_method
 from pipeline.common import with_network
 from pipeline.driver import write_history
-from pipeline.evaluate_particles import tracking_errors
-from pipeline.longrun import EVAL_SEED, RUN, RUN_DIR, STATE, restore, sem, simulate_videos
+from pipeline.longrun import EVAL_SEED, RUN, RUN_DIR, STATE, restore, simulate_videos
 
 GRID, TRAIL = "grid.csv", "trail.npz"
 
@@ -45,16 +49,21 @@ def evaluate_grid(
     videos: int | None = None,
     device: str = "cpu",
     batch_size: int = 10,
+    state: Path | None = None,
 ) -> Path:
-    """Score the run's latest state on every set of :func:`grid_sets`; write ``grid.csv`` and
-    ``trail.npz`` into the run's folder (replacing an earlier grid) and return the table's path."""
+    """Score the run's latest state (or the checkpoint file ``state``: an earlier step's, from
+    git history) on every set of :func:`grid_sets`; write its rows into ``grid.csv`` in the
+    run's folder, replacing the rows of the same step and keeping other steps', and return the
+    table's path. ``trail.npz`` is written for the run's latest state only."""
     run_dir = run_dir or root / RUN_DIR
     if not (run_dir / RUN).is_file():
         raise FileNotFoundError(f"{run_dir / RUN}: no long run there; start one with --start")
     run = json.loads((run_dir / RUN).read_text())
-    if not (run_dir / STATE).is_file():
+    if state is None and not (run_dir / STATE).is_file():
         raise FileNotFoundError(f"{run_dir}: the run has no checkpoint yet; train it first")
-    trainer = restore(run, run_dir, device)
+    if state is not None and not state.is_file():
+        raise FileNotFoundError(f"{state}: no such checkpoint")
+    trainer = restore(run, run_dir, device, state_file=state)
     cfg = trainer.cfg
     sweeps, particles = cfg.sweeps, cfg.particles
     rows: list[dict[str, Any]] = []
@@ -66,39 +75,87 @@ def evaluate_grid(
         set_cfg, proposals = with_network(cfg, trainer.model, trainer.proposals, entry.get("network"), device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(EVAL_SEED)
-            curves = evaluate(
-                set_cfg, trainer.model, proposals, x, sweeps, particles, batch_size, cfg.resample_mode
-            )
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(EVAL_SEED)
-            errors = tracking_errors(
-                set_cfg, trainer.model, proposals, x, truth, sweeps, particles, batch_size, cfg.resample_mode
-            )
-        for k in range(sweeps):
+            curves = score_videos(set_cfg, trainer.model, proposals, x, truth, sweeps, particles, batch_size)
+        for k, video in itertools.product(range(sweeps), range(n)):
             rows.append(
                 {
                     "iteration": trainer.iteration,
                     "set": entry["name"],
                     "T": sizes.get("num_frames"),
                     "D": sizes.get("num_digits"),
-                    "videos": n,
+                    "video": video,
                     "sweep": k + 1,
-                    "mse": float(curves["mse"][k].mean()),
-                    "mse_sem": sem(curves["mse"][k]),
-                    "pos_err": float(errors["pos_err"][k].mean()),
-                    "pos_err_sem": sem(errors["pos_err"][k]),
-                    "tracked": float(errors["tracked"][k].mean()),
+                    **{name: float(curves[name][k, video]) for name in COLUMNS},
                 }
             )
         print(
-            f"grid {entry['name']}: {n} videos, position error {rows[-1]['pos_err']:.2f} px after "
+            f"grid {entry['name']}: {n} videos, position error {curves['pos_err'][-1].mean():.2f} px after "
             f"{sweeps} sweeps ({i + 1}/{len(sets)})",
             flush=True,
         )
-        if i == len(sets) - 1:
+        if state is None and i == len(sets) - 1:
             _write_trail(run_dir / TRAIL, trainer, set_cfg, proposals, x[:1], truth, entry, sweeps, particles)
-    write_history(run_dir / GRID, rows)
+    kept = [r for r in read_grid_rows(run_dir / GRID) if int(r["iteration"]) != trainer.iteration]
+    write_history(run_dir / GRID, sorted(kept + rows, key=lambda r: int(r["iteration"])))
     return run_dir / GRID
+
+
+COLUMNS = ("mse", "pos_err", "tracked")  # grid.csv's values per set, video and sweep
+
+
+def read_grid_rows(path: Path) -> list[dict[str, Any]]:
+    """``grid.csv``'s rows (none when there is no file)."""
+    if not path.is_file():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def score_videos(cfg, model, proposals, x: torch.Tensor, truth, sweeps: int, particles: int, batch_size: int):
+    """Curves ``(K, M)`` of one run of the method per batch of videos: the reconstruction MSE
+    weighted over particles, and the position error (px) and tracked-frame fraction of the
+    highest-weight particle (``TaskSpec.tracking``), after each sweep."""
+    from apg.tasks import get_task
+
+    task = get_task(cfg.task)
+    method = make_method(cfg)
+    mse: dict[int, list[np.ndarray]] = {}
+    found: dict[int, list[dict[str, np.ndarray]]] = {}
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb = x[start : start + batch_size]
+
+            def collect(
+                k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor, xb: torch.Tensor = xb
+            ) -> None:
+                mse.setdefault(k, []).append(
+                    reconstruction_mse(xb, task.reconstruct(model, xb, z), log_w).numpy()
+                )
+                found.setdefault(k, []).append(task.tracking.positions(model, xb, best_particle(z, log_w)))
+
+            method.run(
+                model,
+                proposals,
+                xb,
+                sweeps,
+                particles,
+                cfg.resample_mode,
+                cfg.resampler,
+                collectors=[collect],
+            )
+    curves: dict[str, list[np.ndarray]] = {"mse": [np.concatenate(mse[k]) for k in sorted(mse)]}
+    for k in sorted(found):
+        per = {name: np.concatenate([part[name] for part in found[k]]) for name in found[k][0]}
+        for name, value in task.tracking.errors(truth, per).items():
+            curves.setdefault(name, []).append(value)
+    return {name: np.stack(values) for name, values in curves.items()}
+
+
+def best_particle(z: dict[str, torch.Tensor], log_w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each video's highest-weight particle, ``(1, B, ...)`` per variable."""
+    best = log_w.argmax(0)
+    rows = torch.arange(log_w.shape[1], device=log_w.device)
+    return {name: t[best, rows][None] for name, t in z.items()}
 
 
 def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particles) -> None:
@@ -111,11 +168,7 @@ def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particl
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         if k == sweeps - 1:
-            best = log_w.argmax(0)
-            rows = torch.arange(log_w.shape[1])
-            found.update(tracking.positions(trainer.model, x, {n: t[best, rows][None] for n, t in z.items()}))
-
-    from apg.training import make_method
+            found.update(tracking.positions(trainer.model, x, best_particle(z, log_w)))
 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(EVAL_SEED)

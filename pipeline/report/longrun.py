@@ -95,7 +95,13 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
         "",
         extrapolation_text(fit, int(last["iteration"]), train["iterations"], rates),
         "",
-        grid_markdown(run_dir, figure.parent, f"recorded/{run_dir.name}", fmt),
+        grid_markdown(
+            run_dir,
+            figure.parent,
+            f"recorded/{run_dir.name}",
+            fmt,
+            others={m: root / run_dir_of(m) for m in BASELINES},
+        ),
         baselines_markdown(root, out, fmt, evals),
     ]
     return "\n".join(lines)

@@ -1,58 +1,157 @@
 """The long run's T x D evaluation (``apg-pipeline long-run --grid``, ``grid.csv`` and
-``trail.npz``) in the report: a table per held-out set, Figure 4 (reconstruction MSE against
-sweeps, one panel per (T, D)) and Figure 3 (frames of one T=100, D=5 video with the inferred
-and true paths)."""
+``trail.npz``) in the report: a row per held-out set with the claims on it (APG's run; the
+baselines' runs show their grids alone), Figure 4 (reconstruction MSE against sweeps, one
+panel per (T, D)) and Figure 3 (frames of one T=100, D=5 video with the inferred and true
+paths)."""
 
 from __future__ import annotations
 
 import itertools
 import json
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import yaml
 from matplotlib.ticker import MaxNLocator
 
 from apg.tasks.bmnist.config import BMNISTConfig
-from pipeline.longrun_grid import GRID, TRAIL
+from pipeline.longrun import METHOD, RUN
+from pipeline.longrun_grid import COLUMNS, GRID, TRAIL
+from pipeline.report.claims import ClaimResult, check_claim, claims_not_run, verdict
+from pipeline.report.data import PAPER_NUMBERS, finals
 from pipeline.report.figures import _save
+from pipeline.statistics import seed_interval
 
-# The run's targets (position error in px, after the last sweep): 3 px on the paper's T=10 and
-# T=100 three-digit videos, 4 px with four and five digits on T=20 ones.
-TARGETS_PX = {"T10_D3": 3.0, "T100_D3": 3.0, "T20_D4": 4.0, "T20_D5": 4.0}
 STRIP_FRAMES = 8
 # Each panel draws the paths over the frames up to it, at most this many (digits move ~8 px a frame).
 TRAIL_FRAMES = 4
+LONG_RUN_RULES = (
+    "One training run per method: each held-out video stands in for a seed in the claims "
+    "table's rules (a 95% interval over the videos; two methods compared on the same videos by "
+    "Welch's interval), so a verdict says what this trained run does on the held-out sets, not "
+    "what training does across seeds, and the headline does not count it. Rules and targets: "
+    "`pipeline/paper_numbers.yaml`, `bmnist.long_run_claims` and `long_run_every_set`, set "
+    "before the grid was first scored. A comparison is made at the latest step both runs have "
+    "scored ('–': no common step yet)."
+)
 
 
-def grid_markdown(run_dir: Path, out_dir: Path, rel: str, fmt: str) -> str:
-    """The section's lines (empty when the run has no ``grid.csv``)."""
-    if not (run_dir / GRID).is_file():
+def read_grid(run_dir: Path) -> pd.DataFrame | None:
+    """The run's ``grid.csv`` (a row per step, set, video and sweep), or ``None``."""
+    return pd.read_csv(run_dir / GRID) if (run_dir / GRID).is_file() else None
+
+
+def per_set(grid: pd.DataFrame) -> pd.DataFrame:
+    """One step's grid as a row per set and sweep: the videos, and the mean and standard
+    error over videos of each of ``COLUMNS``."""
+    keys = ["set", "T", "D", "sweep"]
+    by = grid.groupby(keys, sort=False)
+    out = by.size().rename("videos").to_frame()
+    for name in COLUMNS:
+        out[name] = by[name].mean()
+        out[f"{name}_sem"] = by[name].sem()
+    return out.reset_index()
+
+
+def as_evaluation_rows(grid: pd.DataFrame, method: str, particles: int) -> pd.DataFrame:
+    """One step's grid in the evaluation's long form (``pipeline/evaluate.py``), each video in
+    place of a seed: what ``check_claim`` reads."""
+    long = grid.melt(
+        id_vars=["iteration", "set", "video", "sweep"], value_vars=list(COLUMNS), var_name="metric"
+    )
+    return long.assign(
+        task="bmnist",
+        method=method,
+        K=int(grid["sweep"].max()),
+        L=particles,
+        seed=long["video"],
+        dataset=long["video"],
+        cell_id=f"long-run/{method}/step{int(grid['iteration'].iloc[0])}",
+        test_set=long["set"],
+    )
+
+
+def long_run_claims(
+    grids: dict[str, pd.DataFrame], particles: int, paper: dict[str, Any]
+) -> list[tuple[dict[str, Any], ClaimResult, int | None]]:
+    """``(spec, result, step)`` for each claim of ``paper`` (the ``bmnist`` section of
+    pipeline/paper_numbers.yaml: ``long_run_claims`` and ``long_run_every_set`` over APG's grid
+    sets) on the runs' grids (``{method: grid}``, APG's under ``METHOD``); a comparison with a
+    run that has no step in common with APG's is not run (step ``None``)."""
+    apg = grids[METHOD]
+    latest = int(apg["iteration"].max())
+    sets = list(dict.fromkeys(apg.loc[apg["iteration"] == latest, "set"]))
+    specs = list(paper.get("long_run_claims") or [])
+    specs += [
+        {**spec, "id": f"{spec['id']}_{name}", "test_set": name}
+        for name in sets
+        for spec in paper.get("long_run_every_set") or []
+    ]
+    out = []
+    for spec in specs:
+        other = spec.get("other")
+        runs = [METHOD] if other is None else [METHOD, other]
+        common = set.intersection(*(set(grids[m]["iteration"]) if m in grids else set() for m in runs))
+        step = max(common) if other is not None and common else (latest if other is None else None)
+        if step is None:
+            out.append((spec, claims_not_run("bmnist", [spec], "no step scored by both runs")[0], None))
+            continue
+        frame = pd.concat(
+            [as_evaluation_rows(grids[m][grids[m]["iteration"] == step], m, particles) for m in runs]
+        )
+        out.append((spec, check_claim(spec, "bmnist", finals(frame), frame.iloc[:0], frame), step))
+    return out
+
+
+def grid_markdown(
+    run_dir: Path,
+    out_dir: Path,
+    rel: str,
+    fmt: str,
+    others: dict[str, Path] | None = None,
+    paper: dict[str, Any] | None = None,
+) -> str:
+    """The section's lines (empty when the run has no ``grid.csv``): its latest step's grid,
+    Figures 3 and 4; with ``others`` (``{baseline: its run folder}``, for APG's run) the
+    long-run claims on each set as well (``paper``: the claims' section, by default
+    ``bmnist`` of pipeline/paper_numbers.yaml)."""
+    grid = read_grid(run_dir)
+    if grid is None:
         return ""
-    grid = pd.read_csv(run_dir / GRID)
-    step = int(grid["iteration"].iloc[0])
-    last = grid[grid["sweep"] == grid["sweep"].max()]
-    first = grid[grid["sweep"] == 1].set_index("set")
+    run = json.loads((run_dir / RUN).read_text())
+    step = int(grid["iteration"].max())
+    sets = per_set(grid[grid["iteration"] == step])
+    last = sets[sets["sweep"] == sets["sweep"].max()]
+    first = sets[sets["sweep"] == 1].set_index("set")
     mse_figure = out_dir / f"figure4.{fmt}"
-    figure4(grid, mse_figure)
+    figure4(sets, mse_figure)
     lines = [
         f"### The paper's held-out grid at step {step:,}",
         "",
         f"`apg-pipeline long-run --grid` scored the state of step {step:,} on the profile's held-out "
-        f"sets at K = {int(grid['sweep'].max())} (position error of the highest-weight particle after "
-        "the last sweep and the reconstruction MSE, mean ± standard error over videos; one trained "
-        "run, so no verdicts: the targets are the run's, set before it was scored).",
+        f"sets at K = {int(sets['sweep'].max())} (position error of the highest-weight particle after "
+        "the last sweep and the reconstruction MSE weighted over particles, mean ± standard error "
+        "over videos).",
         "",
-        "| set | videos | position error (px) | tracked frames | MSE, sweep 1 → last | target (px) | met |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in last.itertuples():
-        target = TARGETS_PX.get(r.set)
-        met = "" if target is None else ("yes" if r.pos_err <= target else "no")
-        lines.append(
-            f"| {r.set} | {int(r.videos)} | {r.pos_err:.2f} ± {r.pos_err_sem:.2f} | {r.tracked:.2f} | "
-            f"{first.loc[r.set, 'mse']:.4f} → {r.mse:.4f} | {'' if target is None else f'{target:g}'} | {met} |"
+    if others is None:
+        lines += [
+            "| set | videos | position error (px) | tracked frames | MSE, sweep 1 → last |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {r.set} | {int(r.videos)} | {r.pos_err:.2f} ± {r.pos_err_sem:.2f} | {r.tracked:.2f} | "
+                f"{first.loc[r.set, 'mse']:.4f} → {r.mse:.4f} |"
+                for r in last.itertuples()
+            ),
+        ]
+    else:
+        grids = {METHOD: grid, **{m: g for m, d in others.items() if (g := read_grid(d)) is not None}}
+        paper = paper or yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
+        lines += claims_grid_markdown(
+            grid[grid["iteration"] == step], last, long_run_claims(grids, run["train"]["particles"], paper)
         )
     lines += ["", f"![Figure 4]({rel}/{mse_figure.name})", ""]
     if (run_dir / TRAIL).is_file():
@@ -60,6 +159,69 @@ def grid_markdown(run_dir: Path, out_dir: Path, rel: str, fmt: str) -> str:
         figure3(run_dir / TRAIL, trail_figure)
         lines += [f"![Figure 3]({rel}/{trail_figure.name})", ""]
     return "\n".join(lines)
+
+
+def claims_grid_markdown(
+    grid: pd.DataFrame, last: pd.DataFrame, results: list[tuple[dict[str, Any], ClaimResult, int | None]]
+) -> list[str]:
+    """The grid's table (``grid``: one step's rows; ``last``: its sets after the last sweep)
+    with each set's claims: the position error against its target, the MSE's change over
+    sweeps, APG minus each baseline (95% intervals over videos)."""
+    final = grid[grid["sweep"] == grid["sweep"].max()]
+    errors = {name: seed_interval(rows["pos_err"].to_numpy()) for name, rows in final.groupby("set")}
+    by_set: dict[str, dict[str, tuple[ClaimResult, int | None]]] = {}
+    for spec, r, step in results:
+        by_set.setdefault(spec["test_set"], {})[spec.get("other") or spec["kind"]] = (r, step)
+    others = list(dict.fromkeys(spec["other"] for spec, _, _ in results if spec.get("other")))
+    header = [
+        "set",
+        "videos",
+        "position error (px)",
+        "target",
+        "✓/✗",
+        "tracked",
+        "MSE: sweep 1 → last",
+        "✓/✗",
+    ]
+    header += [h for other in others for h in (f"APG − {other} (px)", "✓/✗")]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in last.itertuples():
+        claims = by_set.get(r.set, {})
+        row = [r.set, str(int(r.videos))]
+        pos = errors[r.set]
+        row.append(_interval(pos.mean, pos.lo, pos.hi))
+        if "threshold" in claims:
+            target = claims["threshold"][0]
+            row += [target.target, _verdict(target)]
+        else:
+            row += ["", ""]
+        row.append(f"{r.tracked:.2f}")
+        if "falls_over_sweeps" in claims and claims["falls_over_sweeps"][0].note != "not run":
+            mse = claims["falls_over_sweeps"][0]
+            change = mse.ours.rsplit("change ", 1)[-1] if mse.passed is not None else ""
+            row += [f"{mse.target_value:.4f} → {mse.value:.4f} (change {change})", _verdict(mse)]
+        else:
+            row += ["–", "–"]
+        for other in others:
+            got = claims.get(other)
+            if got is None or got[1] is None or got[0].note == "not run":
+                row += ["–", "–"]
+                continue
+            (result, step), (d, lo, hi) = got, got[0].target_value["difference"]
+            row += [f"{_interval(d, lo, hi)} (step {step:,})", _verdict(result)]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + ["", LONG_RUN_RULES]
+
+
+def _verdict(r: ClaimResult) -> str:
+    """The verdict, its videos named as such (the rules count them as seeds)."""
+    return verdict(r).replace("seed", "video")
+
+
+def _interval(mean: float, lo: float, hi: float) -> str:
+    if lo is None or not np.isfinite(lo):
+        return f"{mean:.2f}"
+    return f"{mean:.2f} [{lo:.2f}, {hi:.2f}]"
 
 
 def figure4(grid: pd.DataFrame, path: Path) -> None:
@@ -88,7 +250,7 @@ def figure4(grid: pd.DataFrame, path: Path) -> None:
     _save(
         fig,
         path,
-        "Reconstruction MSE of the highest-weight particle against sweeps, per held-out set (T frames, D digits).",
+        "Reconstruction MSE (weighted over particles) against sweeps, per held-out set (T frames, D digits), ± standard error over videos.",
     )
 
 

@@ -5,8 +5,10 @@ import csv
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
+import yaml
 
 from apg.checkpoint import load_checkpoint
 from apg.tasks.bmnist.simulator import VideoRows, row_seed
@@ -17,6 +19,7 @@ from pipeline.longrun import (
     HISTORY,
     RUN,
     SEGMENTS,
+    STATE,
     held_out,
     latest_state,
     long_run,
@@ -24,6 +27,7 @@ from pipeline.longrun import (
     score,
     training_rows,
 )
+from pipeline.report.data import PAPER_NUMBERS
 from tests.support import needs_mnist
 
 
@@ -246,11 +250,15 @@ def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
 def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_and_4(
     tmp_path, mnist_env, monkeypatch
 ):
+    import shutil
+
     from pipeline import longrun_grid
     from pipeline.report.longrun_grid import grid_markdown
 
     run = tiny_run()
-    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", new=run)
+    long_run(tmp_path, steps=1, run_dir=tmp_path / "r", new=run)
+    shutil.copy(tmp_path / "r" / STATE, tmp_path / "step1.pt")  # as git history keeps it
+    long_run(tmp_path, steps=1, run_dir=tmp_path / "r")
     sets = [
         {
             "name": f"T{t}_D{d}",
@@ -264,23 +272,58 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     monkeypatch.setattr(longrun_grid, "grid_sets", lambda run: sets)
     path = longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2)
     grid = table(path)
-    assert [(r["set"], r["sweep"], r["videos"], r["iteration"]) for r in grid] == [
-        ("T3_D1", "1", "2", "2"),
-        ("T3_D1", "2", "2", "2"),
-        ("T4_D2", "1", "2", "2"),
-        ("T4_D2", "2", "2", "2"),
+    # a row per set, sweep and video, of the state's step
+    assert [(r["iteration"], r["set"], r["sweep"], r["video"]) for r in grid] == [
+        ("2", name, sweep, video) for name in ("T3_D1", "T4_D2") for sweep in "12" for video in "01"
     ]
     assert all(
         float(r["pos_err"]) >= 0 and 0 <= float(r["tracked"]) <= 1 and float(r["mse"]) > 0 for r in grid
     )
     again = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2))
     assert again == grid  # scoring draws from its own stream: the same state, the same table
-    with np.load(tmp_path / "r" / longrun_grid.TRAIL) as trail:
-        assert trail["frames"].shape == (4, 96, 96) and trail["frames"].dtype == np.uint8
-        assert trail["found_z_where"].shape == trail["true_z_where"].shape == (1, 4, 2, 2)
-    text = grid_markdown(tmp_path / "r", tmp_path / "out", "recorded/r", "png")
+    trail = (tmp_path / "r" / longrun_grid.TRAIL).read_bytes()
+    with np.load(tmp_path / "r" / longrun_grid.TRAIL) as npz:
+        assert npz["frames"].shape == (4, 96, 96) and npz["frames"].dtype == np.uint8
+        assert npz["found_z_where"].shape == npz["true_z_where"].shape == (1, 4, 2, 2)
+    # an earlier state adds its step's rows and keeps the latest's (and Figure 3's trail)
+    both = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2, state=tmp_path / "step1.pt"))
+    assert [r for r in both if r["iteration"] == "2"] == grid
+    assert len([r for r in both if r["iteration"] == "1"]) == len(grid)
+    assert (tmp_path / "r" / longrun_grid.TRAIL).read_bytes() == trail
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", state=tmp_path / "missing.pt")
+
+    # the report: APG's grid with its claims; a baseline compared at the step both scored
+    baseline = tmp_path / "rws"
+    baseline.mkdir()
+    rows = pd.DataFrame(both)
+    rows[rows["iteration"] == "1"].assign(pos_err=lambda f: f["pos_err"].astype(float) + 50).to_csv(
+        baseline / longrun_grid.GRID, index=False
+    )
+    paper = yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
+    for spec in paper["long_run_claims"] + paper["long_run_every_set"]:
+        assert spec["pair"] == [5, 10]  # the paper's K and L; this tiny run's are 2 and 2
+        spec["pair"] = [2, 2]
+    paper["long_run_claims"][0]["test_set"] = "T3_D1"
+    text = grid_markdown(
+        tmp_path / "r",
+        tmp_path / "out",
+        "recorded/r",
+        "png",
+        others={"rws-mlp": baseline, "avf": tmp_path / "no"},
+        paper=paper,
+    )
     assert "### The paper's held-out grid at step 2" in text and "| T4_D2 | 2 |" in text
+    assert "APG − rws-mlp (px)" in text and "(step 1)" in text and "APG − avf (px)" in text
+    line = next(x for x in text.splitlines() if x.startswith("| T3_D1 |"))
+    assert line.endswith("| – | – |")  # no avf grid: no comparison
+    assert "n/a (2 videos)" in line  # two videos are too few for a verdict, as two seeds are
+    assert "| ≤ 3 |" in line  # T3_D1 given the first claim's target
     assert (tmp_path / "out" / "figure4.png").is_file() and (tmp_path / "out" / "figure3.png").is_file()
+    # a baseline's own section: its grid alone
+    (baseline / RUN).write_text((tmp_path / "r" / RUN).read_text())
+    alone = grid_markdown(baseline, tmp_path / "out-rws", "recorded/rws", "png")
+    assert "step 1" in alone and "APG −" not in alone
 
 
 def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
