@@ -133,8 +133,12 @@ def grid_markdown(
         "",
         f"`apg-pipeline long-run --grid` scored the state of step {step:,} on the profile's held-out "
         f"sets at K = {int(sets['sweep'].max())} (position error of the highest-weight particle after "
-        "the last sweep and the reconstruction MSE weighted over particles, mean ± standard error "
-        "over videos).",
+        "the last sweep and the reconstruction MSE weighted over particles"
+        + (
+            "; mean and 95% interval over videos)."
+            if others is not None
+            else "; mean ± standard error over videos)."
+        ),
         "",
     ]
     if others is None:
