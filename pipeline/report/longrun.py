@@ -12,7 +12,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FormatStrFormatter, FuncFormatter, LogLocator, NullFormatter
 
 from pipeline.longrun import EVALS, HISTORY, METHOD, RUN, RUN_DIR, SEGMENTS, run_dir_of
 from pipeline.report.figures import _save
@@ -179,12 +179,14 @@ def draw_curve(ax, evals: pd.DataFrame, colour: str, label: str) -> None:
 
 
 def plain_numbers(ax) -> None:
-    """Log axes labelled 500, 1000, 2000 and 6 rather than 10^3 and 6 x 10^0."""
+    """Log axes labelled 500, 1000, 20k and 6 rather than 10^3, 2 x 10^4 and 6 x 10^0."""
     ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x >= 10_000 else f"{x:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
+    # 1, 2, 3 and 5 per decade: every minor tick labelled crowds an axis within one decade
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def methods_figure(curves: dict[str, pd.DataFrame], path: Path) -> None:
