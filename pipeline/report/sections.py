@@ -503,8 +503,9 @@ def pipeline_time_markdown(
         "minutes a sweep); the other stages as they last ran.\n\n"
         "| stage | minutes (last run) | minutes (from scratch) |\n| --- | ---: | ---: |\n"
         f"{rows}\n| **sum** | **{total:.1f}** | **{sum(scratch.values()) / 60:.1f}** |\n\n"
-        f"Machine that made this report (a from-scratch `dvc repro` trains and evaluates on the same "
-        f"one; trained numbers differ across CPUs): {provenance.machine_line(made_on or provenance.machine())}"
+        "Machine that trained and evaluated these results (a from-scratch `dvc repro` also writes "
+        "the report there; a rebuild from the committed rows keeps this line; trained numbers "
+        f"differ across CPUs): {provenance.machine_line(made_on or provenance.machine())}"
         f"{per_trial}.\n\n"
     )
 
