@@ -76,7 +76,8 @@ def evaluate_grid(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(EVAL_SEED)
             curves = score_videos(set_cfg, trainer.model, proposals, x, truth, sweeps, particles, batch_size)
-        for k, video in itertools.product(range(sweeps), range(n)):
+        # a row per sweep the method reports (AVF: one, its last inference iteration's)
+        for k, video in itertools.product(range(len(curves["pos_err"])), range(n)):
             rows.append(
                 {
                     "iteration": trainer.iteration,

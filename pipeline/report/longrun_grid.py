@@ -44,6 +44,11 @@ def read_grid(run_dir: Path) -> pd.DataFrame | None:
     return pd.read_csv(run_dir / GRID) if (run_dir / GRID).is_file() else None
 
 
+def budget(run: dict[str, Any]) -> tuple[int, int]:
+    """A run's sweeps K and particles L (``run.json``)."""
+    return int(run["train"]["sweeps"]), int(run["train"]["particles"])
+
+
 def per_set(grid: pd.DataFrame) -> pd.DataFrame:
     """One step's grid as a row per set and sweep: the videos, and the mean and standard
     error over videos of each of ``COLUMNS``."""
@@ -56,17 +61,17 @@ def per_set(grid: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def as_evaluation_rows(grid: pd.DataFrame, method: str, particles: int) -> pd.DataFrame:
-    """One step's grid in the evaluation's long form (``pipeline/evaluate.py``), each video in
-    place of a seed: what ``check_claim`` reads."""
+def as_evaluation_rows(grid: pd.DataFrame, method: str, budget: tuple[int, int]) -> pd.DataFrame:
+    """One step's grid of a run at ``budget`` (its K, L) in the evaluation's long form
+    (``pipeline/evaluate.py``), each video in place of a seed: what ``check_claim`` reads."""
     long = grid.melt(
         id_vars=["iteration", "set", "video", "sweep"], value_vars=list(COLUMNS), var_name="metric"
     )
     return long.assign(
         task="bmnist",
         method=method,
-        K=int(grid["sweep"].max()),
-        L=particles,
+        K=budget[0],
+        L=budget[1],
         seed=long["video"],
         dataset=long["video"],
         cell_id=f"long-run/{method}/step{int(grid['iteration'].iloc[0])}",
@@ -75,13 +80,13 @@ def as_evaluation_rows(grid: pd.DataFrame, method: str, particles: int) -> pd.Da
 
 
 def long_run_claims(
-    grids: dict[str, pd.DataFrame], particles: int, paper: dict[str, Any]
+    grids: dict[str, tuple[pd.DataFrame, tuple[int, int]]], paper: dict[str, Any]
 ) -> list[tuple[dict[str, Any], ClaimResult, int | None]]:
     """``(spec, result, step)`` for each claim of ``paper`` (the ``bmnist`` section of
     pipeline/paper_numbers.yaml: ``long_run_claims`` and ``long_run_every_set`` over APG's grid
-    sets) on the runs' grids (``{method: grid}``, APG's under ``METHOD``); a comparison with a
-    run that has no step in common with APG's is not run (step ``None``)."""
-    apg = grids[METHOD]
+    sets) on the runs' grids (``{method: (grid, (K, L))}``, APG's under ``METHOD``); a
+    comparison with a run that has no step in common with APG's is not run (step ``None``)."""
+    apg = grids[METHOD][0]
     latest = int(apg["iteration"].max())
     sets = list(dict.fromkeys(apg.loc[apg["iteration"] == latest, "set"]))
     specs = list(paper.get("long_run_claims") or [])
@@ -94,13 +99,13 @@ def long_run_claims(
     for spec in specs:
         other = spec.get("other")
         runs = [METHOD] if other is None else [METHOD, other]
-        common = set.intersection(*(set(grids[m]["iteration"]) if m in grids else set() for m in runs))
+        common = set.intersection(*(set(grids[m][0]["iteration"]) if m in grids else set() for m in runs))
         step = max(common) if other is not None and common else (latest if other is None else None)
         if step is None:
             out.append((spec, claims_not_run("bmnist", [spec], "no step scored by both runs")[0], None))
             continue
         frame = pd.concat(
-            [as_evaluation_rows(grids[m][grids[m]["iteration"] == step], m, particles) for m in runs]
+            [as_evaluation_rows(grids[m][0][grids[m][0]["iteration"] == step], m, grids[m][1]) for m in runs]
         )
         out.append((spec, check_claim(spec, "bmnist", finals(frame), frame.iloc[:0], frame), step))
     return out
@@ -152,11 +157,12 @@ def grid_markdown(
             ),
         ]
     else:
-        grids = {METHOD: grid, **{m: g for m, d in others.items() if (g := read_grid(d)) is not None}}
+        grids = {METHOD: (grid, budget(run))}
+        for method, folder in others.items():
+            if (found := read_grid(folder)) is not None:
+                grids[method] = (found, budget(json.loads((folder / RUN).read_text())))
         paper = paper or yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
-        lines += claims_grid_markdown(
-            grid[grid["iteration"] == step], last, long_run_claims(grids, run["train"]["particles"], paper)
-        )
+        lines += claims_grid_markdown(grid[grid["iteration"] == step], last, long_run_claims(grids, paper))
     lines += ["", f"![Figure 4]({rel}/{mse_figure.name})", ""]
     if (run_dir / TRAIL).is_file():
         trail_figure = out_dir / f"figure3.{fmt}"

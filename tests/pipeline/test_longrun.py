@@ -47,9 +47,9 @@ def test_video_rows_are_each_a_function_of_their_index(mnist_env):
         rows[torch.tensor([50])]
 
 
-def tiny_run() -> dict:
-    """The paper profile's run at a few videos, frames and particles."""
-    run = new_run("paper", eval_videos=4, every={"log": 2, "checkpoint": 2, "eval": 4})
+def tiny_run(method: str = "apg") -> dict:
+    """The paper profile's run (of ``method``) at a few videos, frames and particles."""
+    run = new_run("paper", eval_videos=4, every={"log": 2, "checkpoint": 2, "eval": 4}, method=method)
     run["train"].update(sweeps=2, particles=2, batch_size=2, network={"num_digits": 1})
     run["rows"].update(num_videos=20, num_frames=3, num_digits=1)
     run["eval"]["sizes"] = {**run["eval"]["sizes"], "num_frames": 3, "num_digits": 1}
@@ -297,9 +297,10 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     baseline = tmp_path / "rws"
     baseline.mkdir()
     rows = pd.DataFrame(both)
-    rows[rows["iteration"] == "1"].assign(pos_err=lambda f: f["pos_err"].astype(float) + 50).to_csv(
-        baseline / longrun_grid.GRID, index=False
-    )
+    # one row per video, as AVF reports only its last inference iteration, at the run's K
+    rows = rows[(rows["iteration"] == "1") & (rows["sweep"] == "2")].assign(sweep=1)
+    rows.assign(pos_err=rows["pos_err"].astype(float) + 50).to_csv(baseline / longrun_grid.GRID, index=False)
+    (baseline / RUN).write_text((tmp_path / "r" / RUN).read_text())
     paper = yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
     for spec in paper["long_run_claims"] + paper["long_run_every_set"]:
         assert spec["pair"] == [5, 10]  # the paper's K and L; this tiny run's are 2 and 2
@@ -321,9 +322,19 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     assert "| ≤ 3 |" in line  # T3_D1 given the first claim's target
     assert (tmp_path / "out" / "figure4.png").is_file() and (tmp_path / "out" / "figure3.png").is_file()
     # a baseline's own section: its grid alone
-    (baseline / RUN).write_text((tmp_path / "r" / RUN).read_text())
     alone = grid_markdown(baseline, tmp_path / "out-rws", "recorded/rws", "png")
     assert "step 1" in alone and "APG −" not in alone
+
+
+@needs_mnist
+def test_the_grid_of_a_method_that_reports_one_sweep_has_a_row_per_video(tmp_path, mnist_env, monkeypatch):
+    from pipeline import longrun_grid
+
+    long_run(tmp_path, steps=1, run_dir=tmp_path / "avf", new=tiny_run("avf"))
+    sets = [{"name": "T3_D1", "num_datasets": 2, "seed": 9, "sizes": {"num_frames": 3, "num_digits": 1}}]
+    monkeypatch.setattr(longrun_grid, "grid_sets", lambda run: sets)
+    grid = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "avf"))
+    assert [(r["sweep"], r["video"]) for r in grid] == [("1", "0"), ("1", "1")]  # AVF's last iteration
 
 
 def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
