@@ -168,8 +168,8 @@ def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particl
     found: dict[str, np.ndarray] = {}
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
-        if k == sweeps - 1:
-            found.update(tracking.positions(trainer.model, x, best_particle(z, log_w)))
+        # each sweep the method reports replaces the last (AVF reports one)
+        found.update(tracking.positions(trainer.model, x, best_particle(z, log_w)))
 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(EVAL_SEED)

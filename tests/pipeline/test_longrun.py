@@ -335,6 +335,8 @@ def test_the_grid_of_a_method_that_reports_one_sweep_has_a_row_per_video(tmp_pat
     monkeypatch.setattr(longrun_grid, "grid_sets", lambda run: sets)
     grid = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "avf"))
     assert [(r["sweep"], r["video"]) for r in grid] == [("1", "0"), ("1", "1")]  # AVF's last iteration
+    with np.load(tmp_path / "avf" / longrun_grid.TRAIL) as npz:  # its inferred paths as well
+        assert npz["found_z_where"].shape == npz["true_z_where"].shape == (1, 3, 1, 2)
 
 
 def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
