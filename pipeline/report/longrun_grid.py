@@ -137,7 +137,7 @@ def grid_markdown(
         f"### The paper's held-out grid at step {step:,}",
         "",
         f"`apg-pipeline long-run --grid` scored the state of step {step:,} on the profile's held-out "
-        f"sets at K = {int(sets['sweep'].max())} (position error of the highest-weight particle after "
+        f"sets at K = {budget(run)[0]} (position error of the highest-weight particle after "
         "the last sweep and the reconstruction MSE weighted over particles"
         + (
             "; mean and 95% interval over videos)."
@@ -218,7 +218,11 @@ def claims_grid_markdown(
                 row += ["–", "–"]
                 continue
             (result, step), (d, lo, hi) = got, got[0].target_value["difference"]
-            row += [f"{_interval(d, lo, hi)} (step {step:,})", _verdict(result)]
+            them = result.target_value["value"]
+            row += [
+                f"{_interval(d, lo, hi)} (step {step:,}: {result.value:.2f} vs {them:.2f})",
+                _verdict(result),
+            ]
         lines.append("| " + " | ".join(row) + " |")
     return lines + ["", LONG_RUN_RULES]
 

@@ -315,7 +315,7 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
         paper=paper,
     )
     assert "### The paper's held-out grid at step 2" in text and "| T4_D2 | 2 |" in text
-    assert "APG − rws-mlp (px)" in text and "(step 1)" in text and "APG − avf (px)" in text
+    assert "APG − rws-mlp (px)" in text and "(step 1: " in text and "APG − avf (px)" in text
     line = next(x for x in text.splitlines() if x.startswith("| T3_D1 |"))
     assert line.endswith("| – | – |")  # no avf grid: no comparison
     assert "n/a (2 videos)" in line  # two videos are too few for a verdict, as two seeds are
