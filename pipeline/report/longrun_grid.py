@@ -134,7 +134,8 @@ def grid_markdown(
     mse_figure = out_dir / f"figure4.{fmt}"
     figure4(sets, mse_figure)
     lines = [
-        f"### The paper's held-out grid at step {step:,}",
+        f"### The paper's held-out grid at step {step:,}"
+        + ("" if run["train"]["method"] == METHOD else f" ({run['train']['method']})"),
         "",
         f"`apg-pipeline long-run --grid` scored the state of step {step:,} on the profile's held-out "
         f"sets at K = {budget(run)[0]} (position error of the highest-weight particle after "
