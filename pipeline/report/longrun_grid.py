@@ -61,8 +61,8 @@ def per_set(grid: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def as_evaluation_rows(grid: pd.DataFrame, method: str, budget: tuple[int, int]) -> pd.DataFrame:
-    """One step's grid of a run at ``budget`` (its K, L) in the evaluation's long form
+def as_evaluation_rows(grid: pd.DataFrame, method: str, pair: tuple[int, int]) -> pd.DataFrame:
+    """One step's grid of a run at ``pair`` (its K, L) in the evaluation's long form
     (``pipeline/evaluate.py``), each video in place of a seed: what ``check_claim`` reads."""
     long = grid.melt(
         id_vars=["iteration", "set", "video", "sweep"], value_vars=list(COLUMNS), var_name="metric"
@@ -70,8 +70,8 @@ def as_evaluation_rows(grid: pd.DataFrame, method: str, budget: tuple[int, int])
     return long.assign(
         task="bmnist",
         method=method,
-        K=budget[0],
-        L=budget[1],
+        K=pair[0],
+        L=pair[1],
         seed=long["video"],
         dataset=long["video"],
         cell_id=f"long-run/{method}/step{int(grid['iteration'].iloc[0])}",
@@ -100,7 +100,7 @@ def long_run_claims(
         other = spec.get("other")
         runs = [METHOD] if other is None else [METHOD, other]
         common = set.intersection(*(set(grids[m][0]["iteration"]) if m in grids else set() for m in runs))
-        step = max(common) if other is not None and common else (latest if other is None else None)
+        step = max(common) if common else None  # APG's alone: its latest
         if step is None:
             out.append((spec, claims_not_run("bmnist", [spec], "no step scored by both runs")[0], None))
             continue
