@@ -141,14 +141,16 @@ def cmd_long_run(args: argparse.Namespace) -> None:
     found = run_method(run_dir)
     if args.method and found and found != args.method:
         raise SystemExit(f"long-run: {run_dir} is a {found} run, not {args.method}")
-    if args.state is not None and not args.grid:
-        raise SystemExit(
-            "long-run: --state goes with --grid (a sitting continues from the run's latest state)"
-        )
+    for option, given in (("--state", args.state), ("--sets", args.sets), ("--videos", args.videos)):
+        if given is not None and not args.grid:
+            raise SystemExit(f"long-run: {option} goes with --grid (a sitting trains on the run's own data)")
     if args.grid:
         from pipeline.longrun_grid import evaluate_grid
 
-        path = evaluate_grid(root, run_dir, videos=args.videos, device=args.device, state=args.state)
+        sets = None if args.sets is None else [name for name in args.sets.split(",") if name]
+        path = evaluate_grid(
+            root, run_dir, videos=args.videos, device=args.device, state=args.state, sets=sets
+        )
         print(f"long run: wrote {path}; commit it with the run's folder")
         return
     if args.minutes is None and args.steps is None:
@@ -485,6 +487,12 @@ def _add_long_run(sub) -> None:
         help="train nothing: score the run's state on the profile's held-out T x D sets (grid.csv, trail.npz)",
     )
     run.add_argument("--videos", type=int, default=None, help="with --grid: the first N videos of each set")
+    run.add_argument(
+        "--sets",
+        default=None,
+        help="with --grid: score only these sets, comma-separated (T20_D4,T20_D5); their rows of "
+        "the step are replaced, the other sets' kept",
+    )
     run.add_argument(
         "--state",
         type=Path,

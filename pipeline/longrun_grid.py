@@ -50,11 +50,13 @@ def evaluate_grid(
     device: str = "cpu",
     batch_size: int = 10,
     state: Path | None = None,
+    sets: list[str] | None = None,
 ) -> Path:
     """Score the run's latest state (or the checkpoint file ``state``: an earlier step's, from
-    git history) on every set of :func:`grid_sets`; write its rows into ``grid.csv`` in the
-    run's folder, replacing the rows of the same step and keeping other steps', and return the
-    table's path. ``trail.npz`` is written for the run's latest state only."""
+    git history) on every set of :func:`grid_sets` (or on those named in ``sets``); write its
+    rows into ``grid.csv`` in the run's folder, replacing the rows of the same step and sets
+    and keeping the others, and return the table's path. ``trail.npz`` is written for the
+    run's latest state only, when the profile's last set is scored."""
     run_dir = run_dir or root / RUN_DIR
     if not (run_dir / RUN).is_file():
         raise FileNotFoundError(f"{run_dir / RUN}: no long run there; start one with --start")
@@ -63,12 +65,15 @@ def evaluate_grid(
         raise FileNotFoundError(f"{run_dir}: the run has no checkpoint yet; train it first")
     if state is not None and not state.is_file():
         raise FileNotFoundError(f"{state}: no such checkpoint")
+    profile_sets = grid_sets(run)
+    chosen = select_sets(profile_sets, sets)
+    if videos is not None and videos < 1:
+        raise ValueError(f"--videos must be >= 1, got {videos}")
     trainer = restore(run, run_dir, device, state_file=state)
     cfg = trainer.cfg
     sweeps, particles = cfg.sweeps, cfg.particles
     rows: list[dict[str, Any]] = []
-    sets = grid_sets(run)
-    for i, entry in enumerate(sets):
+    for i, entry in enumerate(chosen):
         n = min(videos or entry["num_datasets"], entry["num_datasets"])
         sizes = entry.get("sizes", {})
         x, truth = simulate_videos(run, n, entry["seed"], sizes)
@@ -91,14 +96,33 @@ def evaluate_grid(
             )
         print(
             f"grid {entry['name']}: {n} videos, position error {curves['pos_err'][-1].mean():.2f} px after "
-            f"{sweeps} sweeps ({i + 1}/{len(sets)})",
+            f"{sweeps} sweeps ({i + 1}/{len(chosen)})",
             flush=True,
         )
-        if state is None and i == len(sets) - 1:
+        if state is None and entry is profile_sets[-1]:
             _write_trail(run_dir / TRAIL, trainer, set_cfg, proposals, x[:1], truth, entry, sweeps, particles)
-    kept = [r for r in read_grid_rows(run_dir / GRID) if int(r["iteration"]) != trainer.iteration]
+    scored = {entry["name"] for entry in chosen}
+    kept = [
+        r
+        for r in read_grid_rows(run_dir / GRID)
+        if int(r["iteration"]) != trainer.iteration or r["set"] not in scored
+    ]
     write_history(run_dir / GRID, sorted(kept + rows, key=lambda r: int(r["iteration"])))
     return run_dir / GRID
+
+
+def select_sets(profile_sets: list[dict[str, Any]], names: list[str] | None) -> list[dict[str, Any]]:
+    """The profile's sets named in ``names`` (all of them for ``None``), in the profile's order;
+    a name the profile does not have is an error that lists the ones it has."""
+    if names is None:
+        return profile_sets
+    known = [entry["name"] for entry in profile_sets]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ValueError(
+            f"--sets: unknown set(s) {', '.join(unknown) or '(none given)'}; the profile has {', '.join(known)}"
+        )
+    return [entry for entry in profile_sets if entry["name"] in names]
 
 
 COLUMNS = ("mse", "pos_err", "tracked")  # grid.csv's values per set, video and sweep

@@ -293,6 +293,18 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     assert (tmp_path / "r" / longrun_grid.TRAIL).read_bytes() == trail
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", state=tmp_path / "missing.pt")
+    # one set again on more videos: its rows of the step replaced, the other set's kept; the
+    # profile's last set not scored, so Figure 3's trail stays
+    more = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=3, sets=["T3_D1"]))
+    assert [r for r in more if r["set"] == "T4_D2"] == [r for r in both if r["set"] == "T4_D2"]
+    assert [r for r in more if r["set"] == "T3_D1" and r["iteration"] == "1"] == [
+        r for r in both if r["set"] == "T3_D1" and r["iteration"] == "1"
+    ]
+    latest = [r for r in more if r["set"] == "T3_D1" and r["iteration"] == "2"]
+    assert sorted({r["video"] for r in latest}) == ["0", "1", "2"]
+    assert (tmp_path / "r" / longrun_grid.TRAIL).read_bytes() == trail
+    with pytest.raises(ValueError, match="unknown set.*T9_D9.*the profile has T3_D1, T4_D2"):
+        longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", sets=["T9_D9"])
 
     # the report: APG's grid with its claims; a baseline compared at the step both scored
     baseline = tmp_path / "rws"
