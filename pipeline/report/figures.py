@@ -517,6 +517,21 @@ def _write_frames(tmp: Path, frames: np.ndarray) -> None:
         np.savez_compressed(f, frames=frames)
 
 
+def plain_numbers(ax) -> None:
+    """Log axes labelled 500, 1000, 20k, 2M and 6 rather than 10^3, 2 x 10^4 and 6 x 10^0."""
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(
+        matplotlib.ticker.FuncFormatter(
+            lambda x, _: f"{x / 1e6:g}M" if x >= 1e6 else f"{x / 1000:g}k" if x >= 10_000 else f"{x:g}"
+        )
+    )
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    # 1, 2, 3 and 5 per decade: every minor tick labelled crowds an axis within one decade
+    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 def _save(fig, path: Path, caption: str) -> None:
     fig.text(0.5, 0.005, caption, ha="center", va="bottom", fontsize=7, wrap=True)
     # A third of an inch at the top for the suptitle and ~0.4 at the bottom for the caption,

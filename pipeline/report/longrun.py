@@ -12,10 +12,9 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-from matplotlib.ticker import FormatStrFormatter, FuncFormatter, LogLocator, NullFormatter
 
 from pipeline.longrun import EVALS, HISTORY, METHOD, RUN, RUN_DIR, SEGMENTS, run_dir_of
-from pipeline.report.figures import _save
+from pipeline.report.figures import _save, plain_numbers
 from pipeline.report.longrun_grid import grid_markdown
 
 TARGET_PX = 3.0  # position error the paper's tracking reaches at T10_D3 (issue target)
@@ -176,17 +175,6 @@ def draw_curve(ax, evals: pd.DataFrame, colour: str, label: str) -> None:
         color=colour,
         label=label,
     )
-
-
-def plain_numbers(ax) -> None:
-    """Log axes labelled 500, 1000, 20k and 6 rather than 10^3, 2 x 10^4 and 6 x 10^0."""
-    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x >= 10_000 else f"{x:g}"))
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    # 1, 2, 3 and 5 per decade: every minor tick labelled crowds an axis within one decade
-    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 3.0, 5.0)))
-    ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
-    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def methods_figure(curves: dict[str, pd.DataFrame], path: Path) -> None:

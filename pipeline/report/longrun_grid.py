@@ -23,6 +23,7 @@ from pipeline.longrun_grid import COLUMNS, GRID, TRAIL
 from pipeline.report.claims import ClaimResult, check_claim, claims_not_run, verdict
 from pipeline.report.data import PAPER_NUMBERS, finals
 from pipeline.report.figures import _save
+from pipeline.report.longrun_reach import reach_markdown
 from pipeline.statistics import seed_interval
 
 STRIP_FRAMES = 8
@@ -42,6 +43,12 @@ LONG_RUN_RULES = (
 def read_grid(run_dir: Path) -> pd.DataFrame | None:
     """The run's ``grid.csv`` (a row per step, set, video and sweep), or ``None``."""
     return pd.read_csv(run_dir / GRID) if (run_dir / GRID).is_file() else None
+
+
+def latest_per_set(grid: pd.DataFrame) -> pd.DataFrame:
+    """Each set's rows of the latest step it was scored at (sets can be scored at different
+    steps: ``--grid --sets``)."""
+    return grid[grid["iteration"] == grid.groupby("set")["iteration"].transform("max")]
 
 
 def budget(run: dict[str, Any]) -> tuple[int, int]:
@@ -84,11 +91,11 @@ def long_run_claims(
 ) -> list[tuple[dict[str, Any], ClaimResult, int | None]]:
     """``(spec, result, step)`` for each claim of ``paper`` (the ``bmnist`` section of
     pipeline/paper_numbers.yaml: ``long_run_claims`` and ``long_run_every_set`` over APG's grid
-    sets) on the runs' grids (``{method: (grid, (K, L))}``, APG's under ``METHOD``); a
-    comparison with a run that has no step in common with APG's is not run (step ``None``)."""
+    sets) on the runs' grids (``{method: (grid, (K, L))}``, APG's under ``METHOD``), each at
+    the latest step its set was scored at by the runs it reads; a comparison with a run that
+    has no step in common with APG's on the set is not run (step ``None``)."""
     apg = grids[METHOD][0]
-    latest = int(apg["iteration"].max())
-    sets = list(dict.fromkeys(apg.loc[apg["iteration"] == latest, "set"]))
+    sets = list(dict.fromkeys(apg["set"]))
     specs = list(paper.get("long_run_claims") or [])
     specs += [
         {**spec, "id": f"{spec['id']}_{name}", "test_set": name}
@@ -99,16 +106,27 @@ def long_run_claims(
     for spec in specs:
         other = spec.get("other")
         runs = [METHOD] if other is None else [METHOD, other]
-        common = set.intersection(*(set(grids[m][0]["iteration"]) if m in grids else set() for m in runs))
+        common = set.intersection(
+            *(steps_of(grids[m][0], spec["test_set"]) if m in grids else set() for m in runs)
+        )
         step = max(common) if common else None  # APG's alone: its latest
         if step is None:
             out.append((spec, claims_not_run("bmnist", [spec], "no step scored by both runs")[0], None))
             continue
         frame = pd.concat(
-            [as_evaluation_rows(grids[m][0][grids[m][0]["iteration"] == step], m, grids[m][1]) for m in runs]
+            [as_evaluation_rows(at_step(grids[m][0], spec["test_set"], step), m, grids[m][1]) for m in runs]
         )
         out.append((spec, check_claim(spec, "bmnist", finals(frame), frame.iloc[:0], frame), step))
     return out
+
+
+def steps_of(grid: pd.DataFrame, name: str) -> set[int]:
+    """The steps at which the set ``name`` was scored."""
+    return set(grid.loc[grid["set"] == name, "iteration"])
+
+
+def at_step(grid: pd.DataFrame, name: str, step: int) -> pd.DataFrame:
+    return grid[(grid["set"] == name) & (grid["iteration"] == step)]
 
 
 def grid_markdown(
@@ -127,17 +145,23 @@ def grid_markdown(
     if grid is None:
         return ""
     run = json.loads((run_dir / RUN).read_text())
-    step = int(grid["iteration"].max())
-    sets = per_set(grid[grid["iteration"] == step])
+    latest = latest_per_set(grid)
+    steps = latest.groupby("set", sort=False)["iteration"].first()
+    sets = per_set(latest)
     last = sets[sets["sweep"] == sets["sweep"].max()]
     first = sets[sets["sweep"] == 1].set_index("set")
     mse_figure = out_dir / f"figure4.{fmt}"
     figure4(sets, mse_figure)
+    if steps.nunique() == 1:
+        at, scored = f"at step {int(steps.iloc[0]):,}", f"the state of step {int(steps.iloc[0]):,}"
+    else:
+        at = f"at steps {int(steps.min()):,}–{int(steps.max()):,}"
+        scored = "each set with the latest state it was scored at (the step column)"
     lines = [
-        f"### The paper's held-out grid at step {step:,}"
+        f"### The paper's held-out grid {at}"
         + ("" if run["train"]["method"] == METHOD else f" ({run['train']['method']})"),
         "",
-        f"`apg-pipeline long-run --grid` scored the state of step {step:,} on the profile's held-out "
+        f"`apg-pipeline long-run --grid` scored {scored} on the profile's held-out "
         f"sets at K = {budget(run)[0]} (position error of the highest-weight particle after "
         "the last sweep and the reconstruction MSE weighted over particles"
         + (
@@ -149,10 +173,10 @@ def grid_markdown(
     ]
     if others is None:
         lines += [
-            "| set | videos | position error (px) | tracked frames | MSE, sweep 1 → last |",
-            "|---|---|---|---|---|",
+            "| set | videos | step | position error (px) | tracked frames | MSE, sweep 1 → last |",
+            "|---|---|---|---|---|---|",
             *(
-                f"| {r.set} | {int(r.videos)} | {r.pos_err:.2f} ± {r.pos_err_sem:.2f} | {r.tracked:.2f} | "
+                f"| {r.set} | {int(r.videos)} | {int(steps[r.set]):,} | {r.pos_err:.2f} ± {r.pos_err_sem:.2f} | {r.tracked:.2f} | "
                 f"{first.loc[r.set, 'mse']:.4f} → {r.mse:.4f} |"
                 for r in last.itertuples()
             ),
@@ -163,7 +187,8 @@ def grid_markdown(
             if (found := read_grid(folder)) is not None:
                 grids[method] = (found, budget(json.loads((folder / RUN).read_text())))
         paper = paper or yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
-        lines += claims_grid_markdown(grid[grid["iteration"] == step], last, long_run_claims(grids, paper))
+        lines += claims_grid_markdown(latest, last, long_run_claims(grids, paper))
+        lines += ["", *reach_markdown(grid, paper, out_dir, rel, fmt)]
     lines += ["", f"![Figure 4]({rel}/{mse_figure.name})", ""]
     if (run_dir / TRAIL).is_file():
         trail_figure = out_dir / f"figure3.{fmt}"
@@ -175,10 +200,12 @@ def grid_markdown(
 def claims_grid_markdown(
     grid: pd.DataFrame, last: pd.DataFrame, results: list[tuple[dict[str, Any], ClaimResult, int | None]]
 ) -> list[str]:
-    """The grid's table (``grid``: one step's rows; ``last``: its sets after the last sweep)
+    """The grid's table (``grid``: each set's rows of its latest step; ``last``: its sets
+    after the last sweep)
     with each set's claims: the position error against its target, the MSE's change over
     sweeps, APG minus each baseline (95% intervals over videos)."""
     final = grid[grid["sweep"] == grid["sweep"].max()]
+    steps = final.groupby("set")["iteration"].first()
     errors = {name: seed_interval(rows["pos_err"].to_numpy()) for name, rows in final.groupby("set")}
     by_set: dict[str, dict[str, tuple[ClaimResult, int | None]]] = {}
     for spec, r, step in results:
@@ -187,6 +214,7 @@ def claims_grid_markdown(
     header = [
         "set",
         "videos",
+        "step",
         "position error (px)",
         "target",
         "✓/✗",
@@ -198,7 +226,7 @@ def claims_grid_markdown(
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in last.itertuples():
         claims = by_set.get(r.set, {})
-        row = [r.set, str(int(r.videos))]
+        row = [r.set, str(int(r.videos)), f"{int(steps[r.set]):,}"]
         pos = errors[r.set]
         row.append(_interval(pos.mean, pos.lo, pos.hi))
         if "threshold" in claims:

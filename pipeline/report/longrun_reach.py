@@ -1,0 +1,167 @@
+"""When the long run would meet its targets at the rate measured: for each target set of
+``bmnist.long_run_claims``, a power law fitted to the set's position error over the steps
+its grid was scored at, with an inverse-regression interval, against the paper's training
+length (the rule: ``bmnist.long_run_reach`` in pipeline/paper_numbers.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from pipeline.report.figures import _save, plain_numbers
+
+HORIZON = 1e12  # steps: a band that has not met the target by then is read as never meeting it
+
+
+@dataclass(frozen=True)
+class Reach:
+    """One target set's trend: the steps and means it was fitted to, the fitted slope of
+    log error on log step, and the steps where the line (``at``) and its band (``earliest``,
+    ``latest``) meet the target (``inf``: never)."""
+
+    set: str
+    target: float
+    points: pd.DataFrame  # iteration, pos_err (mean over videos), sem
+    videos: int
+    slope: float = float("nan")
+    intercept: float = float("nan")
+    at: float = float("nan")
+    earliest: float = float("nan")
+    latest: float = float("nan")
+    verdict: str = "too few steps"
+
+
+def trend_points(grid: pd.DataFrame, name: str) -> tuple[pd.DataFrame, int]:
+    """The set's final-sweep position error per step, as means over the videos of its latest
+    step, at the steps scored on all of those videos; and how many videos that is."""
+    rows = grid[grid["set"] == name]
+    rows = rows[rows["sweep"] == rows.groupby(["iteration", "video"])["sweep"].transform("max")]
+    videos = set(rows.loc[rows["iteration"] == rows["iteration"].max(), "video"])
+    rows = rows[rows["video"].isin(videos)]
+    full = rows.groupby("iteration")["video"].nunique() == len(videos)
+    rows = rows[rows["iteration"].isin(full[full].index)]
+    by = rows.groupby("iteration")["pos_err"]
+    points = pd.DataFrame({"pos_err": by.mean(), "sem": by.sem()}).reset_index()
+    return points, len(videos)
+
+
+def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dict[str, Any]) -> Reach:
+    """Fit and read off :class:`Reach` by the rule (``limit_steps``, ``confidence``,
+    ``min_steps``)."""
+    base = Reach(name, target, points, videos)
+    if len(points) < rule["min_steps"]:
+        return base
+    x, y = np.log(points["iteration"].to_numpy(float)), np.log(points["pos_err"].to_numpy(float))
+    fit = stats.linregress(x, y)
+    n = len(x)
+    spread = np.sqrt(np.sum((y - fit.intercept - fit.slope * x) ** 2) / (n - 2))
+    t = stats.t.ppf(0.5 + rule["confidence"] / 2, n - 2)
+    sxx = np.sum((x - x.mean()) ** 2)
+    xs = np.linspace(x.min(), np.log(HORIZON), 200_000)
+    line = fit.intercept + fit.slope * xs
+    half = t * spread * np.sqrt(1 / n + (xs - x.mean()) ** 2 / sxx)
+    goal = np.log(target)
+
+    def first(below: np.ndarray) -> float:
+        return float(np.exp(xs[np.argmax(below)])) if below.any() else float("inf")
+
+    earliest, latest, at = first(line - half <= goal), first(line + half <= goal), first(line <= goal)
+    if points["pos_err"].iloc[-1] <= target:
+        verdict = "reached"
+    elif earliest > rule["limit_steps"]:
+        verdict = "out of reach"
+    elif latest <= rule["limit_steps"]:
+        verdict = "within reach"
+    else:
+        verdict = "undecided"
+    return Reach(name, target, points, videos, fit.slope, fit.intercept, at, earliest, latest, verdict)
+
+
+def reaches(grid: pd.DataFrame, paper: dict[str, Any]) -> list[Reach]:
+    """:func:`reach` for each threshold claim of ``paper`` (the ``bmnist`` section) whose set
+    APG's ``grid`` has."""
+    rule = paper["long_run_reach"]
+    out = []
+    for spec in paper.get("long_run_claims") or []:
+        if spec["kind"] != "threshold" or spec["test_set"] not in set(grid["set"]):
+            continue
+        points, videos = trend_points(grid, spec["test_set"])
+        out.append(reach(points, spec["test_set"], float(spec["target"]), videos, rule))
+    return out
+
+
+def _steps(value: float) -> str:
+    if not np.isfinite(value):
+        return "never"
+    return f"{value:,.0f}" if value < 1e7 else f"{value:.1e}"
+
+
+def reach_markdown(grid: pd.DataFrame, paper: dict[str, Any], out_dir: Path, rel: str, fmt: str) -> list[str]:
+    """The section's lines: a row per target set and the figure of the fits."""
+    found = reaches(grid, paper)
+    if not found:
+        return []
+    rule = paper["long_run_reach"]
+    limit = rule["limit_steps"]
+    figure = out_dir / f"reach.{fmt}"
+    reach_figure(found, limit, figure)
+    lines = [
+        "#### When the targets would be met at the rate measured",
+        "",
+        f"Each target set's final-sweep position error at every step its grid was scored on the "
+        f"same videos, a power law fitted to it, and the step where the fit meets the target, "
+        f"with the steps where its {rule['confidence']:.0%} band does (an inverse-regression "
+        f"interval), against the paper's {limit:,} training steps. Rule (set before the grid was "
+        "scored at more than two steps): `bmnist.long_run_reach` in `pipeline/paper_numbers.yaml`. "
+        "An extrapolation of a fit, not a measurement; a power law has no floor, so it is the "
+        "optimistic reading of a curve that levels off.",
+        "",
+        "| set | target (px) | videos | steps fitted | error at the last (px) | error ∝ step^b | "
+        "meets the target at step [band] | × the paper's steps | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in found:
+        steps = ", ".join(f"{int(s):,}" for s in r.points["iteration"])
+        last = r.points.iloc[-1]
+        if r.verdict == "too few steps":
+            lines.append(
+                f"| {r.set} | {r.target:g} | {r.videos} | {steps} | {last['pos_err']:.2f} | – | – | – | "
+                f"too few steps (a fit needs {rule['min_steps']}) |"
+            )
+            continue
+        ratio = f"{r.at / limit:,.1f}" if np.isfinite(r.at) else "–"
+        lines.append(
+            f"| {r.set} | {r.target:g} | {r.videos} | {steps} | {last['pos_err']:.2f} | {r.slope:.3f} | "
+            f"{_steps(r.at)} [{_steps(r.earliest)}, {_steps(r.latest)}] | {ratio} | {r.verdict} |"
+        )
+    return lines + ["", f"![reach]({rel}/{figure.name})", ""]
+
+
+def reach_figure(found: list[Reach], limit: int, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(found), figsize=(3.0 * len(found), 2.8), sharey=True, squeeze=False)
+    for ax, r in zip(axes[0], found, strict=True):
+        p = r.points
+        ax.errorbar(p["iteration"], p["pos_err"], yerr=1.96 * p["sem"].fillna(0), fmt="o", ms=3, color="C0")
+        if np.isfinite(r.slope):
+            xs = np.geomspace(p["iteration"].min(), 10 * limit, 100)
+            ax.plot(xs, np.exp(r.intercept + r.slope * np.log(xs)), "k--", lw=0.8)
+        ax.axhline(r.target, color="grey", ls=":", lw=0.8)
+        ax.axvline(limit, color="C3", ls=":", lw=0.8)
+        ax.set(xscale="log", yscale="log", title=f"{r.set}: {r.verdict}", xlabel="training step")
+        ax.title.set_fontsize(8)
+        plain_numbers(ax)
+    axes[0][0].set_ylabel("position error (px)")
+    _save(
+        fig,
+        path,
+        "Final-sweep position error of the long run's states (mean and 95% interval over videos), "
+        f"the power law fitted to it (dashed), the target (dotted grey) and the paper's {limit:,} "
+        "steps (dotted red).",
+    )
