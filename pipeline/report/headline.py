@@ -69,13 +69,19 @@ def verdict_count(claims: list[ClaimResult], replication: dict[str, ClaimResult]
 
 
 def headline_metrics(
-    claims: list[ClaimResult], replication: dict[str, ClaimResult] | None = None
+    claims: list[ClaimResult],
+    replication: dict[str, ClaimResult] | None = None,
+    long_run: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``reports/metrics.json``: ``claims`` holds the counts (``verdict_tally``), and each task
     ``{claim id: 1 (holds), 0 (fails) or None (no verdict)}``. Kept to a few dozen numbers with
     the claim ids of ``paper_numbers.yaml`` as keys, so that ``dvc metrics diff`` between two
-    commits lists the verdicts that flipped; DVC leaves null values out of its tables."""
+    commits lists the verdicts that flipped; DVC leaves null values out of its tables.
+    ``long_run`` (the long Bouncing MNIST run's claims and reach verdicts, not counted in the
+    tally) goes under its own key when given."""
     out: dict[str, Any] = {"claims": verdict_tally(claims, replication)}
     for c in claims:
         out.setdefault(c.task, {})[c.id] = None if c.passed is None else int(bool(c.passed))
+    if long_run:
+        out["long_run"] = long_run
     return out

@@ -15,7 +15,7 @@ import pandas as pd
 
 from pipeline.longrun import EVALS, HISTORY, METHOD, RUN, RUN_DIR, SEGMENTS, run_dir_of
 from pipeline.report.figures import _save, plain_numbers
-from pipeline.report.longrun_grid import grid_markdown
+from pipeline.report.longrun_grid import grid_markdown, long_run_metrics
 
 TARGET_PX = 3.0  # position error the paper's tracking reaches at T10_D3 (issue target)
 FIT_MIN_POINTS = 3
@@ -104,6 +104,14 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
         baselines_markdown(root, out, fmt, evals),
     ]
     return "\n".join(lines)
+
+
+def long_run_headline(root: Path) -> dict[str, Any]:
+    """``reports/metrics.json``'s ``long_run`` entry (empty without the run's grid)."""
+    run_dir = root / RUN_DIR
+    if not (run_dir / RUN).is_file():
+        return {}
+    return long_run_metrics(run_dir, {m: root / run_dir_of(m) for m in BASELINES})
 
 
 def baselines_markdown(root: Path, out: Path, fmt: str, apg: pd.DataFrame) -> str:

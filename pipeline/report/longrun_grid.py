@@ -23,7 +23,7 @@ from pipeline.longrun_grid import COLUMNS, GRID, TRAIL
 from pipeline.report.claims import ClaimResult, check_claim, claims_not_run, verdict
 from pipeline.report.data import PAPER_NUMBERS, finals
 from pipeline.report.figures import _save
-from pipeline.report.longrun_reach import reach_markdown
+from pipeline.report.longrun_reach import reach_markdown, reaches
 from pipeline.statistics import seed_interval
 
 STRIP_FRAMES = 8
@@ -120,6 +120,32 @@ def long_run_claims(
     return out
 
 
+def run_grids(run_dir: Path, others: dict[str, Path]) -> dict[str, tuple[pd.DataFrame, tuple[int, int]]]:
+    """``{method: (grid, (K, L))}`` of APG's run (under ``METHOD``) and of each baseline's run
+    in ``others`` that has a grid (APG's must have one)."""
+    grids = {}
+    for method, folder in {METHOD: run_dir, **others}.items():
+        if (found := read_grid(folder)) is not None:
+            grids[method] = (found, budget(json.loads((folder / RUN).read_text())))
+    return grids
+
+
+def long_run_metrics(
+    run_dir: Path, others: dict[str, Path], paper: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``reports/metrics.json``'s ``long_run`` (empty without a grid): each long-run claim's
+    verdict (1, 0 or None, as the claims table's) and each target set's reach verdict."""
+    grids = run_grids(run_dir, others)
+    if METHOD not in grids:
+        return {}
+    paper = paper or yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
+    claims = {
+        spec["id"]: None if r.passed is None else int(bool(r.passed))
+        for spec, r, _ in long_run_claims(grids, paper)
+    }
+    return {"claims": claims, "reach": {r.set: r.verdict for r in reaches(grids[METHOD][0], paper)}}
+
+
 def steps_of(grid: pd.DataFrame, name: str) -> set[int]:
     """The steps at which the set ``name`` was scored."""
     return set(grid.loc[grid["set"] == name, "iteration"])
@@ -182,12 +208,8 @@ def grid_markdown(
             ),
         ]
     else:
-        grids = {METHOD: (grid, budget(run))}
-        for method, folder in others.items():
-            if (found := read_grid(folder)) is not None:
-                grids[method] = (found, budget(json.loads((folder / RUN).read_text())))
         paper = paper or yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
-        lines += claims_grid_markdown(latest, last, long_run_claims(grids, paper))
+        lines += claims_grid_markdown(latest, last, long_run_claims(run_grids(run_dir, others), paper))
         lines += ["", *reach_markdown(grid, paper, out_dir, rel, fmt)]
     lines += ["", f"![Figure 4]({rel}/{mse_figure.name})", ""]
     if (run_dir / TRAIL).is_file():

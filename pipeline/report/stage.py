@@ -38,7 +38,7 @@ from pipeline.report.data import (
     load_results,
 )
 from pipeline.report.headline import claims_json, headline_metrics
-from pipeline.report.longrun import long_run_markdown
+from pipeline.report.longrun import long_run_headline, long_run_markdown
 from pipeline.report.sections import (
     RESULTS_START,
     cells_training_seconds,
@@ -138,7 +138,7 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         full["replication_claims"] = claims_json(list(replication.values()))
     for path, metrics in (
         (data / FULL_METRICS, full),
-        (out / "metrics.json", headline_metrics(claims, replication)),
+        (out / "metrics.json", headline_metrics(claims, replication, long_run_headline(root))),
     ):
         payload = json.dumps(metrics, indent=2, sort_keys=True) + "\n"
         atomic_write(path, lambda tmp, payload=payload: tmp.write_text(payload))

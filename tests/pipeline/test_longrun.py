@@ -334,6 +334,14 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     assert "n/a (2 videos)" in line  # two videos are too few for a verdict, as two seeds are
     assert "| ≤ 3 |" in line  # T3_D1 given the first claim's target
     assert (tmp_path / "out" / "figure4.png").is_file() and (tmp_path / "out" / "figure3.png").is_file()
+    # reports/metrics.json's entry: the same verdicts by claim id, and the reach per target set
+    from pipeline.report.longrun_grid import long_run_metrics
+
+    metrics = long_run_metrics(tmp_path / "r", {"rws-mlp": baseline, "avf": tmp_path / "no"}, paper)
+    assert metrics["claims"]["long_tracks_T10_D3"] == 0  # set to T3_D1 above: its table row's verdict
+    assert set(metrics["claims"]) >= {"long_mse_falls_T4_D2", "long_below_rws_T4_D2", "long_below_avf_T4_D2"}
+    assert metrics["reach"] == {"T3_D1": "too few steps"}
+    assert long_run_metrics(tmp_path / "no", {}, paper) == {}
     # a baseline's own section: its grid alone
     alone = grid_markdown(baseline, tmp_path / "out-rws", "recorded/rws", "png")
     assert "### The paper's held-out grid at step 1 (rws-mlp)" in alone and "APG −" not in alone
