@@ -211,7 +211,13 @@ def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particl
     arrays.update({f"true_{k}": np.asarray(v[:1]) for k, v in truth.items()})
     arrays["frames"] = (x[0].float().clamp(0, 1) * 255).round().to(torch.uint8).numpy()  # (T, H, W)
     meta = json.dumps(
-        {"set": entry["name"], "seed": entry["seed"], "sizes": entry.get("sizes", {}), "video": 0}
+        {
+            "set": entry["name"],
+            "seed": entry["seed"],
+            "sizes": entry.get("sizes", {}),
+            "video": 0,
+            "iteration": trainer.iteration,
+        }
     )
 
     def write(tmp: Path) -> None:

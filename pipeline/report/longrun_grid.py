@@ -344,7 +344,9 @@ def figure3(trail_path: Path, path: Path) -> None:
     _save(
         fig,
         path,
-        f"One {meta['set']} video (seed {meta['seed']}, video {meta['video']}): each digit's true path "
+        f"One {meta['set']} video (seed {meta['seed']}, video {meta['video']}"
+        + (f"; the state of step {meta['iteration']:,}" if "iteration" in meta else "")
+        + "): each digit's true path "
         f"(solid) and inferred path (dashed) over the last {TRAIL_FRAMES} frames up to the one shown (x: "
         "the inferred position in it), one colour per digit "
         "(inferred digits matched to true ones over the whole video).",

@@ -286,6 +286,7 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     with np.load(tmp_path / "r" / longrun_grid.TRAIL) as npz:
         assert npz["frames"].shape == (4, 96, 96) and npz["frames"].dtype == np.uint8
         assert npz["found_z_where"].shape == npz["true_z_where"].shape == (1, 4, 2, 2)
+        assert json.loads(str(npz["meta"]))["iteration"] == 2  # the step whose state drew it
     # an earlier state adds its step's rows and keeps the latest's (and Figure 3's trail)
     both = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2, state=tmp_path / "step1.pt"))
     assert [r for r in both if r["iteration"] == "2"] == grid
