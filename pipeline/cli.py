@@ -486,7 +486,12 @@ def _add_long_run(sub) -> None:
         action="store_true",
         help="train nothing: score the run's state on the profile's held-out T x D sets (grid.csv, trail.npz)",
     )
-    run.add_argument("--videos", type=int, default=None, help="with --grid: the first N videos of each set")
+    run.add_argument(
+        "--videos",
+        type=int,
+        default=None,
+        help="with --grid: N videos of each set (the set's seed and N fix them: another N, other videos)",
+    )
     run.add_argument(
         "--sets",
         default=None,

@@ -3,7 +3,8 @@
 ``apg-pipeline long-run --grid`` scores the state in ``recorded/bmnist-long/`` (or, with
 ``--state FILE``, an earlier checkpoint of the run, from git history) on the run's profile's
 held-out sets (the ``paper`` profile: T in {10, 20, 100} x D in {3, 4, 5}, 100 test-split
-videos each; ``videos`` takes the first n of each) at the run's K and L, and writes its rows
+videos each; ``videos`` draws n of each instead: a set's seed and n fix its videos, so
+scores on different n are of different videos) at the run's K and L, and writes its rows
 into ``grid.csv``: per step, set, video and sweep, the reconstruction MSE (weighted over
 particles) and the position error (px) and tracked-frame fraction of the highest-weight
 particle, all from one run of the method per batch of videos. Rows of other steps stay, so

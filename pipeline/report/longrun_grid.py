@@ -31,8 +31,9 @@ STRIP_FRAMES = 8
 TRAIL_FRAMES = 4
 LONG_RUN_RULES = (
     "One training run per method: each held-out video stands in for a seed in the claims "
-    "table's rules (a 95% interval over the videos; two methods compared on the same videos by "
-    "Welch's interval), so a verdict says what this trained run does on the held-out sets, not "
+    "table's rules (a 95% interval over the videos; two methods compared by Welch's interval, "
+    "on the same videos when both scored the set on as many: a set's seed and number of videos "
+    "fix them), so a verdict says what this trained run does on the held-out sets, not "
     "what training does across seeds, and the headline does not count it. Rules and targets: "
     "`pipeline/paper_numbers.yaml`, `bmnist.long_run_claims` and `long_run_every_set`, set "
     "before the grid was first scored. A comparison is made at the latest step both runs have "
@@ -57,10 +58,10 @@ def budget(run: dict[str, Any]) -> tuple[int, int]:
 
 
 def per_set(grid: pd.DataFrame) -> pd.DataFrame:
-    """One step's grid as a row per set and sweep: the videos, and the mean and standard
-    error over videos of each of ``COLUMNS``."""
+    """One step's grid as a row per set and sweep (in order of T, then D): the videos, and the
+    mean and standard error over videos of each of ``COLUMNS``."""
     keys = ["set", "T", "D", "sweep"]
-    by = grid.groupby(keys, sort=False)
+    by = grid.sort_values(["T", "D"], kind="stable").groupby(keys, sort=False)  # the profile's order
     out = by.size().rename("videos").to_frame()
     for name in COLUMNS:
         out[name] = by[name].mean()

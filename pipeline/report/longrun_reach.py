@@ -38,17 +38,18 @@ class Reach:
 
 
 def trend_points(grid: pd.DataFrame, name: str) -> tuple[pd.DataFrame, int]:
-    """The set's final-sweep position error per step, as means over the videos of its latest
-    step, at the steps scored on all of those videos; and how many videos that is."""
+    """The set's final-sweep position error per step, as means over videos, at the steps
+    scored on the same videos as its latest step; and how many videos that is. A set's
+    videos are fixed by its seed and their number (``simulate_videos`` draws them together),
+    so the same videos are the same number of them."""
     rows = grid[grid["set"] == name]
     rows = rows[rows["sweep"] == rows.groupby(["iteration", "video"])["sweep"].transform("max")]
-    videos = set(rows.loc[rows["iteration"] == rows["iteration"].max(), "video"])
-    rows = rows[rows["video"].isin(videos)]
-    full = rows.groupby("iteration")["video"].nunique() == len(videos)
-    rows = rows[rows["iteration"].isin(full[full].index)]
+    counts = rows.groupby("iteration")["video"].nunique()
+    videos = int(counts.loc[counts.index.max()])
+    rows = rows[rows["iteration"].isin(counts[counts == videos].index)]
     by = rows.groupby("iteration")["pos_err"]
     points = pd.DataFrame({"pos_err": by.mean(), "sem": by.sem()}).reset_index()
-    return points, len(videos)
+    return points, videos
 
 
 def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dict[str, Any]) -> Reach:
@@ -135,7 +136,7 @@ def reach_markdown(grid: pd.DataFrame, paper: dict[str, Any], out_dir: Path, rel
                 f"too few steps (a fit needs {rule['min_steps']}) |"
             )
             continue
-        ratio = f"{r.at / limit:,.1f}" if np.isfinite(r.at) else "–"
+        ratio = f"{r.at / limit:,.2g}" if np.isfinite(r.at) else "–"
         lines.append(
             f"| {r.set} | {r.target:g} | {r.videos} | {steps} | {last['pos_err']:.2f} | {r.slope:.3f} | "
             f"{_steps(r.at)} [{_steps(r.earliest)}, {_steps(r.latest)}] | {ratio} | {r.verdict} |"

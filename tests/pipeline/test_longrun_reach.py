@@ -61,18 +61,18 @@ def test_a_slow_fall_is_out_of_reach_and_a_noisy_one_undecided():
     assert reach(points(steps[:2], slow[:2]), "T20_D4", 4.0, 100, RULE).verdict == "too few steps"
 
 
-def test_the_trend_uses_the_latest_steps_videos_at_every_step_scored_on_all_of_them():
-    # steps 750 and 2000 on 4 videos, 1000 on 2 (its 20-video-style subset), 3000 on 4
+def test_the_trend_uses_the_steps_scored_on_as_many_videos_as_the_latest():
+    # steps 750 and 2000 on 4 videos, 1000 on 2 (another draw of the set: other videos), 3000 on 4
     grid = grid_rows([750, 1000, 2000, 3000], [[8, 8, 8, 12], [9, 9], [6, 6, 6, 10], [5, 5, 5, 9]])
     found, videos = trend_points(grid, "T20_D4")
     assert videos == 4
-    assert found["iteration"].tolist() == [750, 2000, 3000]  # step 1000 lacks two of the videos
+    assert found["iteration"].tolist() == [750, 2000, 3000]  # step 1000 scored other videos
     assert found["pos_err"].tolist() == [9.0, 7.0, 6.0]  # final sweep, mean over the 4 videos
-    # fewer videos at the latest step: the earlier steps' means over those videos only
+    # two videos at the latest step: the steps scored on those two only
     fewer = pd.concat([grid[grid["iteration"] < 3000], grid_rows([4000], [[4, 4]])])
     found, videos = trend_points(fewer, "T20_D4")
-    assert videos == 2 and found["iteration"].tolist() == [750, 1000, 2000, 4000]
-    assert found["pos_err"].tolist() == [8.0, 9.0, 6.0, 4.0]
+    assert videos == 2 and found["iteration"].tolist() == [1000, 4000]
+    assert found["pos_err"].tolist() == [9.0, 4.0]
 
 
 def test_the_section_has_a_row_per_target_set_and_its_figure(tmp_path):
@@ -100,8 +100,15 @@ def test_sets_scored_at_different_steps_are_each_claimed_at_their_own_latest_ste
         return grid_rows([step], [errors], name, sweeps=1).assign(mse=0.01, tracked=0.5)
 
     five = [3.0, 3.5, 2.5, 3.2, 2.8]
-    apg = pd.concat([scored(1, "A", [9.0] * 5), scored(1, "B", [x + 2 for x in five]), scored(2, "A", [x - 1 for x in five])])
-    rws = pd.concat([scored(1, "A", [x + 20 for x in five]), scored(1, "B", [x + 20 for x in five])])
+    apg = pd.concat(
+        [
+            scored(1, "A", [9.0] * 5),
+            scored(1, "B", [x + 2 for x in five]),
+            scored(2, "A", [x - 1 for x in five]),
+        ]
+    )
+    # RWS scored set B on three videos (another draw of the set): each run's videos compared
+    rws = pd.concat([scored(1, "A", [x + 20 for x in five]), scored(1, "B", [x + 22 for x in five[:3]])])
     assert sorted(map(tuple, latest_per_set(apg)[["set", "iteration"]].drop_duplicates().values)) == [
         ("A", 2),
         ("B", 1),
@@ -142,3 +149,6 @@ def test_sets_scored_at_different_steps_are_each_claimed_at_their_own_latest_ste
     assert got["t_A"][1] == 2 and got["t_A"][0].passed is True  # A's latest step: 2.0 px on average
     assert got["t_B"][1] == 1 and got["t_B"][0].passed is False  # B's latest is step 1: 5.0 px
     assert got["below_A"][1] == 1 and got["below_B"][1] == 1  # the step both runs scored
+    assert got["below_B"][0].value == pytest.approx(np.mean(five) + 2)  # APG's five videos
+    assert got["below_B"][0].target_value["value"] == pytest.approx(np.mean(five[:3]) + 22)
+    assert got["below_A"][0].value == pytest.approx(9.0)  # step 1's five videos
