@@ -12,6 +12,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import LogLocator
 from scipy import stats
 
 from pipeline.report.figures import _save, plain_numbers
@@ -35,6 +36,12 @@ class Reach:
     earliest: float = float("nan")
     latest: float = float("nan")
     verdict: str = "too few steps"
+    band_terms: tuple[float, int, float, float] = (float("nan"), 0, float("nan"), float("nan"))
+
+    def band(self, steps: np.ndarray) -> np.ndarray:
+        """The half-width, in log error, of the fitted line's band at ``steps``."""
+        scale, n, centre, sxx = self.band_terms
+        return scale * np.sqrt(1 / n + (np.log(steps) - centre) ** 2 / sxx)
 
 
 def trend_points(grid: pd.DataFrame, name: str) -> tuple[pd.DataFrame, int]:
@@ -66,7 +73,7 @@ def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dic
     sxx = np.sum((x - x.mean()) ** 2)
     xs = np.linspace(x.min(), np.log(HORIZON), 200_000)
     line = fit.intercept + fit.slope * xs
-    half = t * spread * np.sqrt(1 / n + (xs - x.mean()) ** 2 / sxx)
+    half = Reach(name, target, points, videos, band_terms=(t * spread, n, x.mean(), sxx)).band(np.exp(xs))
     goal = np.log(target)
 
     def first(below: np.ndarray) -> float:
@@ -81,7 +88,8 @@ def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dic
         verdict = "within reach"
     else:
         verdict = "undecided"
-    return Reach(name, target, points, videos, fit.slope, fit.intercept, at, earliest, latest, verdict)
+    terms = (float(t * spread), n, float(x.mean()), float(sxx))
+    return Reach(name, target, points, videos, fit.slope, fit.intercept, at, earliest, latest, verdict, terms)
 
 
 def reaches(grid: pd.DataFrame, paper: dict[str, Any]) -> list[Reach]:
@@ -152,17 +160,21 @@ def reach_figure(found: list[Reach], limit: int, path: Path) -> None:
         ax.errorbar(p["iteration"], p["pos_err"], yerr=1.96 * p["sem"].fillna(0), fmt="o", ms=3, color="C0")
         if np.isfinite(r.slope):
             xs = np.geomspace(p["iteration"].min(), 10 * limit, 100)
-            ax.plot(xs, np.exp(r.intercept + r.slope * np.log(xs)), "k--", lw=0.8)
+            line = r.intercept + r.slope * np.log(xs)
+            ax.plot(xs, np.exp(line), "k--", lw=0.8)
+            half = r.band(xs)
+            ax.fill_between(xs, np.exp(line - half), np.exp(line + half), color="k", alpha=0.1, lw=0)
         ax.axhline(r.target, color="grey", ls=":", lw=0.8)
         ax.axvline(limit, color="C3", ls=":", lw=0.8)
         ax.set(xscale="log", yscale="log", title=f"{r.set}: {r.verdict}", xlabel="training step")
         ax.title.set_fontsize(8)
         plain_numbers(ax)
+        ax.xaxis.set_major_locator(LogLocator(numticks=12))  # decades only: five share the width
     axes[0][0].set_ylabel("position error (px)")
     _save(
         fig,
         path,
         "Final-sweep position error of the long run's states (mean and 95% interval over videos), "
-        f"the power law fitted to it (dashed), the target (dotted grey) and the paper's {limit:,} "
-        "steps (dotted red).",
+        "the power law fitted to it (dashed) with its band (shaded), the target (dotted grey) "
+        f"and the paper's {limit:,} steps (dotted red).",
     )
