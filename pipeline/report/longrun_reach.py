@@ -40,8 +40,13 @@ class Reach:
 
     def band(self, steps: np.ndarray) -> np.ndarray:
         """The half-width, in log error, of the fitted line's band at ``steps``."""
-        scale, n, centre, sxx = self.band_terms
-        return scale * np.sqrt(1 / n + (np.log(steps) - centre) ** 2 / sxx)
+        return _half_width(self.band_terms, np.log(steps))
+
+
+def _half_width(terms: tuple[float, int, float, float], log_steps: np.ndarray) -> np.ndarray:
+    """``t s sqrt(1/n + (x - mean x)^2 / Sxx)`` for ``terms = (t s, n, mean x, Sxx)``."""
+    scale, n, centre, sxx = terms
+    return scale * np.sqrt(1 / n + (log_steps - centre) ** 2 / sxx)
 
 
 def trend_points(grid: pd.DataFrame, name: str) -> tuple[pd.DataFrame, int]:
@@ -70,10 +75,10 @@ def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dic
     n = len(x)
     spread = np.sqrt(np.sum((y - fit.intercept - fit.slope * x) ** 2) / (n - 2))
     t = stats.t.ppf(0.5 + rule["confidence"] / 2, n - 2)
-    sxx = np.sum((x - x.mean()) ** 2)
+    terms = (float(t * spread), n, float(x.mean()), float(np.sum((x - x.mean()) ** 2)))
     xs = np.linspace(x.min(), np.log(HORIZON), 200_000)
     line = fit.intercept + fit.slope * xs
-    half = Reach(name, target, points, videos, band_terms=(t * spread, n, x.mean(), sxx)).band(np.exp(xs))
+    half = _half_width(terms, xs)
     goal = np.log(target)
 
     def first(below: np.ndarray) -> float:
@@ -88,7 +93,6 @@ def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dic
         verdict = "within reach"
     else:
         verdict = "undecided"
-    terms = (float(t * spread), n, float(x.mean()), float(sxx))
     return Reach(name, target, points, videos, fit.slope, fit.intercept, at, earliest, latest, verdict, terms)
 
 
