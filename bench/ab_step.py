@@ -17,7 +17,9 @@ Paper training configs: B=20 datasets, K=10 sweeps, L=10 particles; N=60 (gmm) o
 in ``APG_MNIST_DIR``), K=5, L=10. ``--weights``: a long run's folder (``apg-pipeline
 long-run``), whose latest model and proposals weights both arms load (a trained model's particles, and so its cost, differ from a fresh
 one's). Both arms then take the same steps; the script says whether their losses agreed
-exactly. Run from the repository root.
+exactly. ``--flops`` then counts one more step's FLOPs in each arm and times a large float32
+matmul: the step's FLOPs at that rate are a floor under its time on this CPU. Run from the
+repository root.
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--flops",
+        action="store_true",
+        help="then count one more step's FLOPs in each arm, beside this CPU's float32 matmul rate",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -122,16 +129,52 @@ def main() -> None:
                     cpu[name].append(time.process_time() - start_cpu)
                 rng[name] = torch.get_rng_state()
                 losses[name].append(float(metrics["loss"]))
+        flops: dict[str, float] | None = None
+        if args.flops:  # one more step each, from the same random state
+            flops = {}
+            for name, trainer in arms.items():
+                torch.set_rng_state(rng["old"])
+                flops[name] = step_gflop(trainer)
     old, new = (statistics.median(wall[k]) for k in ("old", "new"))
     ratio = statistics.median(b / a for a, b in zip(wall["old"], wall["new"], strict=True))
+    gap = max(abs(b - a) / max(abs(a), 1e-30) for a, b in zip(losses["old"], losses["new"], strict=True))
     print(
         f"{args.task} step, {args.threads} thread(s), {args.steps} alternating steps per arm: "
         f"old ({args.old}) {old * 1e3:.1f} ms (CPU {statistics.median(cpu['old']) * 1e3:.1f}), "
         f"new {new * 1e3:.1f} ms (CPU {statistics.median(cpu['new']) * 1e3:.1f}); "
         f"speed-up {old / new:.2f}x, median paired ratio new/old {ratio:.3f}; "
-        f"losses of all {len(losses['old'])} steps equal: {losses['old'] == losses['new']}; "
+        f"losses of all {len(losses['old'])} steps equal: {losses['old'] == losses['new']} "
+        f"(largest relative difference {gap:.1e}); "
         f"load average {os.getloadavg()[0]:.1f}"
     )
+    if flops is not None:
+        peak = matmul_gflops()
+        print(
+            f"GFLOP per step (matrix products and convolutions, torch.utils.flop_counter): "
+            f"old {flops['old']:.1f}, new {flops['new']:.1f}; a 2000 x 2000 float32 matmul at "
+            f"{args.threads} thread(s) runs at {peak:.0f} GFLOP/s, so the new step's FLOPs take "
+            f"{flops['new'] / peak:.2f} s at that rate"
+        )
+
+
+def step_gflop(trainer) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        trainer.step()
+    return counter.get_total_flops() / 1e9
+
+
+def matmul_gflops(size: int = 2000, repeats: int = 5) -> float:
+    """This CPU's float32 matrix-multiply rate at the current thread count (median of repeats)."""
+    a = torch.randn(size, size)
+    a @ a  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times) / 1e9
 
 
 if __name__ == "__main__":

@@ -176,27 +176,37 @@ class ExplainingAwayWhere:
     map; the frame the map is taken of is the frame explained so far (as the authors'
     released code does, there with the reverse maps taken at the wrong positions).
 
-    ``maps (L, B, D, side, side)`` the frame's correlations, ``cross (L, B, D, D, 2S-1,
-    2S-1)`` from ``cross_correlations``.
+    ``corr (N, side, side)`` the frame's correlations with each distinct particle's
+    templates and ``rows (L, B, D)`` (``_correlate_distinct``: digit d of particle l in
+    video b reads map ``corr[rows[l, b, d]]``), ``cross (L, B, D, D, 2S-1, 2S-1)`` from
+    ``cross_correlations``.
     """
 
-    def __init__(self, net: WhereNet, maps: Tensor, cross: Tensor, cfg: BMNISTConfig, name: str):
-        self.net, self.maps, self.cross, self.cfg, self.name = net, maps, cross, cfg, name
+    def __init__(
+        self, net: WhereNet, corr: Tensor, rows: Tensor, cross: Tensor, cfg: BMNISTConfig, name: str
+    ):
+        self.net, self.corr, self.rows, self.cross, self.cfg, self.name = net, corr, rows, cross, cfg, name
 
-    def _walk(self, value: Tensor | None, first: Normal | None = None) -> tuple[Tensor, Tensor, Normal]:
-        """Sample (``value`` None) or score ``value (L, B, D, 2)`` digit by digit; returns
-        ``(where, log_q (L, B), q of digit 0)``."""
-        digits, side = self.maps.shape[2], self.maps.shape[-1]
+    def _walk(
+        self, rows: Tensor, cross: Tensor, value: Tensor | None, first: Normal | None = None
+    ) -> tuple[Tensor, Tensor, Normal]:
+        """Sample (``value`` None) or score ``value (L', B, D, 2)`` digit by digit, for the
+        particles whose ``rows`` and ``cross`` are given; returns ``(where, log_q (L', B),
+        q of digit 0)``."""
+        digits, side = rows.shape[-1], self.corr.shape[-1]
         shift = self.cfg.digit_size - 1
         placed: list[Tensor] = []
         log_q: Tensor | None = None
         q0 = first
         for d in range(digits):
-            corr = self.maps[:, :, d]
-            if d:
-                offset = pixel_offsets(torch.stack(placed, 2), self.cfg.canvas_size, self.cfg.digit_size)
-                corr = corr - render(self.cross[:, :, :d, d], offset - shift, side)
-            q = first if d == 0 and first is not None else self.net(corr)
+            if d == 0 and first is not None:
+                q = first
+            else:
+                corr = self.corr[rows[:, :, d]]
+                if d:
+                    offset = pixel_offsets(torch.stack(placed, 2), self.cfg.canvas_size, self.cfg.digit_size)
+                    corr = corr - render(cross[:, :, :d, d], offset - shift, side)
+                q = self.net(corr)
             if d == 0:
                 q0 = q
             w = q.sample() if value is None else value[:, :, d]
@@ -208,18 +218,41 @@ class ExplainingAwayWhere:
 
     def sample(self) -> Latents:
         with torch.no_grad():
-            return {self.name: self._walk(None)[0]}
+            return {self.name: self._walk(self.rows, self.cross, None)[0]}
 
     def log_prob(self, value: Mapping[str, Tensor]) -> Tensor:
-        return self._walk(value[self.name])[1]
+        return self._walk(self.rows, self.cross, value[self.name])[1]
 
     def propose(self, old: Mapping[str, Tensor]) -> tuple[Latents, Tensor, Tensor]:
-        """``blocks.propose`` in one forward walk and one reverse walk (digit 0's map is
-        the same for both, so its network runs once)."""
-        new, log_q_new, q0 = self._walk(None)
+        """``blocks.propose`` in one forward walk and one reverse walk.
+
+        Resampling leaves copies: particles with the same maps and the same old positions.
+        Digit 0's map is the same in both walks and the reverse walk's maps are a function
+        of the maps and the old positions, so digit 0's network and the whole reverse walk
+        run once per distinct particle (after the what block's resampling a trained model's
+        population is mostly copies of one particle); the forward walk's later digits read
+        freshly sampled positions, every particle its own.
+        """
+        old_where = old[self.name]
+        pick = _distinct_particles([self.rows.to(old_where.dtype), old_where])
+        if pick is None:
+            rows, cross, value = self.rows, self.cross, old_where
+        else:
+            compact, position = pick
+            videos = torch.arange(self.rows.shape[1], device=self.rows.device)
+            rows, cross, value = (t[compact, videos] for t in (self.rows, self.cross, old_where))
+        q0 = self.net(self.corr[rows[:, :, 0]])
+        if pick is None:
+            first = q0
+        else:
+            index = position[..., None].expand(-1, -1, q0.loc.shape[-1])
+            first = Normal(q0.loc.gather(0, index), q0.scale.gather(0, index), validate_args=False)
+        new, log_q_new, _ = self._walk(self.rows, self.cross, None, first)
         with torch.no_grad():
             q0 = Normal(q0.loc.detach(), q0.scale.detach(), validate_args=False)
-            log_q_old = self._walk(old[self.name], q0)[1]
+            log_q_old = self._walk(rows, cross, value, q0)[1]
+            if pick is not None:
+                log_q_old = log_q_old.gather(0, position)
         return {self.name: new}, log_q_new, log_q_old
 
 
@@ -409,7 +442,7 @@ class BMNISTProposals(Proposals):
             q = Normal(q.loc[rows], q.scale[rows], validate_args=False)
             return Factorized({where_key(t): (q, 2)})
         assert cross is not None
-        return ExplainingAwayWhere(self.where_net, corr[rows], cross, self.cfg, where_key(t))
+        return ExplainingAwayWhere(self.where_net, corr, rows, cross, self.cfg, where_key(t))
 
 
 def build_proposals(

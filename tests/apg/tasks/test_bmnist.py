@@ -239,6 +239,36 @@ def test_where_kernel_explains_away_the_digits_before(f64):
     assert torch.allclose(log_q_new, kernel.log_prob(new), atol=1e-8)
 
 
+def test_where_kernel_reads_copies_once_with_the_same_numbers_and_gradients(f64):
+    """propose runs digit 0's network and the reverse walk once per distinct particle
+    (the forward walk's later digits once per particle); its density and the networks'
+    gradient are log_prob's, which scores every particle."""
+    L, B, T, D = 4, 2, 2, 3
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", D)
+    x = torch.rand(B, T, 96, 96)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    kernel = prop.kernel("where_2", x, z)
+    old = {where_key(2): z[where_key(2)]}
+    distinct = int(max(len(set(map(tuple, z["z_what"][:, b].flatten(1).tolist()))) for b in range(B)))
+    assert distinct < L
+    rows: list[int] = []
+    hook = prop.where_net.register_forward_pre_hook(lambda _, args: rows.append(args[0][..., 0, 0].numel()))
+    torch.manual_seed(3)
+    new, log_q_new, log_q_old = kernel.propose(old)
+    hook.remove()
+    # digit 0 (both walks), digits 1..D-1 forward (every particle), then reverse (distinct)
+    assert rows == [distinct * B] + [L * B] * (D - 1) + [distinct * B] * (D - 1)
+    params = list(prop.where_net.parameters())
+    got = torch.autograd.grad(log_q_new.sum(), params)
+    want_new = kernel.log_prob(new)
+    want = torch.autograd.grad(want_new.sum(), params)
+    assert torch.allclose(log_q_new, want_new, atol=1e-10)
+    assert torch.allclose(log_q_old, kernel.log_prob(old), atol=1e-10)
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, atol=1e-10)
+
+
 def test_where_kernel_of_copies_equals_per_particle(f64):
     L, B, T, D = 4, 3, 2, 1  # one digit: a factorized kernel, one network pass per distinct particle
     model = BouncingMNIST()
