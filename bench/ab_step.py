@@ -17,7 +17,8 @@ Paper training configs: B=20 datasets, K=10 sweeps, L=10 particles; N=60 (gmm) o
 in ``APG_MNIST_DIR``), K=5, L=10. ``--weights``: a long run's folder (``apg-pipeline
 long-run``), whose latest model and proposals weights both arms load (a trained model's particles, and so its cost, differ from a fresh
 one's). Both arms then take the same steps; the script says whether their losses agreed
-exactly. ``--flops`` then counts one more step's FLOPs in each arm and times a large float32
+exactly. ``--inference`` first checks that both arms' samplers, as loaded, return the same
+particles and says how far apart their log weights are. ``--flops`` then counts one more step's FLOPs in each arm and times a large float32
 matmul: the step's FLOPs at that rate are a floor under its time on this CPU. Run from the
 repository root.
 """
@@ -103,6 +104,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument(
+        "--inference",
+        action="store_true",
+        help="first run both arms' samplers as loaded (no training) on 10 of the training "
+        "inputs: are their particles equal, how far apart are their log weights",
+    )
+    parser.add_argument(
         "--flops",
         action="store_true",
         help="then count one more step's FLOPs in each arm, beside this CPU's float32 matmul rate",
@@ -114,6 +121,8 @@ def main() -> None:
         sys.path.insert(0, str(export_old_package(args.old, Path(tmp))))
         arms = {pkg: make_trainer(pkg, args.task, args.weights) for pkg in ("apg_old", "apg")}
         arms = {"old": arms["apg_old"], "new": arms["apg"]}
+        if args.inference:
+            print(inference_agreement(arms), flush=True)
         # each arm draws from its own copy of the global generator: both take the same steps
         rng = dict.fromkeys(arms, torch.get_rng_state())
         losses: dict[str, list[float]] = {k: [] for k in arms}
@@ -155,6 +164,28 @@ def main() -> None:
             f"{args.threads} thread(s) runs at {peak:.0f} GFLOP/s, so the new step's FLOPs take "
             f"{flops['new'] / peak:.2f} s at that rate"
         )
+
+
+def inference_agreement(arms: dict) -> str:
+    """Each arm's sampler (its config's K and L, no gradients) on the first 10 training
+    inputs from one random state: whether the final particles are equal, and how far apart
+    their log weights are."""
+    results = {}
+    for name, trainer in arms.items():
+        sampler = importlib.import_module(f"{'apg_old' if name == 'old' else 'apg'}.smc.sampler")
+        cfg = trainer.cfg
+        x = trainer.train_x[:10]
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(0)
+            results[name] = sampler.run_apg(trainer.model, trainer.proposals, x, cfg.sweeps, cfg.particles)
+    old, new = results["old"], results["new"]
+    same = all(torch.equal(old.z[k], new.z[k]) for k in old.z)
+    gap = (old.log_weights - new.log_weights).abs().max().item()
+    return (
+        f"inference, K={cfg.sweeps} L={cfg.particles} on {len(x)} training inputs: particles equal: "
+        f"{same}; log weights' largest difference {gap:.2g} (largest |log weight| "
+        f"{old.log_weights.abs().max().item():.3g})"
+    )
 
 
 def step_gflop(trainer) -> float:
