@@ -229,9 +229,8 @@ class ExplainingAwayWhere:
         Resampling leaves copies: particles with the same maps and the same old positions.
         Digit 0's map is the same in both walks and the reverse walk's maps are a function
         of the maps and the old positions, so digit 0's network and the whole reverse walk
-        run once per distinct particle (after the what block's resampling a trained model's
-        population is mostly copies of one particle); the forward walk's later digits read
-        freshly sampled positions, every particle its own.
+        run once per distinct particle; the forward walk's later digits read freshly sampled
+        positions, every particle its own.
         """
         old_where = old[self.name]
         pick = _distinct_particles([self.rows.to(old_where.dtype), old_where])
