@@ -208,16 +208,22 @@ def test_templates_of_resampled_codes_reuse_the_decoder(f64):
     assert len(calls) == 3
 
 
+def _where_kernel_of_copies(L: int, B: int, T: int, D: int):
+    """A fresh model and proposals, random videos, random latents with copies, and the
+    where kernel of frame 2."""
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", D)
+    x = torch.rand(B, T, 96, 96)
+    z = _with_copies(_random_latents(L, B, T, D), L, B)
+    return model, prop, x, z, prop.kernel("where_2", x, z)
+
+
 def test_where_kernel_explains_away_the_digits_before(f64):
     """Digit d's map is the frame minus the digits before it, placed at the positions being
     proposed or scored: checked against rendering those digits into the frame and
     correlating, particle by particle (copies included); propose's scores are log_prob's."""
     L, B, T, D = 4, 2, 2, 3
-    model = BouncingMNIST()
-    prop = bmnist.BMNISTProposals(model, "apg", D)
-    x = torch.rand(B, T, 96, 96)
-    z = _with_copies(_random_latents(L, B, T, D), L, B)
-    kernel = prop.kernel("where_2", x, z)
+    model, prop, x, z, kernel = _where_kernel_of_copies(L, B, T, D)
     templates = model.decoder(z["z_what"]).detach()  # (L, B, D, S, S)
     value = z[where_key(2)]
     want = torch.zeros(L, B)
@@ -244,11 +250,7 @@ def test_where_kernel_reads_copies_once_with_the_same_numbers_and_gradients(f64)
     (the forward walk's later digits once per particle); its density and the networks'
     gradient are log_prob's, which scores every particle."""
     L, B, T, D = 4, 2, 2, 3
-    model = BouncingMNIST()
-    prop = bmnist.BMNISTProposals(model, "apg", D)
-    x = torch.rand(B, T, 96, 96)
-    z = _with_copies(_random_latents(L, B, T, D), L, B)
-    kernel = prop.kernel("where_2", x, z)
+    model, prop, x, z, kernel = _where_kernel_of_copies(L, B, T, D)
     old = {where_key(2): z[where_key(2)]}
     distinct = int(max(len(set(map(tuple, z["z_what"][:, b].flatten(1).tolist()))) for b in range(B)))
     assert distinct < L
