@@ -42,6 +42,14 @@ def sweep_curves(result: APGResult) -> dict[str, list[Tensor]]:
 
 
 @torch.no_grad()
+def highest_weight_particle(z: Mapping[str, Tensor], log_weights: Tensor) -> dict[str, Tensor]:
+    """Each dataset's highest-weight particle: ``{name: (B, ...)}`` from ``z``'s ``(L, B, ...)``
+    and ``log_weights (L, B)``; the point estimate the tracking and cluster metrics score."""
+    best = log_weights.argmax(0)
+    rows = torch.arange(log_weights.shape[1], device=log_weights.device)
+    return {name: t[best, rows] for name, t in z.items()}
+
+
 def inclusive_kl(
     exact: Proposals,
     proposals: Proposals,

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
+from apg.metrics import highest_weight_particle
 from apg.tasks import bmnist
 from apg.training import TrainConfig, Trainer, make_method
 
@@ -245,9 +246,7 @@ def evaluate_sweeps(trainer, cfg, x, truth, centres) -> dict[int, tuple[float, .
     found: dict[int, tuple[float, ...]] = {}
 
     def collect(k, z, log_w):
-        best = log_w.argmax(0)
-        rows = torch.arange(len(best))
-        chosen = {name: t[best, rows] for name, t in z.items()}
+        chosen = highest_weight_particle(z, log_w)
         where = bmnist.stack_where({n: v[None] for n, v in chosen.items()}, x.shape[1])[0]
         found_centres = bmnist.ink_centres(model.templates(chosen["z_what"][None])[0])
         err = bmnist.position_errors(truth, where, true_centres=centres, centres=found_centres)
@@ -303,9 +302,9 @@ def modes(args) -> None:
     torch.manual_seed(args.seed)
     with torch.no_grad():
         result = make_method(cfg).run(model, proposals, x, cfg.sweeps, cfg.particles, "block", "systematic")
-    best, rows = result.log_weights.argmax(0), torch.arange(count)
-    where = bmnist.stack_where(result.z, num_frames)[best, rows]  # (M, T, D, 2)
-    z_what = result.z["z_what"][best, rows]  # (M, D, Z)
+    chosen = highest_weight_particle(result.z, result.log_weights)
+    where = bmnist.stack_where({n: v[None] for n, v in chosen.items()}, num_frames)[0]  # (M, T, D, 2)
+    z_what = chosen["z_what"]  # (M, D, Z)
     centres = bmnist.ink_centres(model.templates(z_what[None])[0])
     errors = bmnist.position_errors(truth, where, true_centres=true_centres, centres=centres)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from apg.data import load_dataset
-from apg.metrics import adjusted_rand_index, matched_centre_error
+from apg.metrics import adjusted_rand_index, highest_weight_particle, matched_centre_error
 from apg.tasks import get_task
 from apg.training import make_method
 
@@ -45,9 +45,7 @@ def best_particles(
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         if k in sweeps:
-            best = log_w.argmax(0)  # (B,)
-            rows = torch.arange(log_w.shape[1], device=log_w.device)
-            chosen = {name: t[best, rows] for name, t in z.items()}
+            chosen = highest_weight_particle(z, log_w)
             out[k] = {name: t.cpu().numpy() for name, t in chosen.items()}
             if keep_recon:
                 recon = reconstruct(model, x, {name: t[None] for name, t in chosen.items()})[0]
@@ -88,11 +86,10 @@ def final_particle(
             result = method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler)
             if "c" not in result.z:
                 return None
-            best = result.log_weights.argmax(0)  # (B,)
-            rows = torch.arange(xb.shape[0], device=device)
+            chosen = highest_weight_particle(result.z, result.log_weights)
             for name in ("c", "mu"):
-                if name in result.z:
-                    chunks.setdefault(name, []).append(result.z[name][best, rows].cpu().numpy())
+                if name in chosen:
+                    chunks.setdefault(name, []).append(chosen[name].cpu().numpy())
     return {name: np.concatenate(parts) for name, parts in chunks.items()}
 
 
@@ -186,9 +183,7 @@ def tracking_errors(
     per_sweep: dict[int, list[dict[str, np.ndarray]]] = {}
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
-        rows = torch.arange(log_w.shape[1], device=log_w.device)
-        best = log_w.argmax(0)
-        chosen = {name: t[best, rows][None] for name, t in z.items()}  # (1, B, ...)
+        chosen = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}  # (1, B, ...)
         per_sweep.setdefault(k, []).append(tracking.positions(model, x, chosen))
 
     with torch.no_grad():

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from apg.data import atomic_write
-from apg.metrics import reconstruction_mse
+from apg.metrics import highest_weight_particle, reconstruction_mse
 from apg.training import make_method
 from pipeline.common import with_network
 from pipeline.driver import write_history
@@ -179,9 +179,7 @@ def score_videos(cfg, model, proposals, x: torch.Tensor, truth, sweeps: int, par
 
 def best_particle(z: dict[str, torch.Tensor], log_w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Each video's highest-weight particle, ``(1, B, ...)`` per variable."""
-    best = log_w.argmax(0)
-    rows = torch.arange(log_w.shape[1], device=log_w.device)
-    return {name: t[best, rows][None] for name, t in z.items()}
+    return {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}
 
 
 def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particles) -> None:

@@ -25,13 +25,22 @@ import torch
 import yaml
 from scipy import stats
 
-from apg.metrics import adjusted_rand_index
+from apg.metrics import adjusted_rand_index, highest_weight_particle
 from pipeline import report
 from pipeline.evaluate import COLUMNS
 from pipeline.report.claims import _est
 from tests.support import REPO
 
 # --------------------------------------------------------------------------- ARI
+
+
+def test_highest_weight_particle_takes_each_datasets_own_best():
+    # (L=3, B=2): dataset 0's best is particle 2, dataset 1's is particle 0.
+    log_w = torch.tensor([[-1.0, 5.0], [0.0, -2.0], [3.0, 1.0]])
+    z = {"mu": torch.arange(3 * 2 * 4.0).reshape(3, 2, 4), "c": torch.tensor([[7, 8], [9, 10], [11, 12]])}
+    chosen = highest_weight_particle(z, log_w)
+    assert torch.equal(chosen["mu"], torch.stack([z["mu"][2, 0], z["mu"][0, 1]]))
+    assert torch.equal(chosen["c"], torch.tensor([11, 8]))
 
 
 def test_ari_is_one_for_the_same_partition_under_any_relabeling():
