@@ -1,0 +1,174 @@
+"""Evaluate-side scores the report reads: the highest-weight particle, cluster recovery
+(adjusted Rand index), the final particle of every method, and which cells feed which table.
+
+Fast: hand-made partitions and a few tiny untrained models.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from apg.metrics import adjusted_rand_index, highest_weight_particle
+
+# --------------------------------------------------------------------------- ARI
+
+
+def test_highest_weight_particle_takes_each_datasets_own_best():
+    # (L=3, B=2): dataset 0's best is particle 2, dataset 1's is particle 0.
+    log_w = torch.tensor([[-1.0, 5.0], [0.0, -2.0], [3.0, 1.0]])
+    z = {"mu": torch.arange(3 * 2 * 4.0).reshape(3, 2, 4), "c": torch.tensor([[7, 8], [9, 10], [11, 12]])}
+    chosen = highest_weight_particle(z, log_w)
+    assert torch.equal(chosen["mu"], torch.stack([z["mu"][2, 0], z["mu"][0, 1]]))
+    assert torch.equal(chosen["c"], torch.tensor([11, 8]))
+
+
+def test_ari_is_one_for_the_same_partition_under_any_relabeling():
+    true = torch.tensor([0, 0, 1, 1, 2, 2, 2])
+    for perm in ([1, 2, 0], [2, 0, 1], [0, 2, 1]):
+        pred = torch.tensor(perm)[true] + 5  # relabelled, and labels need not start at 0
+        assert adjusted_rand_index(true, pred).item() == pytest.approx(1.0)
+
+
+def test_ari_hand_computed_examples():
+    # [0,0,0,1,1,1] vs [0,0,1,1,2,2]: pairs together in both 2, row pairs 3+3=6, column pairs
+    # 1+1+1=3, all pairs C(6,2)=15: expected 6*3/15=1.2, max (6+3)/2=4.5 -> (2-1.2)/(4.5-1.2).
+    a = torch.tensor([0, 0, 0, 1, 1, 1])
+    b = torch.tensor([0, 0, 1, 1, 2, 2])
+    assert adjusted_rand_index(a, b).item() == pytest.approx(0.8 / 3.3)
+    assert adjusted_rand_index(b, a).item() == pytest.approx(0.8 / 3.3)  # symmetric
+    # [0,0,1,1] vs [0,1,0,1]: no pair together in both; expected 2*2/6 -> (0-2/3)/(2-2/3) = -1/2.
+    assert adjusted_rand_index(
+        torch.tensor([0, 0, 1, 1]), torch.tensor([0, 1, 0, 1])
+    ).item() == pytest.approx(-0.5)
+    # One cluster against all singletons: the index is 0 = its expectation.
+    assert adjusted_rand_index(torch.zeros(4, dtype=torch.long), torch.arange(4)).item() == pytest.approx(0.0)
+    # Both trivial and equal: defined as 1 (the 0/0 case).
+    assert (
+        adjusted_rand_index(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long)).item() == 1.0
+    )
+
+
+def test_ari_is_batched_per_dataset():
+    true = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 0, 0], [0, 1, 2, 0, 1, 2]])
+    pred = torch.tensor([[0, 0, 1, 1, 2, 2], [1, 1, 0, 0, 1, 1], [0, 1, 2, 0, 1, 2]])
+    got = adjusted_rand_index(true, pred)
+    assert got.shape == (3,)
+    singles = torch.stack([adjusted_rand_index(t, p) for t, p in zip(true, pred, strict=True)])
+    torch.testing.assert_close(got, singles)
+    assert got[1].item() == pytest.approx(1.0) and got[2].item() == pytest.approx(1.0)
+
+
+def test_ari_matches_scikit_learn_on_random_partitions():
+    metrics = pytest.importorskip("sklearn.metrics")
+    gen = torch.Generator().manual_seed(0)
+    true = torch.randint(3, (20, 40), generator=gen)
+    pred = torch.where(
+        torch.rand(20, 40, generator=gen) < 0.7, true, torch.randint(4, (20, 40), generator=gen)
+    )
+    want = [metrics.adjusted_rand_score(t.numpy(), p.numpy()) for t, p in zip(true, pred, strict=True)]
+    np.testing.assert_allclose(adjusted_rand_index(true, pred).numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "true, pred, message",
+    [
+        (torch.zeros(3, dtype=torch.long), torch.zeros(4, dtype=torch.long), "shaped alike"),
+        (torch.zeros(3), torch.zeros(3), "integers"),
+        (torch.tensor([0, -1]), torch.tensor([0, 1]), "non-negative"),
+    ],
+)
+def test_ari_rejects_bad_labels(true, pred, message):
+    with pytest.raises(ValueError, match=message):
+        adjusted_rand_index(true, pred)
+
+
+# --------------------------------------------------------------------------- evaluate side
+
+
+def test_gmm_ceiling_recovers_well_separated_clusters():
+    from apg.tasks.gmm import bayes_assignments
+    from pipeline.evaluate_particles import ari_scores
+
+    gen = torch.Generator().manual_seed(1)
+    c = torch.randint(3, (2, 50), generator=gen)
+    mu = torch.tensor([[[-10.0, 0.0], [0.0, 10.0], [10.0, 0.0]]]).expand(2, -1, -1).double()
+    tau = torch.full((2, 3, 2), 4.0, dtype=torch.float64)
+    x = mu.gather(1, c.unsqueeze(-1).expand(-1, -1, 2)) + 0.5 * torch.randn(2, 50, 2, generator=gen).double()
+    arrays = {"x": x.numpy(), "mu": mu.numpy(), "tau": tau.numpy(), "c": c.numpy()}
+    best = bayes_assignments(arrays)
+    assert best.shape == (2, 50)
+    np.testing.assert_array_equal(best, c.numpy())
+    np.testing.assert_allclose(ari_scores(c.numpy(), best), [1.0, 1.0])
+    assert np.isnan(ari_scores(c.numpy(), None)).all()
+
+
+@pytest.mark.parametrize("method", ["apg", "rws-mlp", "reparam"])
+def test_final_particle_of_every_gmm_method(method):
+    # The continuous-view baselines draw c from its exact conditional, so they have one too.
+    from apg.tasks import get_task
+    from apg.training import TrainConfig, build
+    from pipeline.evaluate_particles import final_particle
+
+    torch.manual_seed(0)
+    cfg = TrainConfig(task="gmm", method=method, sweeps=2, particles=3, network={"hidden": 8}).validate()
+    model, proposals = build(cfg)
+    x = get_task("gmm").simulate(model, 5, torch.Generator().manual_seed(0), num_points=12)["x"].float()
+    particle = final_particle(cfg, model, proposals, x, 2, 3, batch_size=2, resample_mode="block")
+    c = particle["c"]
+    assert c.shape == (5, 12) and c.dtype == np.int64 and ((c >= 0) & (c < 3)).all()
+    assert particle["mu"].shape == (5, 3, 2)
+
+
+def test_particle_scores_of_the_true_rings_beat_shuffled_ones():
+    # The true latents score best on all three decoder-free measures; relabelling the rings
+    # changes none of them, moving the centres or the assignments worsens each.
+    from apg.tasks.dgmm import simulate_rings
+    from pipeline.evaluate_particles import particle_scores
+
+    data = {k: v.numpy() for k, v in simulate_rings(4, 100, torch.Generator().manual_seed(1)).items()}
+    truth = {"arrays": data, "c": data["c"], "ari_ceiling": None}
+    sizes = {"radius": 2.0}
+    exact = particle_scores("dgmm", truth, {"c": data["c"], "mu": data["mu"]}, {}, sizes)
+    relabel = np.array([2, 0, 3, 1])
+    permuted = particle_scores(
+        "dgmm", truth, {"c": relabel[data["c"]], "mu": data["mu"][:, np.argsort(relabel)]}, {}, sizes
+    )
+    for name in ("ari", "centre_err", "log_joint_true"):
+        np.testing.assert_allclose(permuted[name], exact[name], atol=1e-9)
+    np.testing.assert_allclose(exact["ari"], 1.0)
+    np.testing.assert_allclose(exact["centre_err"], 0.0, atol=1e-12)
+    moved = particle_scores("dgmm", truth, {"c": data["c"], "mu": data["mu"] + 0.5}, {}, sizes)
+    np.testing.assert_allclose(moved["centre_err"], 0.5 * np.sqrt(2), rtol=1e-9)
+    assert (moved["log_joint_true"] < exact["log_joint_true"] - 50).all()
+    scrambled = particle_scores(
+        "dgmm", truth, {"c": np.roll(data["c"], 1, axis=1), "mu": data["mu"]}, {}, sizes
+    )
+    assert (scrambled["ari"] < 0.2).all() and (
+        scrambled["log_joint_true"] < exact["log_joint_true"] - 100
+    ).all()
+    none = particle_scores("dgmm", truth, None, {}, sizes)
+    assert all(np.isnan(none[name]).all() for name in ("ari", "centre_err", "log_joint_true"))
+
+
+def test_cell_roles_split_pairs_from_budget_entries(tiny):
+    from pipeline.evaluate import cell_pairs, cell_roles
+
+    params = tiny(
+        **{
+            "gmm.grid": [
+                {"methods": ["apg", "rws-mlp"], "pairs": [[2, 3]], "seeds": [0]},
+                {"methods": ["apg"], "budget": {"total": 6, "sweeps": [2, 3]}, "seeds": [0]},
+            ]
+        }
+    )
+    roles = cell_roles(params, "gmm")
+    assert roles == {
+        "gmm/apg/K2/L3/seed0": ["budget", "main"],
+        "gmm/rws-mlp/K2/L3/seed0": ["main"],
+        "gmm/apg/K3/L2/seed0": ["budget"],
+    }
+    everything = [(2, 3), (3, 2), (4, 3)]
+    assert cell_pairs(["budget"], {"K": 3, "L": 2}, everything) == [(3, 2)]
+    assert cell_pairs(["budget", "main"], {"K": 2, "L": 3}, everything) == everything
