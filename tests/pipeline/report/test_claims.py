@@ -329,20 +329,23 @@ def test_a_claim_can_take_the_method_after_an_earlier_sweep():
         )
 
 
+MSE_FALLS = {
+    "id": "x",
+    "claim": "c",
+    "kind": "falls_over_sweeps",
+    "metric": "mse",
+    "method": "apg",
+    "pair": [4, 4],
+}
+
+
 def test_falls_over_sweeps_compares_the_first_and_last_sweep():
     cells, last = seeds_frame("apg", {(4, 4): 0.02}, metric="mse", spread=0.001)
     first = pd.concat(
         [metric_rows(c, 4, 4, {"mse": [0.05, 0.05, 0.05]}).assign(sweep=1) for c in cells], ignore_index=True
     )
     curves = pd.concat([first, last], ignore_index=True)
-    spec = {
-        "id": "x",
-        "claim": "c",
-        "kind": "falls_over_sweeps",
-        "metric": "mse",
-        "method": "apg",
-        "pair": [4, 4],
-    }
+    spec = MSE_FALLS
     falls = report.check_claim(spec, "bmnist", report.finals(curves), curves.iloc[:0], curves)
     assert falls.passed is True and falls.target_value == pytest.approx(0.05) and "sweep 1" in falls.ours
     rising = curves.assign(value=np.where(curves["sweep"] == 1, 0.01, curves["value"]))
@@ -356,14 +359,7 @@ def test_falls_over_sweeps_pairs_each_cell_with_itself():
     cells, last = seeds_frame("apg", {(4, 4): 0.020}, metric="mse", spread=0.010)
     first = last.assign(sweep=1, value=last["value"] + 0.004)
     curves = pd.concat([first, last], ignore_index=True)
-    spec = {
-        "id": "x",
-        "claim": "c",
-        "kind": "falls_over_sweeps",
-        "metric": "mse",
-        "method": "apg",
-        "pair": [4, 4],
-    }
+    spec = MSE_FALLS
     before = report.seed_estimate(first, "apg", "mse", (4, 4))
     after = report.seed_estimate(last, "apg", "mse", (4, 4))
     assert before.lo < after.hi  # unpaired, the two intervals overlap
