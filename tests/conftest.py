@@ -20,6 +20,12 @@ def _seed_and_threads():
     torch.set_default_dtype(dtype)
 
 
+@pytest.fixture
+def f64():
+    """Float64 as torch's default dtype for one test (``_seed_and_threads`` restores it)."""
+    torch.set_default_dtype(torch.float64)
+
+
 @pytest.fixture(params=["native", "torch"])
 def kernel_path(request, monkeypatch):
     """Run a test on both paths of the native kernels: compiled, and the PyTorch twins."""

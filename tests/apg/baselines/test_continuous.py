@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import pytest
 import torch
 from torch import nn
 from torch.distributions import Normal
@@ -18,11 +17,6 @@ from apg.baselines.reparam import GaussianRecognition
 from apg.tasks import get_task
 from apg.tasks.dgmm import DGMM, TWO_PI, DGMMConfig
 from apg.training import TrainConfig, Trainer
-
-
-@pytest.fixture
-def f64():
-    torch.set_default_dtype(torch.float64)  # conftest restores the default
 
 
 def small_rings(num_datasets: int = 2, num_points: int = 7, num_clusters: int = 3, seed: int = 1):

@@ -28,12 +28,6 @@ from apg.tasks.bmnist import (
 from tests.montecarlo import mean_se
 from tests.support import MNIST_DIR, needs_mnist
 
-
-@pytest.fixture
-def f64():
-    torch.set_default_dtype(torch.float64)
-
-
 # --------------------------------------------------------------------------- references
 
 

@@ -14,11 +14,6 @@ from apg.training import TrainConfig, Trainer, evaluate
 from tests.montecarlo import mean_se
 
 
-@pytest.fixture
-def f64():
-    torch.set_default_dtype(torch.float64)
-
-
 def simulate(cfg, num_datasets, num_points, seed=0):
     return GMM(cfg).simulate(num_datasets, num_points, torch.Generator().manual_seed(seed))
 
