@@ -3,6 +3,7 @@ table; a recorded replication's verdicts beside them (their JSON: ``headline``).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -509,6 +510,7 @@ def claims_markdown(
     flags: dict[str, str],
     unclaimed: list[str],
     replication: dict[str, ClaimResult] | None = None,
+    replication_text: str | None = None,
 ) -> str:
     """The claims table with its verdict rules; a claim whose numbers come from a cell that
     has not plateaued carries that cell's mark. ``replication``: the same claims checked on
@@ -538,7 +540,7 @@ def claims_markdown(
     lines = ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", f"Verdict rules: {VERDICT_RULES}"]
     if replication is not None:
-        lines += ["", REPLICATION_NOTE]
+        lines += ["", replication_text or replication_note()]
     if marks:
         lines += ["", flag_notes(marks)]
     if unclaimed:
@@ -551,11 +553,29 @@ def claims_markdown(
 REPLICATION = "replicate"
 
 
-REPLICATION_NOTE = (
-    f"The last column: the same claims on the recorded run `{REPLICATION}` (the defaults again, "
-    "training seeds moved by 100; its machine is named in its report). The headline counts the "
-    "claims that hold in both runs."
-)
+def replication_note(this_machine: str | None = None, replicate_machine: str | None = None) -> str:
+    """The sentence under the claims table that says what its last column is, naming both
+    runs' machines when known, and whether their CPUs differ (trained numbers differ across
+    CPUs, so a replication on another CPU type tests more than one on the same)."""
+    text = (
+        f"The last column: the same claims on the recorded run `{REPLICATION}` (the defaults again, "
+        "training seeds moved by 100"
+    )
+    if this_machine is None or replicate_machine is None:
+        text += "; its machine is named in its report)."
+    else:
+        cpu = this_machine.split(" (")[0].split(",")[0]
+        kind = "the same CPU type" if replicate_machine.startswith(cpu) else "a different CPU type"
+        text += (
+            f"), trained on {kind}: {replicate_machine.rstrip('.')}. This run: {this_machine.rstrip('.')}."
+        )
+    return text + " The headline counts the claims that hold in both runs."
+
+
+def replication_machine(root: Path) -> str | None:
+    """The machine line the recorded replication's manifest names (None without one)."""
+    manifest = root / "recorded" / REPLICATION / "manifest.json"
+    return json.loads(manifest.read_text()).get("machine") if manifest.is_file() else None
 
 
 def replication_claims(

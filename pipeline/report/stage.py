@@ -28,7 +28,13 @@ from pipeline import provenance, stages
 from pipeline.common import project_root
 from pipeline.config import load_params
 from pipeline.recorded import GENERATIVE_ONLY, recorded_runs
-from pipeline.report.claims import claims_markdown, claims_not_run, replication_claims
+from pipeline.report.claims import (
+    claims_markdown,
+    claims_not_run,
+    replication_claims,
+    replication_machine,
+    replication_note,
+)
 from pipeline.report.data import (
     COMMITTED_DATA,
     FULL_METRICS,
@@ -94,7 +100,13 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
     unclaimed = [t for t in params["tasks"] if not (paper_all.get(t) or {}).get("claims")]
     flags = {cid: mark for p in parts for cid, mark in p["cell_flags"].items()}
     replication = replication_claims(root, params["tasks"], paper_all)
-    claims_md = claims_markdown(claims, flags, unclaimed, replication)
+    # A rebuild from the committed rows names the machine that made them (its record's).
+    record = out / provenance.RECORD
+    made_on = json.loads(record.read_text()).get("machine") if from_committed and record.is_file() else None
+    note = replication_note(
+        provenance.machine_line(made_on or provenance.machine()), replication_machine(root)
+    )
+    claims_md = claims_markdown(claims, flags, unclaimed, replication, note)
     text = index_markdown(
         parts,
         label,
@@ -111,9 +123,6 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         for task in params["tasks"]
     }
     parallel = trials_at_once(params.get("sweep", {}))
-    # A rebuild from the committed rows names the machine that made them (its record's).
-    record = out / provenance.RECORD
-    made_on = json.loads(record.read_text()).get("machine") if from_committed and record.is_file() else None
     lead = reused_cells_markdown(parts) + pipeline_time_markdown(
         times, params.get("sweep", {}).get("torch_threads"), training, parallel, made_on
     )

@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline import report
+from pipeline import provenance, report
 from tests.pipeline.report.synthetic import write_results
 from tests.support import REPO
 
@@ -211,7 +211,7 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
         "started": "s",
         "finished": "f",
         "wall_minutes_last_run": 1.0,
-        "machine": "m",
+        "machine": "Other CPU (avx2), 2 cores; torch 2.13.0+cpu",
         "code_digest": {},
         "profile": "replicate",
         "base": "params.yaml",
@@ -231,6 +231,10 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
         if line.startswith("| gmm |") and "RWS MLP encoder at the same" in line
     )
     assert row.endswith("| ✓ | ✗ |")
+    # The note under the table names both runs' machines and whether their CPU types differ.
+    this = provenance.machine_line(provenance.machine())
+    assert "trained on a different CPU type: Other CPU (avx2), 2 cores; torch 2.13.0+cpu." in text
+    assert f"This run: {this}." in text
     written = json.loads((tmp_path / "reports" / "data" / report.FULL_METRICS).read_text())
     main, again = written["claims"], written["replication_claims"]
     assert main["gmm/apg_log_joint_above_rws_mlp"]["pass"] is True
