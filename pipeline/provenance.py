@@ -219,7 +219,7 @@ def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> 
     old = recorded.get("fingerprints") or {}
     if not old:
         return "Training numerics: not recorded with these results."
-    changed, numerics, total, unchecked = [], 0, 0, {}
+    changed, numerics, total, unchecked = [], [], 0, {}
     for task, cells in sorted(old.items()):
         if task not in params.get("tasks", []):
             unchecked[task] = "not in params.yaml's tasks"
@@ -237,11 +237,15 @@ def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> 
             cell_id, print_ = now.get(name, (None, None))
             if cell_id != was["cell_id"]:
                 changed.append(name)
-                numerics += print_ != was["fingerprint"]
+                if print_ != was["fingerprint"]:
+                    numerics.append(name)
     line = f"Training: {len(changed)} of {total} recorded cells would retrain"
     if changed:
         shown = ", ".join(changed[:5]) + (" and more" if len(changed) > 5 else "")
-        line += f" ({shown}; {numerics} for their numerics fingerprint, the rest for their config or data)"
+        by_numerics = ", ".join(numerics[:8]) + (" and more" if len(numerics) > 8 else "")
+        line += f" ({shown}; {len(numerics)} for their numerics fingerprint"
+        line += f" ({by_numerics})" if numerics else ""
+        line += ", the rest for their config or data)"
     else:
         line += ": every cell id, fingerprint included, is unchanged"
     line += "".join(f"; not checked for {task} ({why})" for task, why in unchecked.items())

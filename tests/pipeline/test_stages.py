@@ -293,7 +293,9 @@ def test_provenance_says_which_recorded_cells_a_repro_would_retrain(tmp_path, mo
     assert provenance.retraining(tmp_path, params, recorded).startswith(
         f"Training: {n} of {n} recorded cells would retrain"
     )
-    assert f"; {n} for their numerics fingerprint" in provenance.retraining(tmp_path, params, recorded)
+    line = provenance.retraining(tmp_path, params, recorded)
+    first = sorted(cell.name for cell in cells.values())[0]
+    assert f"; {n} for their numerics fingerprint ({first}, " in line  # named, not only counted
     monkeypatch.setattr(sweep_module(), "fingerprint", lambda *args, **kwargs: "numbers-1")
     longer = tiny(**{"gmm.train.iterations": 7})  # a params edit the fingerprint cannot see
     assert "; 0 for their numerics fingerprint, the rest for their config" in provenance.retraining(
