@@ -41,7 +41,6 @@ def sweep_curves(result: APGResult) -> dict[str, list[Tensor]]:
     return curves
 
 
-@torch.no_grad()
 def highest_weight_particle(z: Mapping[str, Tensor], log_weights: Tensor) -> dict[str, Tensor]:
     """Each dataset's highest-weight particle: ``{name: (B, ...)}`` from ``z``'s ``(L, B, ...)``
     and ``log_weights (L, B)``; the point estimate the tracking and cluster metrics score."""
@@ -50,6 +49,7 @@ def highest_weight_particle(z: Mapping[str, Tensor], log_weights: Tensor) -> dic
     return {name: t[best, rows] for name, t in z.items()}
 
 
+@torch.no_grad()
 def inclusive_kl(
     exact: Proposals,
     proposals: Proposals,
