@@ -248,6 +248,16 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
     assert "](reports/recorded/replicate/README.md)" in readme
 
 
+def test_the_replication_note_says_whether_the_two_cpu_types_differ():
+    from pipeline.report.claims import replication_note
+
+    xeon = "Intel(R) Xeon(R) Processor (avx512f, avx2), 2 cores; torch 2.13.0+cpu, Python 3.11.7"
+    epyc = "AMD EPYC (avx2, fma), 2 cores; torch 2.13.0+cpu, Python 3.11.7"
+    assert f"trained on the same CPU type: {xeon}. This run: {xeon}." in replication_note(xeon, xeon)
+    assert f"trained on a different CPU type: {xeon}. This run: {epyc}." in replication_note(epyc, xeon)
+    assert "its machine is named in its report" in replication_note(epyc, None)
+
+
 def test_the_report_stage_clears_a_stale_line_in_the_readme(tmp_path):
     # `provenance mark` left the results marked stale; the report stage then made them anew
     # from this code, so the README's stale line goes (a from-committed rebuild keeps it
