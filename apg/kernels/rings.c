@@ -4,7 +4,7 @@
  * (L, B, N, I) rows: the skip features of d = x_n - mu_i, the pairwise tanh layer, the
  * assignment's log-softmax, atan2, softplus, i0e (all scalar loops in this build) and the
  * von Mises rejection sampler. Here each is one pass (apg/tasks/dgmm/ has the PyTorch
- * twins; tests/apg/tasks/test_dgmm.py checks both agree, values and gradients).
+ * twins; tests/apg/tasks/test_dgmm_kernels.py checks both agree, values and gradients).
  *
  * local_forward:  Q[l,b,n,i,:] = Wt tanh(P[b,n,:] + C[l,b,i,:]) + bias + Ws f(x[b,n] - mu[l,b,i])
  *   with the skip features f(d) = (|d|^2 c0, |d| c1, log |d|, d / |d|), |d| clamped at 1e-6,
