@@ -121,6 +121,11 @@ class BouncingMNIST(Model):
         self.decoder = Decoder(cfg.z_what_dim, cfg.digit_size)
         self._memo: tuple[Any, ...] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The memo is a cache of the last decode (a weak reference, autograd outputs): a
+        # pickled model (MLflow's format) leaves it behind; weak references do not pickle.
+        return {**super().__getstate__(), "_memo": None}
+
     def blocks_for(self, x: Tensor) -> dict[str, tuple[str, ...]]:
         """``what``, then ``where_1 .. where_T`` for videos ``x (B, T, H, H)``."""
         _check_video(x, self.cfg)

@@ -318,6 +318,10 @@ class BMNISTProposals(Proposals):
         self.register_buffer("mean_template", _mean_digit_blob(cfg.digit_size))
         self._where_memo: tuple[Any, ...] | None = None  # see _where_inputs
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the where-inputs memo is a cache of the last sweep's tensors: not part of a pickle
+        return {**super().__getstate__(), "_where_memo": None}
+
     @property
     def cfg(self) -> BMNISTConfig:
         return self.model[0].cfg

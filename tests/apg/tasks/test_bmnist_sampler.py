@@ -4,6 +4,7 @@ short training run (slow)."""
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -111,6 +112,22 @@ def test_template_memo_sees_parameter_updates():
     with torch.no_grad():
         model.decoder.net[-1].bias.add_(1.0)
     assert not torch.allclose(model.templates(z_what), first)
+
+
+def test_a_model_and_proposals_with_their_memos_filled_pickle_without_them():
+    """MLflow logs a trained cell pickled; the decode memos (weak references, tensors) are
+    caches, left behind, and the unpickled networks compute the same numbers."""
+    torch.manual_seed(0)
+    model = BouncingMNIST()
+    prop = bmnist.BMNISTProposals(model, "apg", 3)
+    z_what = torch.randn(2, 1, 3, 10)
+    templates, cross = prop._where_inputs(z_what)
+    assert model._memo is not None and prop._where_memo is not None
+    copy = pickle.loads(pickle.dumps(prop))
+    assert copy._where_memo is None and copy.model[0]._memo is None
+    assert model._memo is not None and prop._where_memo is not None  # the originals keep theirs
+    again, again_cross = copy._where_inputs(z_what)
+    assert torch.equal(again, templates) and torch.equal(again_cross, cross)
 
 
 def test_where_inputs_of_resampled_copies_are_read_back_as_the_fresh_numbers():
