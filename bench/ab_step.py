@@ -9,12 +9,14 @@ median of the per-pair ratios.
 
     python bench/ab_step.py --old 6c609ec --task gmm --threads 2 --steps 30
     python bench/ab_step.py --old HEAD~3 --task dgmm --threads 2 --steps 8
+    python bench/ab_step.py --old HEAD~1 --task bmnist --cell apg --threads 1 --steps 20
     python bench/ab_step.py --old HEAD~1 --task bmnist --threads 1 --steps 6 \
         --weights recorded/bmnist-long
 
 Paper training configs: B=20 datasets, K=10 sweeps, L=10 particles; N=60 (gmm) or 200
 (dgmm) points; Bouncing MNIST B=10 three-digit T=10 videos (of 50 simulated from MNIST
-in ``APG_MNIST_DIR``), K=5, L=10. ``--weights``: a long run's folder (``apg-pipeline
+in ``APG_MNIST_DIR``), K=5, L=10. ``--cell METHOD``: the default run's step instead, the
+first METHOD cell of params.yaml's grid for the task (its config and training data). ``--weights``: a long run's folder (``apg-pipeline
 long-run``), whose latest model and proposals weights both arms load (a trained model's particles, and so its cost, differ from a fresh
 one's). Both arms then take the same steps; the script says whether their losses agreed
 exactly. ``--inference`` first checks that both arms' samplers, as loaded, return the same
@@ -26,6 +28,7 @@ repository root.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import re
@@ -55,10 +58,35 @@ def export_old_package(rev: str, root: Path) -> Path:
     return root
 
 
-def make_trainer(pkg: str, task_name: str, weights: str | None = None):
+def default_cell(task_name: str, method: str) -> tuple[dict, torch.Tensor]:
+    """The training config (as a dict) and training inputs of the first cell of ``method``
+    in params.yaml's grid for ``task_name``: the default run's step."""
+    from pipeline.config import grid_cells, load_params
+    from pipeline.generate import simulate_set
+
+    params = load_params(Path("params.yaml"))
+    cells = [c for c in grid_cells(params, task_name) if c.method == method]
+    if not cells:
+        raise SystemExit(f"params.yaml's {task_name} grid has no {method} cell")
+    train = params[task_name]["data"]["train"]
+    data = simulate_set(
+        task_name,
+        params[task_name].get("model", {}),
+        train["num_datasets"],
+        train["seed"],
+        train.get("sizes", {}),
+    )
+    return dataclasses.asdict(cells[0].train), torch.from_numpy(data["x"]).float()
+
+
+def make_trainer(
+    pkg: str, task_name: str, weights: str | None = None, cell: tuple[dict, torch.Tensor] | None = None
+):
     tasks = importlib.import_module(f"{pkg}.tasks")
     training = importlib.import_module(f"{pkg}.training")
     torch.manual_seed(0)
+    if cell is not None:
+        return training.Trainer(training.TrainConfig(**cell[0]), cell[1])
     task = tasks.get_task(task_name)
     g = torch.Generator().manual_seed(0)
     if task_name == "bmnist":
@@ -100,6 +128,12 @@ def main() -> None:
     parser.add_argument("--old", required=True, help="git revision of the baseline")
     parser.add_argument("--task", choices=[*sorted(POINTS), "bmnist"], default="gmm")
     parser.add_argument("--weights", default=None, help="a long run's folder: both arms load its weights")
+    parser.add_argument(
+        "--cell",
+        metavar="METHOD",
+        default=None,
+        help="time the default run's step instead: the first METHOD cell of params.yaml's grid for --task",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="timed steps per arm")
     parser.add_argument("--warmup", type=int, default=3)
@@ -119,7 +153,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         sys.path.insert(0, str(export_old_package(args.old, Path(tmp))))
-        arms = {pkg: make_trainer(pkg, args.task, args.weights) for pkg in ("apg_old", "apg")}
+        cell = default_cell(args.task, args.cell) if args.cell else None
+        arms = {pkg: make_trainer(pkg, args.task, args.weights, cell) for pkg in ("apg_old", "apg")}
         arms = {"old": arms["apg_old"], "new": arms["apg"]}
         if args.inference:
             print(inference_agreement(arms), flush=True)

@@ -28,6 +28,7 @@ from apg.tasks.bmnist.likelihood import (
     _correlate_distinct,
     _distinct_particles,
     _first_copies,
+    correlate_spectra,
     crop,
     cross_correlations,
     pixel_offsets,
@@ -347,9 +348,12 @@ class BMNISTProposals(Proposals):
         batch, num_frames = x.shape[:2]
         tmpl = self.mean_template
         size = tmpl.shape[-1]
-        corr_x = F.conv2d(x.reshape(batch * num_frames, 1, *x.shape[-2:]), tmpl[None, None])
+        if values_on_host(x):  # the FFT: see correlate_spectra
+            corr_x = correlate_spectra(torch.fft.rfft2(x), tmpl)
+        else:
+            corr_x = F.conv2d(x.reshape(batch * num_frames, 1, *x.shape[-2:]), tmpl[None, None])
+            corr_x = corr_x.reshape(batch, num_frames, *corr_x.shape[-2:])
         side = corr_x.shape[-1]
-        corr_x = corr_x.reshape(batch, num_frames, side, side)
         # autocorrelation A(k) = sum_q m(q) m(q + k), k in [-(S-1), S-1], stored at k + S - 1
         auto = F.conv2d(F.pad(tmpl, (size - 1,) * 4)[None, None], tmpl[None, None])[0, 0]
         z: Latents = {}

@@ -142,6 +142,23 @@ def test_where_kernel_of_copies_equals_per_particle(f64):
     assert torch.allclose(got.scale, want.scale, atol=1e-9)
 
 
+def test_the_encoders_maps_by_fft_on_a_cpu_equal_the_device_paths_convolution(f64, monkeypatch):
+    L, B, T, D = 3, 2, 4, 2
+    prop = bmnist.BMNISTProposals(BouncingMNIST(), "apg", D)
+    x = torch.rand(B, T, 96, 96)
+
+    def initial(on_host: bool):
+        monkeypatch.setattr(bmnist.proposals, "values_on_host", lambda t: on_host)
+        torch.manual_seed(0)
+        return prop.initial(x, L)
+
+    (z_fft, log_q_fft), (z_conv, log_q_conv) = initial(True), initial(False)
+    assert z_fft.keys() == z_conv.keys()
+    for name in z_fft:
+        assert torch.allclose(z_fft[name], z_conv[name], atol=1e-9), name
+    assert torch.allclose(log_q_fft, log_q_conv, atol=1e-8)
+
+
 def test_what_kernel_of_copies_equals_per_particle(f64):
     L, B, T, D = 4, 3, 3, 2
     model = BouncingMNIST()

@@ -95,6 +95,19 @@ def test_correlate_matches_direct_sum(f64):
         assert torch.allclose(got[l, b, d, sy, sx], want)
 
 
+def test_the_fft_correlation_equals_the_direct_sum_at_the_papers_sizes_in_float32():
+    from apg.tasks.bmnist.likelihood import correlate_spectra
+
+    frames = torch.rand(3, 96, 96)  # pixels in [0, 1], as the videos'
+    templates = torch.rand(4, 3, 2, 28, 28)  # (L, B, D, S, S)
+    want = correlate(frames, templates)  # the direct sum (a convolution)
+    got = correlate_spectra(torch.fft.rfft2(frames)[:, None], templates)
+    assert got.shape == want.shape == (4, 3, 2, 69, 69)
+    # float32 rounding of sums of 784 products of size <= 1: both sides err by ~1e-5 of
+    # the maps' scale (about 200); a wrapped (circular) read would be off by tens
+    assert torch.allclose(got, want, rtol=0, atol=2e-5 * want.abs().max())
+
+
 def test_the_device_path_correlates_every_particle_as_the_cpu_path_does_its_originals(f64):
     from apg.tasks.bmnist.likelihood import _correlate_all, _correlate_distinct, _first_copies
 

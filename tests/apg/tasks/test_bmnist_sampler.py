@@ -246,9 +246,10 @@ def test_training_lowers_heldout_mse_and_sweeps_help():
     train = task.simulate(
         sim_model, 200, g, num_frames=5, num_digits=2, split="train", mnist_dir=str(MNIST_DIR)
     )
-    # 30 held-out videos: with 10, the sweeps' gain (about 2-3 standard errors after 80 steps)
-    # fell below the 3-SE bar on one CPU type and cleared it on another.
-    test = task.simulate(sim_model, 30, g, num_frames=5, num_digits=2, split="test", mnist_dir=str(MNIST_DIR))
+    # 90 held-out videos: with 30, the sweeps' gain after 80 steps was 2.5 to 7.4 standard
+    # errors over training seeds 0-2 (the bar is 3), so rounding alone could fail it; with
+    # 90, seeds 0 and 2 (the two lowest) gave 8.8 and 10.0.
+    test = task.simulate(sim_model, 90, g, num_frames=5, num_digits=2, split="test", mnist_dir=str(MNIST_DIR))
     cfg = TrainConfig(
         task="bmnist",
         method="apg",
