@@ -202,6 +202,11 @@ def methods_figure(curves: dict[str, pd.DataFrame], path: Path) -> None:
     )
 
 
+def _hours(hours: float) -> str:
+    """Whole hours, or two significant figures below ten (a GPU's are fractions of one)."""
+    return f"{hours:,.0f}" if hours >= 10 else f"{hours:.2g}"
+
+
 def extrapolation_text(fit: tuple[float, float] | None, done: int, total: int, rates: pd.DataFrame) -> str:
     if fit is None:
         return f"Too few scored steps after the first to fit a trend (a fit needs {FIT_MIN_POINTS})."
@@ -214,7 +219,7 @@ def extrapolation_text(fit: tuple[float, float] | None, done: int, total: int, r
         return f"{law} is at or below the target already."
     where = "within" if reach <= total else "beyond"
     times = "; ".join(
-        f"{(reach - done) * r.seconds_per_step / 3600:,.0f} more hours on {r.device}"
+        f"{_hours((reach - done) * r.seconds_per_step / 3600)} more hours on {r.device}"
         for r in rates.itertuples()
     )
     return (

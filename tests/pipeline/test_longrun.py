@@ -195,7 +195,7 @@ def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
     import pandas as pd
 
     from pipeline.longrun import RUN_DIR
-    from pipeline.report.longrun import long_run_markdown, power_law_fit, steps_to_reach
+    from pipeline.report.longrun import _hours, long_run_markdown, power_law_fit, steps_to_reach
 
     steps = np.array([0, 250, 500, 1000, 2000, 4000])
     errors = 40.0 * np.maximum(steps, 1) ** -0.25  # 10 px at 256 steps, 3 px at ~31,600
@@ -236,6 +236,8 @@ def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
     assert "At step 4,000 of 200,000" in text and "| a CPU | 4,000 | 4.44 | 4.00 |" in text
     assert "reaches 3 px at step 31,605, within the paper's 200,000 steps" in text
     assert "31 more hours on a CPU" in text
+    # a GPU's remaining hours are fractions of one: not rounded to 0
+    assert (_hours(15.4), _hours(4.24), _hours(0.0897)) == ("15", "4.2", "0.09")
     # With the run's history the rate is the median window's: a paused window (a stopped
     # process) does not count as training time; the wall hours stay as they were.
     rates = [0.5] * 9 + [0.01]  # 2 s per step, and one window of 100 s per step
