@@ -113,7 +113,7 @@ def make_trainer(
         )
     trainer = training.Trainer(cfg, data["x"].float())
     if weights is not None:
-        from pipeline.longrun import latest_state
+        from pipeline.runs import latest_state
 
         state = latest_state(Path(weights))
         if state is None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A sitting of the long Bouncing MNIST run (pipeline/longrun.py) on a GPU machine, in one call.
+# A sitting of the long Bouncing MNIST run (pipeline/runs/) on a GPU machine, in one call.
 # It continues what git holds (recorded/bmnist-long/state.pt), compiled with CUDA graphs, in a
 # copy under $OUT; if the compiled sitting fails, it goes on eagerly for the minutes left.
 #   APG_COMMIT=$(git rev-parse --short HEAD) MNIST_DIR=.device/mnist MINUTES=8 OUT=$OUT \

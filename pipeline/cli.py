@@ -133,17 +133,17 @@ def cmd_record(args: argparse.Namespace) -> None:
 
 def cmd_long_run(args: argparse.Namespace) -> None:
     from pipeline.common import project_root
-    from pipeline.longrun import METHOD, long_run, new_run, run_dir_of, run_method
+    from pipeline.runs import spec
 
     root = project_root()
-    method = args.method or METHOD  # None: APG, unless the folder's run says otherwise (below)
-    run_dir = Path(args.dir) if args.dir else root / run_dir_of(method)
-    found = run_method(run_dir)
+    method = args.method or spec.LONG_RUN_METHOD  # None: APG, unless the folder's run says otherwise
+    run_dir = Path(args.dir) if args.dir else root / spec.long_run_dir(method)
+    found = spec.run_method(run_dir)
     if args.method and found and found != args.method:
-        raise SystemExit(f"long-run: {run_dir} is a {found} run, not {args.method}")
+        raise ValueError(f"long-run: {run_dir} is a {found} run, not {args.method}")
     for option, given in (("--state", args.state), ("--sets", args.sets), ("--videos", args.videos)):
         if given is not None and not args.grid:
-            raise SystemExit(f"long-run: {option} goes with --grid (a sitting trains on the run's own data)")
+            raise ValueError(f"long-run: {option} goes with --grid (a sitting trains on the run's own data)")
     if args.grid:
         from pipeline.longrun_grid import evaluate_grid
 
@@ -154,21 +154,62 @@ def cmd_long_run(args: argparse.Namespace) -> None:
         print(f"long run: wrote {path}; commit it with the run's folder")
         return
     if args.minutes is None and args.steps is None:
-        raise SystemExit("long-run: give --minutes or --steps (how long this sitting trains), or --grid")
-    segment = long_run(
+        raise ValueError("long-run: give --minutes or --steps (how long this sitting trains), or --grid")
+    from pipeline.longrun_grid import new_run
+
+    new = new_run(args.start, method=method) if args.start else None
+    _advance(root, run_dir, args, new)
+
+
+def _advance(root: Path, run_dir: Path, args: argparse.Namespace, new: dict[str, Any] | None) -> None:
+    from pipeline.runs import advance
+
+    segment = advance(
         root,
+        run_dir,
         minutes=args.minutes,
         steps=args.steps,
         device=args.device,
         compile=args.compile,
-        run_dir=run_dir,
-        new=new_run(args.start, method=method) if args.start else None,
+        new=new,
         full_state=not args.no_full_state,
     )
     print(
-        f"long run: steps {segment['from_iteration']} -> {segment['to_iteration']} on {segment['device']} "
-        f"in {segment['seconds'] / 60:.1f} min; commit its folder to keep them"
+        f"{run_dir.name}: steps {segment['from_iteration']} -> {segment['to_iteration']} on {segment['device']} "
+        f"in {segment['seconds'] / 60:.1f} min; commit its folder to keep them",
+        flush=True,
     )
+
+
+def cmd_continue(args: argparse.Namespace) -> None:
+    from pipeline.common import project_root
+    from pipeline.runs import spec
+
+    root = project_root()
+    if args.minutes is None and args.steps is None:
+        raise ValueError("continue: give --minutes or --steps (how long each run trains this sitting)")
+    if args.start:
+        if args.runs:
+            raise ValueError("continue: --start names its cells; give no run folders with it")
+        every = _key_values(args.every or [], "--every")
+        starts = []
+        for cell in args.start:
+            task, method, k, l, seed = spec.parse_cell(cell)
+            name = spec.run_name(args.profile, task, method, k, l, seed)
+            new = spec.new_run(args.profile, task, method, k, l, seed, eval_size=args.eval_size, every=every)
+            starts.append((root / spec.RUNS_DIR / name, new))
+    else:
+        if args.every or args.eval_size is not None:
+            raise ValueError("continue: --every and --eval-size are fixed when a run starts (--start)")
+        if not args.runs:
+            raise ValueError(
+                "continue: name the runs' folders (recorded/...), or start new ones with --start"
+            )
+        starts = [(Path(r) if Path(r).is_absolute() else root / r, None) for r in args.runs]
+        for run_dir, _ in starts:
+            spec.read_run(run_dir)  # every folder is a run, before any trains
+    for run_dir, new in starts:
+        _advance(root, run_dir, args, new)
 
 
 # --------------------------------------------------------------------------- train
@@ -464,10 +505,7 @@ def _add_long_run(sub) -> None:
         help="continue the paper-configuration Bouncing MNIST training in recorded/bmnist-long/ "
         "(three digits, 60,000 videos, K=5, L=10) for --minutes or --steps; commit the folder after",
     )
-    run.add_argument("--minutes", type=float, default=None, help="train until this much wall time has passed")
-    run.add_argument("--steps", type=int, default=None, help="train at most this many steps")
-    run.add_argument("--device", default="cpu", help="cpu or cuda")
-    run.add_argument("--compile", action="store_true", help="torch.compile the step (CUDA graphs on a GPU)")
+    _add_sitting(run)
     run.add_argument(
         "--start",
         metavar="PROFILE",
@@ -505,12 +543,55 @@ def _add_long_run(sub) -> None:
         help="with --grid: score this checkpoint of the run (an earlier step's state.pt, from git "
         "history) instead of its latest state",
     )
+    run.set_defaults(func=cmd_long_run)
+
+
+def _add_sitting(run) -> None:
+    """The options of a sitting: how long, where, and which state it keeps."""
+    run.add_argument("--minutes", type=float, default=None, help="train until this much wall time has passed")
+    run.add_argument("--steps", type=int, default=None, help="train at most this many steps")
+    run.add_argument("--device", default="cpu", help="cpu or cuda")
+    run.add_argument("--compile", action="store_true", help="torch.compile the step (CUDA graphs on a GPU)")
     run.add_argument(
         "--no-full-state",
         action="store_true",
         help="checkpoint only the compact state (for a machine whose copy is discarded after the sitting)",
     )
-    run.set_defaults(func=cmd_long_run)
+
+
+def _add_continue(sub) -> None:
+    """``continue``: any run of any profile, a sitting at a time."""
+    run = sub.add_parser(
+        "continue",
+        help="continue runs (folders under recorded/) for --minutes or --steps each, one after another, "
+        "or start a profile's cells as new runs with --start; commit the folders after",
+    )
+    run.add_argument("runs", nargs="*", help="the runs' folders, e.g. recorded/paper-dgmm-apg-K10-L10-s0")
+    _add_sitting(run)
+    run.add_argument(
+        "--start",
+        nargs="+",
+        metavar="CELL",
+        default=None,
+        help="start these cells of --profile as new runs in recorded/<profile>-<task>-<method>-K<k>-L<l>-s<seed>: "
+        "TASK/METHOD/K<k>/L<l>/seed<s>, e.g. dgmm/apg/K10/L10/seed0",
+    )
+    run.add_argument(
+        "--profile", default="paper", help="with --start: the profile whose cells they are (paper)"
+    )
+    run.add_argument(
+        "--every",
+        nargs="*",
+        metavar="KEY=STEPS",
+        help="with --start: the cadences in steps: log=25 checkpoint=50 eval=250 (the defaults)",
+    )
+    run.add_argument(
+        "--eval-size",
+        type=int,
+        default=None,
+        help="with --start: score the first N datasets of the held-out set",
+    )
+    run.set_defaults(func=cmd_continue)
 
 
 def _add_stages(sub) -> None:
@@ -540,6 +621,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(sub)
     _add_record(sub)
     _add_long_run(sub)
+    _add_continue(sub)
     _add_stages(sub)
     return parser
 

@@ -1,19 +1,24 @@
-"""The paper's Bouncing MNIST evaluation (Figures 3 and 4) of the long run's states.
+"""The paper's Bouncing MNIST runs and their evaluation on the paper's grid (Figures 3 and 4).
 
-``apg-pipeline long-run --grid`` scores the state in ``recorded/bmnist-long/`` (or, with
-``--state FILE``, an earlier checkpoint of the run, from git history) on the run's profile's
-held-out sets (the ``paper`` profile: T in {10, 20, 100} x D in {3, 4, 5}, 100 test-split
-videos each; ``videos`` draws n of each instead: a set's seed and n fix its videos, so
-scores on different n are of different videos) at the run's K and L, and writes its rows
-into ``grid.csv``: per step, set, video and sweep, the reconstruction MSE (weighted over
-particles) and the position error (px) and tracked-frame fraction of the highest-weight
-particle, all from one run of the method per batch of videos. Rows of other steps stay, so
-that runs of two methods can be compared at a step both have scored. The proposals track
-each set's D digits (the trained weights do not depend on D). Each set is scored on a random
-stream of its own (``EVAL_SEED``), so the same state gives the same rows; ``trail.npz``
-keeps, for the first video of the last set (T=100, D=5 in the paper's grid) and the run's
-latest state, the inferred and true positions of every digit in every frame and its frames
-(8 bits), which the report draws as Figure 3.
+The paper trains APG on 60,000 three-digit videos (T=10, K=5, L=10, batch 10) for 200,000
+steps; its baselines (RWS-MLP, AVF) are trained the same way for the comparison. Each is a
+continuing run of the ``paper`` profile's Bouncing MNIST cell (:mod:`pipeline.runs`) in a
+folder of its own: APG's ``recorded/bmnist-long``, a baseline's ``recorded/bmnist-long-<method>``
+(``apg-pipeline long-run`` continues them; ``apg-pipeline continue`` does the same for any run).
+
+``apg-pipeline long-run --grid`` scores a run's state (or, with ``--state FILE``, an earlier
+checkpoint of the run, from git history) on the run's profile's held-out sets (the ``paper``
+profile: T in {10, 20, 100} x D in {3, 4, 5}, 100 test-split videos each; ``videos`` draws n
+of each instead: a set's seed and n fix its videos, so scores on different n are of different
+videos) at the run's K and L, and writes its rows into ``grid.csv``: per step, set, video and
+sweep, the reconstruction MSE (weighted over particles) and the position error (px) and
+tracked-frame fraction of the highest-weight particle, all from one run of the method per
+batch of videos. Rows of other steps stay, so that runs of two methods can be compared at a
+step both have scored. The proposals track each set's D digits (the trained weights do not
+depend on D). Each set is scored on a random stream of its own (``EVAL_SEED``), so the same
+state gives the same rows; ``trail.npz`` keeps, for the first video of the last set (T=100,
+D=5 in the paper's grid) and the run's latest state, the inferred and true positions of every
+digit in every frame and its frames (8 bits), which the report draws as Figure 3.
 """
 
 from __future__ import annotations
@@ -29,12 +34,37 @@ import torch
 
 from apg.data import atomic_write
 from apg.metrics import highest_weight_particle, reconstruction_mse
+from apg.tasks import get_task
 from apg.training import make_method
 from pipeline.common import with_network
 from pipeline.driver import write_history
-from pipeline.longrun import EVAL_SEED, RUN, RUN_DIR, STATE, restore, simulate_videos
+from pipeline.runs import spec
+from pipeline.runs.execute import EVAL_SEED, restore
+from pipeline.runs.spec import LONG_RUN_DIR, LONG_RUN_METHOD, STATE
 
 GRID, TRAIL = "grid.csv", "trail.npz"
+PROFILE, PAIR, SEED = "paper", (5, 10), 0
+
+
+def new_run(
+    profile: str = PROFILE,
+    eval_videos: int = 100,
+    every: dict[str, int] | None = None,
+    method: str = LONG_RUN_METHOD,
+) -> dict[str, Any]:
+    """``run.json`` of a new run: ``profile``'s Bouncing MNIST cell of ``method`` (K=5, L=10,
+    seed 0), scored on the first ``eval_videos`` of its ``T10_D3`` set. A baseline's run
+    shares APG's videos, data order, seed and cadences, so their curves compare step for step."""
+    return spec.new_run(profile, "bmnist", method, *PAIR, SEED, eval_size=eval_videos, every=every)
+
+
+def simulate_videos(
+    run: dict[str, Any], num_videos: int, seed: int, sizes: dict[str, Any]
+) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
+    """Held-out videos ``x`` (as the profile's files store them: cast to its ``x_dtype``) and
+    their true positions, from the run's simulator model."""
+    x, arrays = spec.simulate("bmnist", run["eval"], num_videos, seed, sizes)
+    return x, get_task("bmnist").tracking.truth(arrays)
 
 
 def grid_sets(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -58,10 +88,8 @@ def evaluate_grid(
     rows into ``grid.csv`` in the run's folder, replacing the rows of the same step and sets
     and keeping the others, and return the table's path. ``trail.npz`` is written for the
     run's latest state only, when the profile's last set is scored."""
-    run_dir = run_dir or root / RUN_DIR
-    if not (run_dir / RUN).is_file():
-        raise FileNotFoundError(f"{run_dir / RUN}: no long run there; start one with --start")
-    run = json.loads((run_dir / RUN).read_text())
+    run_dir = run_dir or root / LONG_RUN_DIR
+    run = spec.read_run(run_dir)
     if state is None and not (run_dir / STATE).is_file():
         raise FileNotFoundError(f"{run_dir}: the run has no checkpoint yet; train it first")
     if state is not None and not state.is_file():
@@ -141,8 +169,6 @@ def score_videos(cfg, model, proposals, x: torch.Tensor, truth, sweeps: int, par
     """Curves ``(K, M)`` of one run of the method per batch of videos: the reconstruction MSE
     weighted over particles, and the position error (px) and tracked-frame fraction of the
     highest-weight particle (``TaskSpec.tracking``), after each sweep."""
-    from apg.tasks import get_task
-
     task = get_task(cfg.task)
     method = make_method(cfg)
     mse: dict[int, list[np.ndarray]] = {}
@@ -185,8 +211,6 @@ def best_particle(z: dict[str, torch.Tensor], log_w: torch.Tensor) -> dict[str, 
 def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particles) -> None:
     """The first video's inferred positions (highest-weight particle after the last sweep) and
     its true ones, in pixels, ``(T, D, 2)`` each, with where the video comes from."""
-    from apg.tasks import get_task
-
     tracking = get_task(cfg.task).tracking
     found: dict[str, np.ndarray] = {}
 

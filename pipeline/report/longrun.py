@@ -13,9 +13,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from pipeline.longrun import EVALS, HISTORY, METHOD, RUN, RUN_DIR, SEGMENTS, run_dir_of
 from pipeline.report.figures import _save, plain_numbers
 from pipeline.report.longrun_grid import grid_markdown, long_run_metrics
+from pipeline.runs.spec import EVALS, HISTORY, RUN, SEGMENTS, count_and_sizes
+from pipeline.runs.spec import LONG_RUN_DIR as RUN_DIR
+from pipeline.runs.spec import LONG_RUN_METHOD as METHOD
+from pipeline.runs.spec import long_run_dir as run_dir_of
 
 TARGET_PX = 3.0  # position error the paper's tracking reaches at T10_D3 (issue target)
 FIT_MIN_POINTS = 3
@@ -65,19 +68,20 @@ def long_run_markdown(root: Path, out: Path, fmt: str) -> str:
     figure = out / "recorded" / run_dir.name / f"curve.{fmt}"
     fit = power_law_fit(evals["iteration"].to_numpy(float), evals["pos_err"].to_numpy(float))
     curve_figure(evals, fit, run, figure)
-    train, rows, ev = run["train"], run["rows"], run["eval"]
+    train, ev = run["train"], run["eval"]
+    (videos, sizes), (held, _) = count_and_sizes(run["rows"]), count_and_sizes(ev)
     last = evals.iloc[-1]
     history = pd.read_csv(run_dir / HISTORY) if (run_dir / HISTORY).is_file() else None
     rates = sitting_rates(segments, history)
     lines = [
         "## Bouncing MNIST at the paper's configuration: one long run",
         "",
-        f"`apg-pipeline long-run` (`pipeline/longrun.py`, state in `{RUN_DIR.as_posix()}/`): APG, "
+        f"`apg-pipeline long-run` (`pipeline/runs/`, state in `{RUN_DIR.as_posix()}/`): APG, "
         f"K = {train['sweeps']}, L = {train['particles']}, batch {train['batch_size']}, lr {train['lr']:g}, "
-        f"{rows['num_videos']:,} training videos of {rows.get('num_digits', 3)} digits and "
-        f"{rows.get('num_frames', 10)} frames (the `{run['profile']}` profile), continued from where it "
+        f"{videos:,} training videos of {sizes.get('num_digits', 3)} digits and "
+        f"{sizes.get('num_frames', 10)} frames (the `{run['profile']}` profile), continued from where it "
         f"stopped on whatever machine runs it. Scored every {run['every']['eval']} steps on "
-        f"{ev['num_videos']} held-out {ev['name']} videos (position error of the highest-weight "
+        f"{held} held-out {ev['name']} videos (position error of the highest-weight "
         f"particle after the last sweep, mean ± standard error over videos).",
         "",
         f"![learning curve](recorded/{run_dir.name}/{figure.name})",

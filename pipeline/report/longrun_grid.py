@@ -18,12 +18,13 @@ import yaml
 from matplotlib.ticker import MaxNLocator
 
 from apg.tasks.bmnist.config import BMNISTConfig
-from pipeline.longrun import METHOD, RUN
 from pipeline.longrun_grid import COLUMNS, GRID, TRAIL
 from pipeline.report.claims import ClaimResult, check_claim, claims_not_run, verdict
 from pipeline.report.data import PAPER_NUMBERS, finals
 from pipeline.report.figures import _save
 from pipeline.report.longrun_reach import reach_markdown, reaches
+from pipeline.runs.spec import LONG_RUN_METHOD as METHOD
+from pipeline.runs.spec import RUN
 from pipeline.statistics import seed_interval
 
 STRIP_FRAMES = 8

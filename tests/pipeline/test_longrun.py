@@ -13,22 +13,11 @@ import yaml
 
 from apg.checkpoint import load_checkpoint
 from apg.tasks.bmnist.simulator import VideoRows, row_seed
-from pipeline.compact import compact, expand
-from pipeline.longrun import (
-    EVALS,
-    FULL_STATE,
-    HISTORY,
-    RUN,
-    SEGMENTS,
-    STATE,
-    held_out,
-    latest_state,
-    long_run,
-    new_run,
-    score,
-    training_rows,
-)
+from pipeline.longrun_grid import new_run
 from pipeline.report.data import PAPER_NUMBERS
+from pipeline.runs.compact import compact, expand
+from pipeline.runs.execute import advance, score
+from pipeline.runs.spec import EVALS, FULL_STATE, HISTORY, RUN, SEGMENTS, STATE, held_out, training_rows
 from tests.support import needs_mnist
 
 
@@ -52,7 +41,8 @@ def tiny_run(method: str = "apg") -> dict:
     """The paper profile's run (of ``method``) at a few videos, frames and particles."""
     run = new_run("paper", eval_videos=4, every={"log": 2, "checkpoint": 2, "eval": 4}, method=method)
     run["train"].update(sweeps=2, particles=2, batch_size=2, network={"num_digits": 1})
-    run["rows"].update(num_videos=20, num_frames=3, num_digits=1)
+    run["rows"]["num_datasets"] = 20
+    run["rows"]["sizes"].update(num_frames=3, num_digits=1)
     run["eval"]["sizes"] = {**run["eval"]["sizes"], "num_frames": 3, "num_digits": 1}
     return run
 
@@ -67,15 +57,15 @@ def table(path: Path, drop: tuple[str, ...] = ()) -> list[dict]:
 def test_a_run_continued_in_parts_is_the_run_made_at_once(tmp_path, mnist_env):
     run = tiny_run()
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    long_run(tmp_path, steps=8, run_dir=whole, new=run)
-    first = long_run(tmp_path, steps=2, run_dir=parts, new=run)
+    advance(tmp_path, whole, steps=8, new=run)
+    first = advance(tmp_path, parts, steps=2, new=run)
     assert (first["from_iteration"], first["to_iteration"]) == (0, 2)
     # a sitting killed after writing its tables but before its state: rows past the state go
     with open(parts / HISTORY, "a") as f:
         f.write(",".join(["99"] + ["0"] * (len(table(parts / HISTORY)[0]) - 1)) + "\n")
-    long_run(tmp_path, steps=6, run_dir=parts)
+    advance(tmp_path, parts, steps=6)
     with pytest.raises(ValueError, match="continue it without --start"):
-        long_run(tmp_path, steps=1, run_dir=parts, new=run)
+        advance(tmp_path, parts, steps=1, new=run)
     a, b = load_checkpoint(whole / FULL_STATE)[1], load_checkpoint(parts / FULL_STATE)[1]
     assert a["iteration"] == b["iteration"] == 8
     for group in ("model", "proposals"):
@@ -101,11 +91,9 @@ def test_the_run_is_the_papers_configuration():
     assert (
         train["batch_size"] == 10 and train["iterations"] == 200_000 and train["network"]["num_digits"] == 3
     )
-    assert run["rows"]["num_videos"] == 60_000 and (run["rows"]["num_frames"], run["rows"]["num_digits"]) == (
-        10,
-        3,
-    )
-    assert run["eval"]["name"] == "T10_D3" and run["eval"]["num_videos"] == 100
+    assert run["rows"]["num_datasets"] == 60_000 and run["rows"]["made"] == "per-row"
+    assert (run["rows"]["sizes"]["num_frames"], run["rows"]["sizes"]["num_digits"]) == (10, 3)
+    assert run["eval"]["name"] == "T10_D3" and run["eval"]["num_datasets"] == 100
     with pytest.raises(ValueError, match="not a multiple"):
         new_run("paper", every={"log": 25, "eval": 30})
 
@@ -113,10 +101,11 @@ def test_the_run_is_the_papers_configuration():
 def test_long_run_says_what_is_missing(tmp_path, capsys):
     from pipeline.cli import main
 
-    with pytest.raises(SystemExit, match="--minutes or --steps"):
+    with pytest.raises(SystemExit) as stop:
         main(["long-run"])
-    with pytest.raises(FileNotFoundError, match="no long run there"):
-        long_run(tmp_path, steps=1, run_dir=tmp_path / "none")
+    assert stop.value.code == 2 and "--minutes or --steps" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="no run there"):
+        advance(tmp_path, tmp_path / "none", steps=1)
     assert not (tmp_path / "none" / RUN).exists()
 
 
@@ -158,28 +147,12 @@ def test_the_compact_state_keeps_what_it_promises():
         expand(state)
 
 
-@pytest.mark.slow
-@needs_mnist
-def test_a_run_continues_from_its_committed_state_alone(tmp_path, mnist_env):
-    run = tiny_run()
-    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", new=run)
-    assert (tmp_path / "r" / FULL_STATE).is_file()
-    # a machine whose copy is discarded: only the compact state, and no stale full one left
-    long_run(tmp_path, steps=2, run_dir=tmp_path / "r", full_state=False)
-    assert not (tmp_path / "r" / FULL_STATE).exists()
-    state = latest_state(tmp_path / "r")
-    assert state["iteration"] == 4
-    segment = long_run(tmp_path, steps=2, run_dir=tmp_path / "r")
-    assert (segment["from_iteration"], segment["to_iteration"]) == (4, 6)
-    assert load_checkpoint(tmp_path / "r" / FULL_STATE)[1]["iteration"] == 6
-
-
 @needs_mnist
 def test_float16_weights_score_as_the_float32_ones(tmp_path, mnist_env):
     from apg.training import TrainConfig, Trainer
 
     run = tiny_run()
-    run["eval"]["num_videos"] = 30
+    run["eval"]["num_datasets"] = 30
     trainer = Trainer(TrainConfig.from_dict(run["train"]), training_rows(run))
     for _ in range(4):
         trainer.step()
@@ -194,8 +167,8 @@ def test_float16_weights_score_as_the_float32_ones(tmp_path, mnist_env):
 def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
     import pandas as pd
 
-    from pipeline.longrun import RUN_DIR
     from pipeline.report.longrun import _hours, long_run_markdown, power_law_fit, steps_to_reach
+    from pipeline.runs.spec import LONG_RUN_DIR as RUN_DIR
 
     steps = np.array([0, 250, 500, 1000, 2000, 4000])
     errors = 40.0 * np.maximum(steps, 1) ** -0.25  # 10 px at 256 steps, 3 px at ~31,600
@@ -259,9 +232,9 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     from pipeline.report.longrun_grid import grid_markdown
 
     run = tiny_run()
-    long_run(tmp_path, steps=1, run_dir=tmp_path / "r", new=run)
+    advance(tmp_path, tmp_path / "r", steps=1, new=run)
     shutil.copy(tmp_path / "r" / STATE, tmp_path / "step1.pt")  # as git history keeps it
-    long_run(tmp_path, steps=1, run_dir=tmp_path / "r")
+    advance(tmp_path, tmp_path / "r", steps=1)
     sets = [
         {
             "name": f"T{t}_D{d}",
@@ -354,7 +327,7 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
 def test_the_grid_of_a_method_that_reports_one_sweep_has_a_row_per_video(tmp_path, mnist_env, monkeypatch):
     from pipeline import longrun_grid
 
-    long_run(tmp_path, steps=1, run_dir=tmp_path / "avf", new=tiny_run("avf"))
+    advance(tmp_path, tmp_path / "avf", steps=1, new=tiny_run("avf"))
     sets = [{"name": "T3_D1", "num_datasets": 2, "seed": 9, "sizes": {"num_frames": 3, "num_digits": 1}}]
     monkeypatch.setattr(longrun_grid, "grid_sets", lambda run: sets)
     grid = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "avf"))
@@ -364,7 +337,8 @@ def test_the_grid_of_a_method_that_reports_one_sweep_has_a_row_per_video(tmp_pat
 
 
 def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
-    from pipeline.longrun import RUN_DIR, run_dir_of
+    from pipeline.runs.spec import LONG_RUN_DIR as RUN_DIR
+    from pipeline.runs.spec import long_run_dir as run_dir_of
 
     apg, rws = new_run("paper"), new_run("paper", method="rws-mlp")
     assert rws["train"]["method"] == "rws-mlp" and apg["train"]["method"] == "apg"
@@ -377,11 +351,11 @@ def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
         apg["seed"],
     )
     assert run_dir_of("apg") == RUN_DIR and run_dir_of("rws-mlp") == RUN_DIR.with_name("bmnist-long-rws-mlp")
-    with pytest.raises(ValueError, match="no Bouncing MNIST gibbs cell"):
+    with pytest.raises(ValueError, match="trains no bmnist cell gibbs"):
         new_run("paper", method="gibbs")
 
 
-def test_the_cli_keeps_a_runs_method(tmp_path, monkeypatch):
+def test_the_cli_keeps_a_runs_method(tmp_path, monkeypatch, capsys):
     from pipeline.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -389,15 +363,16 @@ def test_the_cli_keeps_a_runs_method(tmp_path, monkeypatch):
     run_dir = tmp_path / "r"
     run_dir.mkdir()
     (run_dir / RUN).write_text(__import__("json").dumps(new_run("paper")))
-    with pytest.raises(SystemExit, match="is a apg run, not rws-mlp"):
+    with pytest.raises(SystemExit) as stop:
         main(["long-run", "--dir", str(run_dir), "--method", "rws-mlp", "--steps", "1"])
+    assert stop.value.code == 2 and "is a apg run, not rws-mlp" in capsys.readouterr().err
 
 
 def test_the_report_sets_the_baselines_runs_beside_apgs_step_for_step(tmp_path):
     import pandas as pd
 
-    from pipeline.longrun import run_dir_of
     from pipeline.report.longrun import long_run_markdown
+    from pipeline.runs.spec import long_run_dir as run_dir_of
 
     scored = {"apg": [0, 250, 500, 750], "rws-mlp": [0, 250], "avf": [0, 500]}
     for method, scale in (("apg", 1.0), ("rws-mlp", 2.0), ("avf", 3.0)):

@@ -1,0 +1,29 @@
+"""Continuing runs: any cell of any profile, trained a sitting at a time on any machine.
+
+A run is a folder (under ``recorded/``, kept in git) that any machine continues from where
+the last one stopped: ``apg-pipeline continue RUN --minutes N`` on 2 CPU cores at low
+priority or on a GPU, then ``git add`` the folder. What a run is (``run.json``) lives in
+:mod:`pipeline.runs.spec`, the executor that advances one and the files it writes in
+:mod:`pipeline.runs.execute`, and the compact form of its state in
+:mod:`pipeline.runs.compact`.
+
+Imports: :mod:`apg`, and the pipeline's config (profiles, grids), common helpers, training
+loop (:mod:`pipeline.driver`), evaluation helpers and provenance lines. Never a planner (the
+sweep, the search, recorded profiles) and never the report: they read a run's files.
+"""
+
+from pipeline.runs.execute import advance, latest_state, restore, score
+from pipeline.runs.spec import RUNS_DIR, new_run, parse_cell, read_run, run_method, run_name
+
+__all__ = [
+    "RUNS_DIR",
+    "advance",
+    "latest_state",
+    "new_run",
+    "parse_cell",
+    "read_run",
+    "restore",
+    "run_method",
+    "run_name",
+    "score",
+]

@@ -1,0 +1,143 @@
+"""The run layer: any cell of any profile continued a sitting at a time, in separate processes,
+is the run made in one sitting."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from apg.checkpoint import load_checkpoint
+from pipeline.runs import spec
+from pipeline.runs.execute import advance, latest_state
+
+TIMING = ("it_per_s", "step_seconds", "seconds")
+
+
+def table(path: Path, drop: tuple[str, ...] = TIMING) -> list[dict]:
+    with open(path, newline="") as f:
+        return [{k: v for k, v in row.items() if k not in drop} for row in csv.DictReader(f)]
+
+
+def cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "APG_PROJECT_ROOT": str(root), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_a_cell_continued_in_two_processes_is_the_run_made_in_one(tmp_path):
+    start = ["--profile", "smoke", "--every", "log=2", "checkpoint=2", "eval=4", "--eval-size", "4"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    name = spec.run_name("smoke", "gmm", "apg", 5, 4, 1)
+    for root, steps in ((whole, ["6"]), (parts, ["2", "4"])):
+        first = cli(root, "continue", "--start", "gmm/apg/K5/L4/seed1", "--steps", steps[0], *start)
+        assert first.returncode == 0, first.stderr
+        for more in steps[1:]:
+            again = cli(root, "continue", f"recorded/{name}", "--steps", more)
+            assert again.returncode == 0, again.stderr
+    a, b = (root / "recorded" / name for root in (whole, parts))
+    full_a, full_b = (load_checkpoint(d / spec.FULL_STATE)[1] for d in (a, b))
+    assert full_a["iteration"] == full_b["iteration"] == 6
+    for group in ("model", "proposals"):
+        for key, tensor in full_a[group].items():
+            assert torch.equal(tensor, full_b[group][key]), (group, key)
+    assert table(a / spec.HISTORY) == table(b / spec.HISTORY)
+    assert [r["iteration"] for r in table(b / spec.HISTORY)] == ["2", "4", "6"]
+    assert table(a / spec.EVALS) == table(b / spec.EVALS)
+    assert [r["iteration"] for r in table(b / spec.EVALS)] == ["0", "4"]
+    assert {"log_joint", "log_joint_sem", "ess"} <= set(table(b / spec.EVALS)[0])
+    segments = table(b / spec.SEGMENTS)
+    assert [(s["from_iteration"], s["to_iteration"]) for s in segments] == [("0", "2"), ("2", "6")]
+    run = json.loads((b / spec.RUN).read_text())
+    assert (run["train"]["task"], run["train"]["method"], run["seed"]) == ("gmm", "apg", 1)
+    assert run["rows"]["num_datasets"] == 200 and run["eval"]["num_datasets"] == 4
+
+
+def test_the_paper_profiles_rings_cells_are_runs(tmp_path):
+    run = spec.new_run("paper", "dgmm", "rws-lstm", 10, 10, 0)
+    train = run["train"]
+    assert (train["sweeps"], train["particles"], train["batch_size"], train["iterations"]) == (
+        10,
+        10,
+        20,
+        200_000,
+    )
+    assert train["lr"] == 1e-4 and run["rows"]["num_datasets"] == 20_000 and run["rows"]["made"] == "whole"
+    assert run["eval"]["name"] == "test" and run["eval"]["num_datasets"] == 50
+    assert spec.parse_cell("dgmm/rws-lstm/K10/L10/seed0") == ("dgmm", "rws-lstm", 10, 10, 0)
+    with pytest.raises(ValueError, match="trains no dgmm cell"):
+        spec.new_run("paper", "dgmm", "apg", 10, 10, 7)
+    with pytest.raises(ValueError, match="TASK/METHOD"):
+        spec.parse_cell("dgmm/apg/10/10")
+    with pytest.raises(ValueError, match="not a multiple"):
+        spec.new_run("paper", "dgmm", "apg", 10, 10, 0, every={"log": 25, "eval": 30})
+
+
+def test_a_sitting_refuses_what_means_nothing(tmp_path):
+    new = spec.new_run("smoke", "gmm", "apg", 5, 4, 0, eval_size=2)
+    for bad in (0.0, -5.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="minutes must be a positive number"):
+            advance(tmp_path, tmp_path / "r", minutes=bad, new=new)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="steps must be a positive integer"):
+            advance(tmp_path, tmp_path / "r", steps=bad, new=new)
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(FileNotFoundError, match="no run there"):
+        advance(tmp_path, tmp_path / "none", steps=1)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / spec.RUN).write_bytes(b"\x89PNG\x00\xff")
+    with pytest.raises(ValueError, match="junk/run.json: not a run's description"):
+        advance(tmp_path, tmp_path / "junk", steps=1)
+
+
+def test_the_cli_says_what_a_sitting_needs(tmp_path, monkeypatch, capsys):
+    from pipeline.cli import main
+
+    monkeypatch.setenv("APG_PROJECT_ROOT", str(tmp_path))
+    for args, said in (
+        (["continue", "recorded/x"], "give --minutes or --steps"),
+        (["continue", "--steps", "1"], "name the runs' folders"),
+        (["continue", "recorded/nothing", "--steps", "1"], "no run there"),
+        (
+            [
+                "continue",
+                "--start",
+                "gmm/apg/K5/L4/seed0",
+                "--profile",
+                "smoke",
+                "--steps",
+                "1",
+                "--every",
+                "log",
+            ],
+            "KEY=VALUE",
+        ),
+        (["continue", "--start", "gmm/apg/5/4", "--profile", "smoke", "--steps", "1"], "TASK/METHOD"),
+        (["long-run"], "give --minutes or --steps"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(args)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2, (args, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], (args, err)
+    assert not (tmp_path / "recorded").exists()
+
+
+def test_a_run_continues_from_its_committed_state_alone(tmp_path):
+    new = spec.new_run(
+        "smoke", "dgmm", "rws-mlp", 3, 4, 0, eval_size=2, every={"log": 1, "checkpoint": 1, "eval": 2}
+    )
+    run_dir = tmp_path / "r"
+    advance(tmp_path, run_dir, steps=2, new=new, full_state=False)
+    assert not (run_dir / spec.FULL_STATE).exists()
+    assert latest_state(run_dir)["iteration"] == 2
+    segment = advance(tmp_path, run_dir, steps=1)
+    assert (segment["from_iteration"], segment["to_iteration"]) == (2, 3)
+    assert load_checkpoint(run_dir / spec.FULL_STATE)[1]["iteration"] == 3
