@@ -39,7 +39,7 @@ from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline.common import seed_everything
 from pipeline.driver import Callback, drive, write_history
-from pipeline.evaluate_particles import tracking_errors
+from pipeline.evaluate_particles import final_particle, particle_scores, tracking_errors
 from pipeline.provenance import device_line, git_commit, utc_now
 from pipeline.runs.compact import compact, expand
 from pipeline.runs.spec import (
@@ -49,6 +49,7 @@ from pipeline.runs.spec import (
     RUN,
     SEGMENTS,
     STATE,
+    count_and_sizes,
     held_out,
     read_run,
     training_rows,
@@ -95,12 +96,21 @@ def sem(values: np.ndarray) -> float:
 
 
 def score(
-    trainer: Trainer, x: torch.Tensor, truth: dict[str, np.ndarray], batch_size: int = 10
+    trainer: Trainer,
+    x: torch.Tensor,
+    arrays: dict[str, np.ndarray],
+    run: dict[str, Any],
+    batch_size: int = 10,
 ) -> dict[str, float]:
-    """The held-out score after the last sweep, from a random stream of its own: for a task
-    that tracks objects, the mean position error (px) of the highest-weight particle with its
-    standard error over datasets and the tracked-frame fraction; else the mean log joint with
-    its standard error and the mean ESS/L."""
+    """The held-out score after the last sweep, from a random stream of its own.
+
+    For a task that tracks objects (Bouncing MNIST): the mean position error (px) of the
+    highest-weight particle with its standard error over datasets, and the tracked-frame
+    fraction. Else the final sweep's mean log joint (the cell's own model) with its standard
+    error and mean ESS/L; and where the simulator's truth has assignments (the GMM, the rings),
+    the highest-weight particle's ARI and, for a task scored under one common model (the
+    rings: ``TaskSpec.common_log_joint``), its log joint under the simulator's model
+    (``log_joint_true``: what the report's rings claims compare)."""
     cfg = trainer.cfg
     cuda = trainer.device.type == "cuda"
     devices = (
@@ -109,35 +119,39 @@ def score(
         else []
     )
     tracking = get_task(cfg.task).tracking
+    args = (trainer.model, trainer.proposals, x)
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(EVAL_SEED)
         if tracking is not None:
-            curves = tracking_errors(
-                cfg,
-                trainer.model,
-                trainer.proposals,
-                x,
-                tracking.truth(truth),
-                cfg.sweeps,
-                cfg.particles,
-                batch_size,
-                cfg.resample_mode,
-            )
+            budget = (cfg.sweeps, cfg.particles, batch_size, cfg.resample_mode)
+            curves = tracking_errors(cfg, *args, tracking.truth(arrays), *budget)
             err = curves["pos_err"][-1]
             return {
                 "pos_err": float(err.mean()),
                 "pos_err_sem": sem(err),
                 "tracked": float(curves["tracked"][-1].mean()),
             }
-        curves = evaluate(
-            cfg, trainer.model, trainer.proposals, x, cfg.sweeps, cfg.particles, batch_size, cfg.resample_mode
-        )
-    joint = curves["log_joint"][-1]
-    return {
-        "log_joint": float(joint.mean()),
-        "log_joint_sem": sem(joint),
-        "ess": float(curves["ess"][-1].mean()),
-    }
+        curves = evaluate(cfg, *args, cfg.sweeps, cfg.particles, batch_size, cfg.resample_mode)
+        joint = curves["log_joint"][-1]
+        found = {
+            "log_joint": float(joint.mean()),
+            "log_joint_sem": sem(joint),
+            "ess": float(curves["ess"][-1].mean()),
+        }
+        if "c" in arrays:
+            particle = final_particle(cfg, *args, cfg.sweeps, cfg.particles, batch_size, cfg.resample_mode)
+            truth = {
+                "arrays": {**arrays, "x": x.numpy()},
+                "c": arrays["c"].astype(np.int64),
+                "ari_ceiling": None,
+            }
+            sizes = count_and_sizes(run["eval"])[1]
+            scores = particle_scores(cfg.task, truth, particle, run["eval"].get("model", {}), sizes)
+            for name in ("log_joint_true", "ari"):
+                if name in scores:
+                    found[name] = float(np.mean(scores[name]))
+                    found[f"{name}_sem"] = sem(scores[name])
+    return found
 
 
 def read_rows(path: Path, upto: int, key: str = "iteration") -> list[dict[str, Any]]:
@@ -186,7 +200,7 @@ class _Sitting(Callback):
         self.seconds_before = sum(float(s["seconds"]) for s in self.segments)
 
     def evaluate(self, trainer: Trainer) -> None:
-        found = score(trainer, self.x, self.truth)
+        found = score(trainer, self.x, self.truth, self.run)
         seconds = self.seconds_before + time.perf_counter() - self.started
         self.evals.append(
             {

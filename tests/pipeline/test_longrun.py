@@ -157,9 +157,9 @@ def test_float16_weights_score_as_the_float32_ones(tmp_path, mnist_env):
     for _ in range(4):
         trainer.step()
     x, truth = held_out(run)
-    before = score(trainer, x, truth)
+    before = score(trainer, x, truth, run)
     trainer.load_state_dict(expand(compact(trainer.state_dict())))
-    after = score(trainer, x, truth)
+    after = score(trainer, x, truth, run)
     # the same held-out stream: float16 weights move the error by much less than its noise
     assert abs(after["pos_err"] - before["pos_err"]) <= 0.5 * before["pos_err_sem"], (before, after)
 

@@ -51,7 +51,7 @@ def test_a_cell_continued_in_two_processes_is_the_run_made_in_one(tmp_path):
     assert [r["iteration"] for r in table(b / spec.HISTORY)] == ["2", "4", "6"]
     assert table(a / spec.EVALS) == table(b / spec.EVALS)
     assert [r["iteration"] for r in table(b / spec.EVALS)] == ["0", "4"]
-    assert {"log_joint", "log_joint_sem", "ess"} <= set(table(b / spec.EVALS)[0])
+    assert {"log_joint", "log_joint_sem", "ess", "ari", "ari_sem"} <= set(table(b / spec.EVALS)[0])
     segments = table(b / spec.SEGMENTS)
     assert [(s["from_iteration"], s["to_iteration"]) for s in segments] == [("0", "2"), ("2", "6")]
     run = json.loads((b / spec.RUN).read_text())
@@ -141,3 +141,6 @@ def test_a_run_continues_from_its_committed_state_alone(tmp_path):
     segment = advance(tmp_path, run_dir, steps=1)
     assert (segment["from_iteration"], segment["to_iteration"]) == (2, 3)
     assert load_checkpoint(run_dir / spec.FULL_STATE)[1]["iteration"] == 3
+    evals = table(run_dir / spec.EVALS)  # the rings: scored under the simulator's model too
+    assert [r["iteration"] for r in evals] == ["0", "2"]
+    assert all(float(r["log_joint_true"]) < 0 and -1 <= float(r["ari"]) <= 1 for r in evals)
