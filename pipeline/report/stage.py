@@ -45,6 +45,7 @@ from pipeline.report.data import (
 )
 from pipeline.report.headline import claims_json, headline_metrics
 from pipeline.report.longrun import long_run_headline, long_run_markdown
+from pipeline.report.runs import runs_markdown
 from pipeline.report.sections import (
     RESULTS_START,
     cells_training_seconds,
@@ -111,7 +112,9 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         parts,
         label,
         claims_md,
-        recorded_markdown(root, out, paper_all, fmt) + long_run_markdown(root, out, fmt),
+        recorded_markdown(root, out, paper_all, fmt)
+        + long_run_markdown(root, out, fmt)
+        + runs_markdown(root, out, paper_all, fmt),
     )
     if from_committed:
         times = json.loads((data / STAGE_TIMES).read_text()) if (data / STAGE_TIMES).is_file() else {}

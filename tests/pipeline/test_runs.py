@@ -144,3 +144,28 @@ def test_a_run_continues_from_its_committed_state_alone(tmp_path):
     evals = table(run_dir / spec.EVALS)  # the rings: scored under the simulator's model too
     assert [r["iteration"] for r in evals] == ["0", "2"]
     assert all(float(r["log_joint_true"]) < 0 and -1 <= float(r["ari"]) <= 1 for r in evals)
+
+
+def test_the_report_shows_each_run_and_the_methods_at_the_step_they_share(tmp_path):
+    import yaml
+
+    from pipeline.report.data import PAPER_NUMBERS
+    from pipeline.report.runs import runs_markdown
+
+    scored = {("apg", 0): [0, 500, 1000], ("apg", 1): [0, 500], ("rws-mlp", 0): [0, 500, 1000, 1500]}
+    for (method, seed), steps in scored.items():
+        folder = tmp_path / spec.RUNS_DIR / spec.run_name("paper", "dgmm", method, 10, 10, seed)
+        spec.write_run(folder, spec.new_run("paper", "dgmm", method, 10, 10, seed))
+        rows = [f"{s},{-1000 + s / 10 + seed},{0.1 * seed},{0.5},{0.01}" for s in steps]
+        (folder / spec.EVALS).write_text(
+            "iteration,log_joint_true,log_joint_true_sem,ari,ess\n" + "\n".join(rows) + "\n"
+        )
+        (folder / spec.SEGMENTS).write_text(f"from_iteration,to_iteration,seconds\n0,{steps[-1] + 20},3600\n")
+    paper = yaml.safe_load(PAPER_NUMBERS.read_text())
+    text = runs_markdown(tmp_path, tmp_path / "out", paper, "png")
+    assert "### dgmm, `paper` profile" in text
+    assert "| `paper-dgmm-apg-K10-L10-s1` | apg | 1 | 520 | 200,000 | 1 | 1.00 | 500 | -949 |" in text
+    assert "At step 500, the latest every run" in text  # seed 1 of APG was scored at 500 last
+    assert "| apg | 2 | -949.5 [" in text and "| rws-mlp | 1 | -950 (one seed) |" in text
+    assert (tmp_path / "out" / "recorded" / "runs-paper-dgmm.png").is_file()
+    assert runs_markdown(tmp_path / "none", tmp_path / "out", paper, "png") == ""
