@@ -13,6 +13,7 @@ import pandas as pd
 
 from pipeline.present import number
 from pipeline.report.data import finals, load_results, main_rows, primary_test_set, retrained_rows
+from pipeline.report.departures import FLAG, FLAG_RULE, claim_departure
 from pipeline.report.tables import METRIC_LABELS, _flagged
 from pipeline.report.training import flag_notes, row_flag
 from pipeline.statistics import (
@@ -115,7 +116,9 @@ class ClaimResult(NamedTuple):
     """One checked claim: ``ours`` and ``target`` as printed; ``passed`` None when no verdict
     can be given (not run, fewer than ``MIN_SEEDS`` seeds, at the metric's ceiling), and then
     ``note`` says why; ``value``/``lo``/``hi``/``target_value`` for metrics-full.json;
-    ``detectable``: the smallest effect its seeds could detect (``statistics.detectable``)."""
+    ``detectable``: the smallest effect its seeds could detect (``statistics.detectable``);
+    ``departure``: where ``ours`` is more than 2x from the paper's own number, either way, the
+    ratio and its recorded reason (``departures.claim_departure``), else ""."""
 
     task: str
     id: str
@@ -131,6 +134,7 @@ class ClaimResult(NamedTuple):
     target_value: Any
     cells: tuple[str, ...]
     detectable: float = math.nan
+    departure: str = ""
 
 
 def _est(e: Estimate) -> str:
@@ -484,10 +488,11 @@ def task_claims(task: str, results: dict[str, Any], paper: dict[str, Any] | None
     all_sets = main_rows(everything, meta)
     frame = primary_test_set(all_sets, meta)
     retrained = retrained_rows(primary_test_set(everything, meta), meta)
-    return [
-        check_claim(spec, task, finals(frame), finals(retrained), all_sets)
-        for spec in (paper or {}).get("claims") or []
-    ]
+    checked = []
+    for spec in (paper or {}).get("claims") or []:
+        result = check_claim(spec, task, finals(frame), finals(retrained), all_sets)
+        checked.append(result._replace(departure=claim_departure(spec, result.value, paper)))
+    return checked
 
 
 def claims_not_run(task: str, specs: list[dict[str, Any]], why: str) -> list[ClaimResult]:
@@ -526,13 +531,17 @@ def claims_markdown(
     if replication is not None:
         header.append(f"✓/✗ [`{REPLICATION}`](recorded/{REPLICATION}/README.md)")
     rows = [header, ["---"] * len(header)]
-    marks = ""
+    marks, far = "", []
     for r in results:
         flag = row_flag(r.cells, flags)
         marks += flag
         section = f" ({r.section})" if r.section else ""
         smallest = number(r.detectable) if math.isfinite(r.detectable) else "n/a"
-        row = [r.task, f"{r.claim}{section}", _flagged(r.ours, flag), r.target, smallest, verdict(r)]
+        ours = _flagged(r.ours, flag)
+        if r.departure:  # more than 2x from the paper's own number: flagged, reason below
+            far.append(f"- {FLAG}{len(far) + 1} {r.task}, {r.id}: {r.departure}.")
+            ours = f"{ours} {FLAG}{len(far)}"
+        row = [r.task, f"{r.claim}{section}", ours, r.target, smallest, verdict(r)]
         if replication is not None:
             other = replication.get(f"{r.task}/{r.id}")
             row.append(verdict(other) if other is not None else "not run")
@@ -543,6 +552,8 @@ def claims_markdown(
         lines += ["", replication_text or replication_note()]
     if marks:
         lines += ["", flag_notes(marks)]
+    if far:
+        lines += ["", FLAG_RULE, "", *far]
     if unclaimed:
         lines += ["", f"No claims defined yet for: {', '.join(unclaimed)}."]
     return "\n".join(lines)

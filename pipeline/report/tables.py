@@ -12,6 +12,7 @@ import pandas as pd
 from apg.data import atomic_write
 from pipeline.present import number, pm
 from pipeline.report.data import finals
+from pipeline.report.departures import FLAG, FLAG_RULE, flagged_cells, ratio_text, with_paper_ratios
 from pipeline.report.training import flag_notes, with_flags
 
 
@@ -19,7 +20,10 @@ def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | No
     """One row per (method, K, L) of the evaluation pairs: mean and std of final metrics.
 
     ``d_log_joint`` is the paired difference (same held-out dataset) to the baseline
-    method at the same test-time budget, like the paper's left column.
+    method at the same test-time budget, like the paper's left column. Beside each metric
+    the paper reports: ``paper_<metric>``, and ``paper_ratio_<metric>`` / ``paper_note_<metric>``
+    (``departures.with_paper_ratios``: ours / paper, and the reason where that is more than
+    2x either way).
     """
     pairs = {tuple(p) for p in meta["pairs"]}
     fin = finals(frame)
@@ -43,9 +47,10 @@ def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | No
             table[f"paper_{metric}"] = paper_col
     table = table.reset_index()
     rank = {m: i for i, m in enumerate([baseline, *sorted(set(table["method"]) - {baseline})])}
-    return table.sort_values(
+    table = table.sort_values(
         ["method", "K", "L"], key=lambda s: s.map(rank) if s.name == "method" else s
     ).reset_index(drop=True)
+    return with_paper_ratios(table, paper)
 
 
 # In the methods table (accept) and the compute figure (model_evals) instead.
@@ -98,7 +103,9 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
     """Compact Markdown: ``mean ± std`` per metric, the paper's value in the next column.
 
     ``labels`` renames block suffixes for readers (``globals`` -> ``{tau,mu}``) and whole
-    metrics (a task's ``metric_labels``)."""
+    metrics (a task's ``metric_labels``). A number more than 2x from the paper's, either way,
+    carries ``⚑n``; the footnote ``n`` gives the ratios and the recorded reason
+    (``departures``)."""
     metrics = [
         c
         for c in table.columns
@@ -109,15 +116,39 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
         header.append(_label(m, labels))
         if f"paper_{m}" in table:
             header.append("paper")
-    for row in table.to_dict("records"):
+    marks, notes = _departure_marks(table, labels)
+    for pos, row in enumerate(table.to_dict("records")):
         line = [_flagged(row["method"], row.get("flag")), str(row["K"]), str(row["L"])]
         for m in metrics:
-            line.append(pm(row[m], row.get(f"{m}_std")))
+            line.append(_flagged(pm(row[m], row.get(f"{m}_std")), marks.get((pos, m))))
             if f"paper_{m}" in table:
                 line.append(number(row[f"paper_{m}"]))
         cells.append(line)
     rows = ["| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *cells]]
-    return "\n".join(rows) + _footnote(table)
+    return "\n".join(rows) + _footnote(table) + notes
+
+
+def _departure_marks(
+    table: pd.DataFrame, labels: dict[str, str] | None
+) -> tuple[dict[tuple[int, str], str], str]:
+    """``{(row position, metric): "⚑n"}`` for the numbers far from the paper's, one ``n`` per
+    (metric, reason), and the footnotes: per ``n``, the metric, each flagged row's ratio and
+    the reason ("" when nothing is flagged)."""
+    groups: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for pos, metric, ratio, note in flagged_cells(table):
+        groups.setdefault((metric, note), []).append((pos, ratio))
+    if not groups:
+        return {}, ""
+    marks, lines = {}, []
+    rows = table.to_dict("records")
+    for n, ((metric, note), cells) in enumerate(groups.items(), start=1):
+        mark = f"{FLAG}{n}"
+        marks.update({(pos, metric): mark for pos, _ in cells})
+        where = ", ".join(
+            f"{ratio_text(ratio)} ({rows[pos]['method']} K={rows[pos]['K']})" for pos, ratio in cells
+        )
+        lines.append(f"- {mark} {_label(metric, labels)}: ratio {where} to the paper: {note}.")
+    return marks, "\n\n" + FLAG_RULE + "\n\n" + "\n".join(lines)
 
 
 def _flagged(text: str, flag: Any) -> str:
