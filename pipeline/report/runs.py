@@ -16,6 +16,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from pipeline.report.departures import FLAG, FLAG_RULE, departure_note, is_far, paper_ratio, ratio_text
 from pipeline.report.figures import _save
 from pipeline.runs.spec import EVALS, LONG_RUN_DIR, RUN, RUNS_DIR, SEGMENTS
 from pipeline.statistics import seed_interval
@@ -158,12 +159,21 @@ def _side_by_side(
         "| method | seeds | " + " | ".join(SCORES[n] for n in shown) + " | paper ESS/L |",
         "| --- | --- | " + " | ".join("---" for _ in shown) + " | --- |",
     ]
+    notes = []
     for method, rows in table.groupby("method", sort=False):
         paper_ess = paper.get(method, {}).get("sweep_ess")
-        cells = " | ".join(_score_text(rows, n) for n in shown)
-        lines.append(
-            f"| {method} | {len(rows)} | {cells} | {'' if paper_ess is None else f'{paper_ess:g}'} |"
-        )
+        cells = [_score_text(rows, n) for n in shown]
+        ratio = paper_ratio(rows["ess"].mean(), paper_ess) if "ess" in rows else float("nan")
+        if is_far(ratio):
+            notes.append(
+                f"{FLAG}{len(notes) + 1} ESS/L: ratio {ratio_text(ratio)} ({method}) to the paper: "
+                f"{departure_note(paper_task.get('departure_notes'), 'sweep_ess', method)}"
+            )
+            cells[shown.index("ess")] += f" {FLAG}{len(notes)}"
+        paper_text = "" if paper_ess is None else f"{paper_ess:g}"
+        lines.append(f"| {method} | {len(rows)} | {' | '.join(cells)} | {paper_text} |")
+    if notes:
+        lines += ["", FLAG_RULE, "", *(f"- {n}" for n in notes)]
     return lines
 
 
