@@ -28,8 +28,10 @@ Subcommands::
   Metropolis acceptance rate.
 
 Bad input (shapes, non-finite data, K < 1, L < 2, unknown task or method, missing or
-corrupt files, an invalid params file) ends with one line ``apg-pipeline: error: ...`` and
-exit status 2, before any training; outputs are written atomically.
+corrupt files, an invalid params file, values out of range, a device this machine lacks, a
+set its memory or disk cannot hold: ``pipeline.checks``) ends with one line
+``apg-pipeline: error: ...`` and exit status 2, before any training; outputs are written
+atomically.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import yaml
 
 from apg.data import atomic_write, save_dataset
 from apg.training import TrainConfig, Trainer, evaluate
+from pipeline import checks
 from pipeline.common import check_budget, load_task_data, load_trained, load_training_rows, seed_everything
 from pipeline.driver import Callback, drive
 from pipeline.errors import run_guarded
@@ -59,7 +62,10 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            raise ValueError(f"{flag} {item!r}: the value is not a YAML scalar") from None
     return out
 
 
@@ -72,11 +78,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     if args.num_datasets < 1:
         raise ValueError(f"--num-datasets must be >= 1, got {args.num_datasets}")
+    checks.seed(args.seed, "--seed")
     sizes = _key_values(args.size, "--size")
     if args.num_points is not None:
         sizes["num_points"] = args.num_points
     check_sizes(sizes, "--size")
-    arrays = simulate_set(args.task, _key_values(args.model, "--model"), args.num_datasets, args.seed, sizes)
+    checks.size_values(args.task, sizes, "--size")
+    model = _key_values(args.model, "--model")
+    # Held in memory whole, then written: refuse what this machine cannot hold, before any of it.
+    need = checks.dataset_bytes(args.task, model, sizes)["simulated"] * args.num_datasets
+    what = f"{args.num_datasets} datasets of task {args.task} at {f'sizes {sizes}' if sizes else 'its default sizes'}"
+    checks.room(what, memory=need, disk=need, folder=Path(args.out).parent)
+    arrays = simulate_set(args.task, model, args.num_datasets, args.seed, sizes)
     path = save_dataset(args.out, arrays)
     print(f"wrote {path}: " + ", ".join(f"{k} {v.shape}" for k, v in arrays.items()))
 
@@ -155,10 +168,19 @@ def cmd_long_run(args: argparse.Namespace) -> None:
         return
     if args.minutes is None and args.steps is None:
         raise ValueError("long-run: give --minutes or --steps (how long this sitting trains), or --grid")
+    _check_sitting(args)
     from pipeline.longrun_grid import new_run
 
     new = new_run(args.start, method=method) if args.start else None
     _advance(root, run_dir, args, new)
+
+
+def _check_sitting(args: argparse.Namespace) -> None:
+    """A sitting's flags, before any folder is read."""
+    checks.minutes(args.minutes, "--minutes")
+    if args.steps is not None:
+        checks.integer(args.steps, "--steps", low=1)
+    checks.device(args.device)
 
 
 def _advance(root: Path, run_dir: Path, args: argparse.Namespace, new: dict[str, Any] | None) -> None:
@@ -188,6 +210,7 @@ def cmd_continue(args: argparse.Namespace) -> None:
     root = project_root()
     if args.minutes is None and args.steps is None:
         raise ValueError("continue: give --minutes or --steps (how long each run trains this sitting)")
+    _check_sitting(args)
     if args.start:
         if args.runs:
             raise ValueError("continue: --start names its cells; give no run folders with it")
@@ -216,6 +239,9 @@ def cmd_continue(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    checks.device(args.device)
+    checks.threads(args.threads)
+    checks.seed(args.seed, "--seed")
     cfg = TrainConfig(
         task=args.task,
         method=args.method,
@@ -233,7 +259,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         network=_key_values(args.network, "--network"),
         method_options=_key_values(args.option, "--option"),
     ).validate()  # before touching data: bad K, L, method, task fail first
+    checks.finite_values(cfg.method_options, "--option")
+    checks.networks(cfg)  # model keys the task knows, networks it can build
     train_x = load_training_rows(cfg.task, args.data, cfg.model)
+    checks.step_room(cfg.particles, cfg.batch_size, train_x, args.device)
     seed_everything(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -278,9 +307,14 @@ def summarize(metrics: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    checks.device(args.device)
+    checks.seed(args.seed, "--seed")
+    checks.integer(args.batch_size, "--batch-size", low=1)
     check_budget(args.sweeps, args.particles)
     cfg, model, proposals = load_trained(args.checkpoint, args.device)
-    x = load_task_data(cfg.task, args.data, cfg.model).to(args.device)
+    x = load_task_data(cfg.task, args.data, cfg.model)
+    checks.step_room(args.particles, args.batch_size, x, args.device)
+    x = x.to(args.device)
     seed_everything(args.seed)
     metrics = evaluate(
         cfg, model, proposals, x, args.sweeps, args.particles, args.batch_size, args.resample_mode
@@ -306,6 +340,7 @@ def cmd_impute(args: argparse.Namespace) -> None:
     from pipeline.impute import impute_file
 
     check_budget(args.sweeps, args.particles)
+    checks.seed(args.seed, "--seed")
     seed_everything(args.seed)
     path = impute_file(
         args.checkpoint,
@@ -608,10 +643,15 @@ def _add_stages(sub) -> None:
         stage.set_defaults(func=cmd_stage(module))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (exit status 2), like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="apg-pipeline", description="APG samplers: train, evaluate, sweep, report."
-    )
+    parser = _Parser(prog="apg-pipeline", description="APG samplers: train, evaluate, sweep, report.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_train(sub)

@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from pipeline import checks
 from pipeline.stages import code_files, file_digests, stage_code, stage_params, stage_specs
 
 RECORD = "provenance.json"
@@ -91,18 +92,32 @@ def report_only_inputs(root: Path, tasks: list[str]) -> tuple[list[str], list[st
 
 def refresh_report_inputs(params: dict[str, Any], root: Path, path: Path) -> dict[str, Any] | None:
     """After a rebuild from the committed rows, the record at ``path`` with the report stage's
-    own inputs (``report_only_inputs``) at this checkout's digests and commit, written back;
-    what trained and evaluated stays as recorded (``None``: no record there)."""
+    own inputs (``report_only_inputs``) at this checkout's digests, written back; what
+    trained and evaluated stays as recorded, its commit included (``None``: no record
+    there). The same rows and code give the same record, byte for byte."""
     from apg.data import atomic_write
 
     if not path.is_file():
         return None
-    recorded = json.loads(path.read_text())
+    recorded = checks.read_json(path)
     files, keys = report_only_inputs(root, params["tasks"])
-    code = {k: v for k, v in recorded.get("code", {}).items() if k not in files or (root / k).is_file()}
+    others = set(code_files(root, _all_stage_inputs(root, params["tasks"])[0])) - set(files)
+    now = file_digests(root, sorted(others))
+    # A file the record names that is gone now was the report's alone when every other
+    # stage's code is as recorded (their imports of it would have changed them): drop it.
+    # Otherwise keep it, and the results stay stale until the stages that read it rerun.
+    unchanged = all(recorded.get("code", {}).get(k) == v for k, v in now.items())
+    code = {
+        k: v
+        for k, v in recorded.get("code", {}).items()
+        if (root / k).is_file() or (k not in files and not unchanged)
+    }
     recorded["code"] = {**code, **file_digests(root, files)}
     recorded["params"] = {**recorded.get("params", {}), **params_digests(params, keys)}
-    recorded["report_commit"] = git_commit(root)
+    # No commit of the rebuild: the checkout's HEAD is the parent of the commit the record
+    # goes into, so it would change at every rebuild of the same rows; the digests above
+    # say what the report was made from, and stay as they are while that code does.
+    recorded.pop("report_commit", None)
     text = json.dumps(recorded, indent=2, sort_keys=True)
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
     return recorded
@@ -186,7 +201,7 @@ def cell_fingerprints(root: Path, tasks: list[str]) -> dict[str, dict[str, dict[
     for task in tasks:
         path = root / "results" / task / "sweep.json"
         if path.is_file():
-            rows = json.loads(path.read_text())["cells"]
+            rows = checks.read_json(path)["cells"]
             out[task] = {
                 row["name"]: {"cell_id": row["cell_id"], "fingerprint": row.get("fingerprint")}
                 for row in rows
@@ -286,7 +301,7 @@ def check(root: Path, params_file: str = "params.yaml", reports: str = "reports"
     path = root / reports / RECORD
     if not path.is_file():
         return False, f"no {reports}/{RECORD}: the results were not made by the report stage"
-    recorded = json.loads(path.read_text())
+    recorded = checks.read_json(path)
     params = yaml.safe_load((root / params_file).read_text())
     changed = changes(root, params, recorded)
     if not changed:
@@ -346,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     print(message)
     if not current and (root / "reports" / RECORD).is_file():
         # Not part of the stale line: it depends on the data present here, the line must not.
-        recorded = json.loads((root / "reports" / RECORD).read_text())
+        recorded = checks.read_json(root / "reports" / RECORD)
         print(retraining(root, yaml.safe_load((root / "params.yaml").read_text()), recorded))
     return 0 if current or args.action == "mark" else 1
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import yaml
 
-from pipeline import provenance
+from pipeline import checks, provenance
 from pipeline.common import project_root
 from pipeline.config import cell_key
 from pipeline.smoke import make_sandbox, refresh_code
@@ -85,10 +85,10 @@ def starting_weights(name: str, root: Path) -> dict[str, Any] | None:
     run = root / RECORDED / earlier
     if not (run / MANIFEST).is_file():
         raise ValueError(f"profile {name} starts from the recorded run {earlier}: {run} has no {MANIFEST}")
-    manifest = json.loads((run / MANIFEST).read_text())
+    manifest = checks.read_json(run / MANIFEST)
     cells: dict[str, dict[str, dict[str, str]]] = {}
     for task in manifest["cells"]:
-        sweep = json.loads((run / "eval" / task / "sweep.json").read_text())
+        sweep = checks.read_json(run / "eval" / task / "sweep.json")
         for cell in sweep["cells"]:
             candidates = [
                 run / "cells" / task / cell["cell_id"] / "model.pt",
@@ -170,7 +170,7 @@ def sandbox_for(
             raise ValueError(
                 f"{directory} exists and is not a recorded run's sandbox; remove it or pass --fresh"
             )
-        old = json.loads(marker.read_text())
+        old = checks.read_json(marker)
         if old["params_sha"] != info["params_sha"]:
             raise ValueError(
                 f"{directory} was started with other params (commit {old['commit'][:10]}); "
@@ -211,7 +211,7 @@ def restore_cells(sandbox: Path, run: Path, root: Path) -> dict[str, int]:
         if not summary.is_file():
             raise ValueError(f"{run} has no results for task {task} to start from")
         restored[task] = 0
-        for cell in json.loads(summary.read_text())["cells"]:
+        for cell in checks.read_json(summary)["cells"]:
             checkpoint = root / cell["checkpoint"]
             if checkpoint.name != MODEL or file_digest(checkpoint) != cell["checkpoint_sha256"]:
                 continue
@@ -272,7 +272,7 @@ def collect(
             source, target = sandbox / "results" / "eval" / task / name, tmp / "eval" / task / name
             target.parent.mkdir(parents=True, exist_ok=True)
             (compress_samples if name == "samples.npz" else shutil.copy)(source, target)
-        sweep = json.loads((sandbox / "results" / task / "sweep.json").read_text())
+        sweep = checks.read_json(sandbox / "results" / task / "sweep.json")
         kept = {}
         for cell in sweep["cells"]:
             cell_dir = tmp / "cells" / task / cell["cell_id"]
@@ -286,7 +286,7 @@ def collect(
             kept[cell["cell_id"]] = cell["checkpoint"]
         (tmp / "eval" / task / "sweep.json").write_text(json.dumps(sweep, indent=2) + "\n")
         meta_path = tmp / "eval" / task / "meta.json"  # the report finds the weights through it
-        meta = json.loads(meta_path.read_text())
+        meta = checks.read_json(meta_path)
         for cell in meta["cells"]:
             cell["checkpoint"] = kept.get(cell["cell_id"], cell["checkpoint"])
         meta_path.write_text(json.dumps(meta, indent=2) + "\n")
@@ -307,9 +307,7 @@ def collect(
         f"{params['sweep']['torch_threads']}",
     }
     if whole is not None:
-        manifest = merged_manifest(
-            json.loads((dest / MANIFEST).read_text()), manifest, whole, params["tasks"]
-        )
+        manifest = merged_manifest(checks.read_json(dest / MANIFEST), manifest, whole, params["tasks"])
         from pipeline.profiles import params_file
 
         with params_file(whole) as path:
@@ -400,7 +398,7 @@ def record(
     (``restore_cells``); its other tasks stay as recorded.
     """
     root = project_root()
-    _check_record_options(name, direct, minutes, stages, deadline_minutes)
+    _check_record_options(name, direct, minutes, stages, deadline_minutes, device)
     whole = _check_tasks(name, tasks, under, check, direct, root) if tasks else None
     label = f"{name}-check" if check and name != CHECK_PROFILE else name
     directory = (directory or root / "runs" / label).resolve()
@@ -410,7 +408,7 @@ def record(
             raise ValueError(
                 f"{directory} is not a recorded run's sandbox (no {SANDBOX_INFO}); train it first"
             )
-        sandbox, info = directory, json.loads(marker.read_text())
+        sandbox, info = directory, checks.read_json(marker)
     else:
         made = fresh or direct or not (directory / SANDBOX_INFO).is_file()
         sandbox, info = sandbox_for(name, under, directory, fresh or direct, check, direct, tasks)
@@ -446,9 +444,18 @@ def record(
 
 
 def _check_record_options(
-    name: str, direct: bool, minutes: float | None, stages: str, deadline_minutes: float | None
+    name: str,
+    direct: bool,
+    minutes: float | None,
+    stages: str,
+    deadline_minutes: float | None,
+    device: str = "cpu",
 ) -> None:
-    """``record``'s options that only ``--direct`` takes, and the stages it knows."""
+    """``record``'s options that only ``--direct`` takes, the stages it knows, durations
+    finite and positive, a device this machine has."""
+    checks.minutes(minutes, "--minutes")
+    checks.minutes(deadline_minutes, "--deadline")
+    checks.device(device)
     if not direct and (minutes is not None or stages != "all" or deadline_minutes is not None):
         raise ValueError("--minutes, --stages and --deadline need --direct (dvc repro runs every stage)")
     if name in STARTS_FROM and not direct:
@@ -538,7 +545,7 @@ def check_summary(sandbox: Path, wall: float) -> str:
     ]
     for task in params["tasks"]:
         size = sum(f.stat().st_size for f in (sandbox / "data" / task).rglob("*") if f.is_file()) / 1e6
-        sweep = json.loads((sandbox / "results" / task / "sweep.json").read_text())
+        sweep = checks.read_json(sandbox / "results" / task / "sweep.json")
         for cell in sweep["cells"]:
             path = sandbox / cell["history"] if cell.get("history") else None
             history = pd.read_csv(path) if path is not None and path.stat().st_size else None
@@ -555,7 +562,5 @@ def recorded_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Every recorded run under ``root/recorded`` with its manifest, by name."""
     base = root / RECORDED
     return (
-        [(p.parent, json.loads(p.read_text())) for p in sorted(base.glob(f"*/{MANIFEST}"))]
-        if base.is_dir()
-        else []
+        [(p.parent, checks.read_json(p)) for p in sorted(base.glob(f"*/{MANIFEST}"))] if base.is_dir() else []
     )

@@ -12,7 +12,7 @@ import numpy as np
 import yaml
 
 from apg.data import atomic_write
-from pipeline import provenance, tracking
+from pipeline import checks, provenance, tracking
 from pipeline.tune_plan import SECTIONS
 
 TAG_TRIAL = "apg.trial_id"
@@ -234,11 +234,9 @@ def report_path(report: str | Path, name: str) -> Path:
 def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
     """The tuning report at ``path`` (``report_path``): trials table, best settings, score
     against each searched key (early-stopped trials as crosses), learning curves."""
-    import pandas as pd
-
     task = plan["task"]
-    frame = pd.read_csv(out / "trials.csv")
-    summary = json.loads((out / "summary.json").read_text())
+    frame = checks.read_csv(out / "trials.csv")
+    summary = checks.read_json(out / "summary.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     command = plan.get("command", f"apg-pipeline tune --task {task}")
     source = plan.get("source", "tune.yaml")

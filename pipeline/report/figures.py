@@ -4,6 +4,9 @@ curves, Figure-1-style samples and the GIF."""
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -486,7 +489,8 @@ def animation(
         if not frames_file.is_file():
             return False
         with np.load(frames_file) as archive:
-            write_gif(path, list(archive["frames"]), 200)
+            kept = list(archive["frames"])
+        write_picture(path, lambda tmp: write_gif(tmp, kept, 200))
         return True
     import torch
 
@@ -505,7 +509,7 @@ def animation(
     if f"truth__{entry['figure_set']}__z_where" in samples:
         z["true_where"] = torch.from_numpy(samples[f"truth__{entry['figure_set']}__z_where"][0])
     frames = np.asarray(spec.animate(model, x, z))
-    write_gif(path, list(frames), 200)
+    write_picture(path, lambda tmp: write_gif(tmp, list(frames), 200))
     if frames_file is not None:
         frames_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(frames_file, lambda tmp: _write_frames(tmp, frames))
@@ -538,5 +542,85 @@ def _save(fig, path: Path, caption: str) -> None:
     # whatever the figure's height (a fixed fraction overlapped the first row's titles).
     height = fig.get_figheight()
     fig.tight_layout(rect=(0, min(0.4 / height, 0.1), 1, 1 - (0.3 / height if fig._suptitle else 0)))
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format=path.suffix.lstrip("."), dpi=110))
+    save_figure(fig, path)
     plt.close(fig)
+
+
+# A rebuild of an unchanged report adds nothing to git. Figures are written without the
+# writer's version or a date (``FIXED_METADATA``), and a figure whose picture is the one
+# the file already there shows (``same_picture``) leaves that file's bytes as they were.
+# The tolerance of one colour level takes in what the report cannot make exact on every
+# CPU: the GIF's frames drawn by torch, and anti-aliased pixels of lines whose floats
+# another CPU's vector unit rounds otherwise in the last bit (``exact`` fixes the report's
+# own fits; matplotlib's transforms are its own).
+SAME_PICTURE_LEVELS = 1
+
+
+# ``savefig``'s metadata per format: None leaves out an entry that would name the
+# matplotlib version or the time of writing.
+FIXED_METADATA: dict[str, dict[str, Any]] = {
+    "png": {"Software": None},
+    "pdf": {"Creator": None, "Producer": None, "CreationDate": None},
+    "svg": {"Creator": None, "Date": None},
+}
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> bool:
+    """``fig`` to ``path`` in the format its suffix names, with ``write_picture``."""
+    fmt = path.suffix.lstrip(".")
+
+    def draw(tmp: Path) -> None:
+        # SVG element ids are random unless salted.
+        with matplotlib.rc_context({"svg.hashsalt": "apg-report"}):
+            fig.savefig(tmp, format=fmt, dpi=dpi, metadata=FIXED_METADATA.get(fmt))
+
+    return write_picture(path, draw)
+
+
+def write_picture(path: Path, write: Callable[[Path], object]) -> bool:
+    """Call ``write(tmp)`` for a figure or an animation and move it to ``path`` atomically,
+    unless the file at ``path`` shows the same picture (``same_picture``): then that file
+    stays as it was. Whether it wrote."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
+    os.close(fd)
+    new = Path(name)
+    try:
+        write(new)
+        if path.is_file() and same_picture(path, new):
+            return False
+        atomic_write(path, lambda tmp: os.replace(new, tmp))
+        return True
+    finally:
+        new.unlink(missing_ok=True)
+
+
+def same_picture(a: Path, b: Path, levels: int = SAME_PICTURE_LEVELS) -> bool:
+    """Whether two image files show the same picture: the same bytes, or images of one
+    format and size, with the same frames, timing and loop, whose every pixel's RGBA values
+    differ by at most ``levels`` (files PIL cannot read: the same bytes only)."""
+    if a.read_bytes() == b.read_bytes():
+        return True
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(a) as x, Image.open(b) as y:
+            frames = getattr(x, "n_frames", 1)
+            if (x.format, x.size, frames, x.info.get("loop")) != (
+                y.format,
+                y.size,
+                getattr(y, "n_frames", 1),
+                y.info.get("loop"),
+            ):
+                return False
+            for frame in range(frames):
+                x.seek(frame)
+                y.seek(frame)
+                if x.info.get("duration") != y.info.get("duration"):
+                    return False
+                pixels = [np.asarray(im.convert("RGBA"), dtype=np.int16) for im in (x, y)]
+                if np.abs(pixels[0] - pixels[1]).max(initial=0) > levels:
+                    return False
+    except (UnidentifiedImageError, OSError):
+        return False
+    return True

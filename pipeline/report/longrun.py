@@ -6,6 +6,7 @@ baselines trained the same way (``recorded/bmnist-long-<method>/``) beside it, s
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from pipeline.report import exact
 from pipeline.report.figures import _save, plain_numbers
 from pipeline.report.longrun_grid import grid_markdown, long_run_metrics
 from pipeline.runs.spec import EVALS, HISTORY, RUN, SEGMENTS, count_and_sizes
@@ -33,14 +35,13 @@ def power_law_fit(steps: np.ndarray, errors: np.ndarray) -> tuple[float, float] 
     if len(steps) < FIT_MIN_POINTS:
         return None
     later = max(FIT_MIN_POINTS, (len(steps) + 1) // 2)
-    b, a = np.polyfit(np.log(steps[-later:]), np.log(errors[-later:]), 1)
-    return float(a), float(b)
+    return exact.line_fit(exact.log(steps[-later:]), exact.log(errors[-later:]))
 
 
 def steps_to_reach(fit: tuple[float, float], target: float) -> float:
     """The step at which the fitted law reaches ``target``; ``inf`` when it does not fall."""
     a, b = fit
-    return float(np.exp((np.log(target) - a) / b)) if b < 0 else float("inf")
+    return float(exact.exp((math.log(target) - a) / b)) if b < 0 else float("inf")
 
 
 def sitting_rates(segments: pd.DataFrame, history: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -242,8 +243,9 @@ def curve_figure(
         draw_curve(ax, rows, f"C{i}", device if len(device) < 60 else device[:57] + "...")
     if fit is not None and len(shown):
         a, b = fit
-        steps = np.geomspace(shown["iteration"].min(), run["train"]["iterations"], 100)
-        ax.plot(steps, np.exp(a + b * np.log(steps)), "k--", lw=0.8, label=f"power-law fit (step^{b:.2f})")
+        steps = exact.geomspace(shown["iteration"].min(), run["train"]["iterations"], 100)
+        fitted = exact.exp(a + b * exact.log(steps))
+        ax.plot(steps, fitted, "k--", lw=0.8, label=f"power-law fit (step^{b:.2f})")
     ax.axhline(TARGET_PX, color="grey", lw=0.8, ls=":", label=f"target {TARGET_PX:g} px")
     ax.set(
         xscale="log",

@@ -5,6 +5,7 @@ length (the rule: ``bmnist.long_run_reach`` in pipeline/paper_numbers.yaml)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pandas as pd
 from matplotlib.ticker import LogLocator
 from scipy import stats
 
+from pipeline.report import exact
 from pipeline.report.figures import _save, plain_numbers
 
 HORIZON = 1e12  # steps: a band that has not met the target by then is read as never meeting it
@@ -40,7 +42,7 @@ class Reach:
 
     def band(self, steps: np.ndarray) -> np.ndarray:
         """The half-width, in log error, of the fitted line's band at ``steps``."""
-        return _half_width(self.band_terms, np.log(steps))
+        return _half_width(self.band_terms, exact.log(steps))
 
 
 def _half_width(terms: tuple[float, int, float, float], log_steps: np.ndarray) -> np.ndarray:
@@ -70,19 +72,20 @@ def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dic
     base = Reach(name, target, points, videos)
     if len(points) < rule["min_steps"]:
         return base
-    x, y = np.log(points["iteration"].to_numpy(float)), np.log(points["pos_err"].to_numpy(float))
-    fit = stats.linregress(x, y)
+    # exact: the fit, its line and band come out to the same bits on any CPU (the figure's bytes)
+    x, y = exact.log(points["iteration"].to_numpy(float)), exact.log(points["pos_err"].to_numpy(float))
+    intercept, slope = exact.line_fit(x, y)
     n = len(x)
-    spread = np.sqrt(np.sum((y - fit.intercept - fit.slope * x) ** 2) / (n - 2))
+    spread = np.sqrt(np.sum((y - intercept - slope * x) ** 2) / (n - 2))
     t = stats.t.ppf(0.5 + rule["confidence"] / 2, n - 2)
     terms = (float(t * spread), n, float(x.mean()), float(np.sum((x - x.mean()) ** 2)))
-    xs = np.linspace(x.min(), np.log(HORIZON), 200_000)
-    line = fit.intercept + fit.slope * xs
+    xs = np.linspace(x.min(), math.log(HORIZON), 200_000)
+    line = intercept + slope * xs
     half = _half_width(terms, xs)
-    goal = np.log(target)
+    goal = math.log(target)
 
     def first(below: np.ndarray) -> float:
-        return float(np.exp(xs[np.argmax(below)])) if below.any() else float("inf")
+        return float(exact.exp(xs[np.argmax(below)])) if below.any() else float("inf")
 
     earliest, latest, at = first(line - half <= goal), first(line + half <= goal), first(line <= goal)
     if points["pos_err"].iloc[-1] <= target:
@@ -93,7 +96,7 @@ def reach(points: pd.DataFrame, name: str, target: float, videos: int, rule: dic
         verdict = "within reach"
     else:
         verdict = "undecided"
-    return Reach(name, target, points, videos, fit.slope, fit.intercept, at, earliest, latest, verdict, terms)
+    return Reach(name, target, points, videos, slope, intercept, at, earliest, latest, verdict, terms)
 
 
 def reaches(grid: pd.DataFrame, paper: dict[str, Any]) -> list[Reach]:
@@ -163,11 +166,11 @@ def reach_figure(found: list[Reach], limit: int, path: Path) -> None:
         p = r.points
         ax.errorbar(p["iteration"], p["pos_err"], yerr=1.96 * p["sem"].fillna(0), fmt="o", ms=3, color="C0")
         if np.isfinite(r.slope):
-            xs = np.geomspace(p["iteration"].min(), 10 * limit, 100)
-            line = r.intercept + r.slope * np.log(xs)
-            ax.plot(xs, np.exp(line), "k--", lw=0.8)
+            xs = exact.geomspace(p["iteration"].min(), 10 * limit, 100)
+            line = r.intercept + r.slope * exact.log(xs)
+            ax.plot(xs, exact.exp(line), "k--", lw=0.8)
             half = r.band(xs)
-            ax.fill_between(xs, np.exp(line - half), np.exp(line + half), color="k", alpha=0.1, lw=0)
+            ax.fill_between(xs, exact.exp(line - half), exact.exp(line + half), color="k", alpha=0.1, lw=0)
         ax.axhline(r.target, color="grey", ls=":", lw=0.8)
         ax.axvline(limit, color="C3", ls=":", lw=0.8)
         ax.set(xscale="log", yscale="log", title=f"{r.set}: {r.verdict}", xlabel="training step")

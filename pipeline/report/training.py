@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.present import number
+from pipeline.report import exact
 
 # A cell has plateaued when neither its training log joint nor its training ESS/L over the
 # last fifth of its iterations shows a trend larger than 3 standard errors; fewer than 5
@@ -77,10 +78,12 @@ def plateau(iteration: np.ndarray, value: np.ndarray, fraction: float = PLATEAU_
     delta = se = z = nan
     if n >= 3:
         dt = t - t.mean()
-        sxx = float(dt @ dt)
-        slope = float(dt @ (v - v.mean())) / sxx
+        # Correctly rounded sums (``exact.dot``), not BLAS's: its summation order, so the
+        # last bit of these columns, depends on the CPU that rebuilds the report.
+        sxx = exact.dot(dt, dt)
+        slope = exact.dot(dt, v - v.mean()) / sxx
         resid = v - v.mean() - slope * dt
-        se_slope = math.sqrt(float(resid @ resid) / (n - 2) / sxx)
+        se_slope = math.sqrt(exact.dot(resid, resid) / (n - 2) / sxx)
         delta, se = slope * (end - start), se_slope * (end - start)
         # A perfectly straight window: no noise to compare with; any trend is significant.
         z = delta / se if se > 0 else (0.0 if delta == 0 else math.copysign(math.inf, delta))

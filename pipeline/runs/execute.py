@@ -37,6 +37,7 @@ import torch
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, evaluate
+from pipeline import checks
 from pipeline.common import seed_everything
 from pipeline.driver import Callback, drive, write_history
 from pipeline.evaluate_particles import final_particle, particle_scores, tracking_errors
@@ -259,10 +260,10 @@ def advance(
 
     ``full_state=False`` writes only the compact state at each checkpoint (a machine whose
     copy is thrown away after the sitting has no use for the unquantized one)."""
-    if minutes is not None and not (np.isfinite(minutes) and minutes > 0):
-        raise ValueError(f"minutes must be a positive number, got {minutes}")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be a positive integer, got {steps}")
+    checks.minutes(minutes, "--minutes")
+    if steps is not None:
+        checks.integer(steps, "--steps", low=1)
+    checks.device(device)
     if (run_dir / RUN).is_file():
         if new is not None:
             raise ValueError(f"{run_dir / RUN}: a run is there already; continue it without --start")

@@ -30,6 +30,7 @@ import torch
 
 from apg.data import atomic_write
 from apg.tasks import get_task
+from pipeline import checks
 from pipeline.config import evaluation_sets, grid_cells
 
 RUN, STATE, HISTORY, EVALS, SEGMENTS = "run.json", "state.pt", "history.csv", "evals.csv", "segments.csv"
@@ -147,10 +148,7 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RUN
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no run there; start one with --start")
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path}: not a run's description ({err})") from None
+    return checks.read_json(path)
 
 
 def write_run(run_dir: Path, run: dict[str, Any]) -> None:

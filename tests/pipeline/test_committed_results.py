@@ -12,6 +12,7 @@ import yaml
 
 from pipeline import provenance, report
 from pipeline.config import load_params
+from pipeline.report.training import training_table
 from tests.support import REPO
 
 DATA = REPO / "reports" / report.COMMITTED_DATA
@@ -41,3 +42,26 @@ def test_every_committed_verdict_recomputes_from_the_committed_rows():
         ] == pytest.approx(committed[key]["value"], rel=1e-12, nan_ok=True), key
         task, claim_id = key.split("/")
         assert headline[task][claim_id] == (None if claim["pass"] is None else int(claim["pass"])), key
+
+
+def committed_training_tables():
+    """``(rows folder, committed table)`` of every training table the report rebuilds from
+    committed rows: the default run's (``reports/data/<task>``) and each recorded run's."""
+    found = []
+    for path in sorted((REPO / "reports" / "tables").glob("*_training.csv")):
+        found.append((DATA / path.name.removesuffix("_training.csv"), path))
+    for path in sorted((REPO / "reports" / "recorded").glob("*/tables/*_training.csv")):
+        run, task = path.parent.parent.name, path.name.removesuffix("_training.csv")
+        found.append((REPO / "recorded" / run / "eval" / task, path))
+    return [(rows, table) for rows, table in found if (rows / "training.parquet").is_file()]
+
+
+@pytest.mark.parametrize(
+    "rows,table", committed_training_tables(), ids=lambda p: p.relative_to(REPO).as_posix()
+)
+def test_committed_training_tables_recompute_to_the_same_bytes(rows, table):
+    # The plateau columns are sums of floats: summed in an order the CPU picks (BLAS), their
+    # last bit changed with the machine that rebuilt the report, and so did the committed
+    # file. Correctly rounded sums give one answer; a rebuild anywhere leaves the file as is.
+    results = report.load_results(rows)
+    assert training_table(results["training"], results["meta"]).to_csv(index=False) == table.read_text()

@@ -82,17 +82,17 @@ def test_the_paper_profiles_rings_cells_are_runs(tmp_path):
 def test_a_sitting_refuses_what_means_nothing(tmp_path):
     new = spec.new_run("smoke", "gmm", "apg", 5, 4, 0, eval_size=2)
     for bad in (0.0, -5.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="minutes must be a positive number"):
+        with pytest.raises(ValueError, match="--minutes: must be"):
             advance(tmp_path, tmp_path / "r", minutes=bad, new=new)
     for bad in (0, -1):
-        with pytest.raises(ValueError, match="steps must be a positive integer"):
+        with pytest.raises(ValueError, match="--steps: must be at least 1"):
             advance(tmp_path, tmp_path / "r", steps=bad, new=new)
     assert not (tmp_path / "r").exists()
     with pytest.raises(FileNotFoundError, match="no run there"):
         advance(tmp_path, tmp_path / "none", steps=1)
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / spec.RUN).write_bytes(b"\x89PNG\x00\xff")
-    with pytest.raises(ValueError, match="junk/run.json: not a run's description"):
+    with pytest.raises(ValueError, match="junk/run.json is not UTF-8 text"):
         advance(tmp_path, tmp_path / "junk", steps=1)
 
 
@@ -120,6 +120,10 @@ def test_the_cli_says_what_a_sitting_needs(tmp_path, monkeypatch, capsys):
         ),
         (["continue", "--start", "gmm/apg/5/4", "--profile", "smoke", "--steps", "1"], "TASK/METHOD"),
         (["long-run"], "give --minutes or --steps"),
+        (["long-run", "--steps", "-1"], "--steps: must be at least 1"),
+        (["long-run", "--minutes", "nan"], "--minutes: must be a finite number"),
+        (["continue", "recorded/x", "--minutes", "-5"], "--minutes: must be positive"),
+        (["long-run", "--minutes", "1", "--device", "tpu9"], "--device tpu9: unknown device"),
     ):
         with pytest.raises(SystemExit) as stop:
             main(args)
