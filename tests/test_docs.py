@@ -1,4 +1,5 @@
-"""The documentation's example runs: the first ```python block of docs/library.md."""
+"""The documentation's example runs: the first ```python block of docs/library.md; and the
+README's test command is the one CI runs."""
 
 from __future__ import annotations
 
@@ -17,3 +18,13 @@ def first_python_block(path: Path) -> str:
 def test_library_example_runs():
     code = first_python_block(ROOT / "docs" / "library.md")
     exec(compile(code, "docs/library.md", "exec"), {"__name__": "docs_library_example"})
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    block = re.search(
+        r"^## Quick start\n.*?^```bash\n(.*?)^```", (ROOT / "README.md").read_text(), re.S | re.M
+    )
+    assert block, "README.md's Quick start has no ```bash block"
+    commands = [line for line in block.group(1).splitlines() if "pytest" in line and not line.startswith("#")]
+    assert len(commands) == 1, commands
+    assert f"({commands[0]})" in (ROOT / ".ci" / "run").read_text()

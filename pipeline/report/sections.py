@@ -3,6 +3,7 @@ puts the parts together: the index, the per-task sections, the README's results 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
 from pipeline.impute import report_imputation
 from pipeline.present import pm
 from pipeline.report.axes import axes_markdown
-from pipeline.report.claims import ClaimResult, task_claims
+from pipeline.report.claims import REPLICATION, ClaimResult, task_claims
 from pipeline.report.data import COMMITTED_DATA, main_rows, primary_test_set, retrained_rows, scale_caption
 from pipeline.report.figures import (
     ANIMATION_FRAMES,
@@ -32,7 +33,7 @@ from pipeline.report.figures import (
     sweeps_figure,
     training_figure,
 )
-from pipeline.report.headline import verdict_count
+from pipeline.report.headline import verdict_count, verdict_tally
 from pipeline.report.tables import (
     MSE_KEYS,
     _flagged,
@@ -260,6 +261,14 @@ FIGURE_TEXT = {
 }
 
 
+CLAIMS_HEADING, TIME_HEADING = "Claims of the paper, checked", "Time"
+
+
+def heading_anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
 def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str, recorded_md: str = "") -> str:
     lines = [
         "# Reproduction report",
@@ -271,7 +280,7 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str, reco
         "are shown beside ours (`paper` columns), never in place of them. Each task's section "
         "states the iterations, datasets and seeds its numbers were made with.",
         "",
-        "## Claims of the paper, checked",
+        f"## {CLAIMS_HEADING}",
         "",
         "Computed by the report stage from the evaluation metrics (claim definitions: "
         "`pipeline/paper_numbers.yaml`, `claims`); ✓ holds, ✗ does not, – no verdict.",
@@ -494,7 +503,7 @@ def pipeline_time_markdown(
     total = sum(times.values()) / 60
     per_trial = f"; {threads} torch thread{'s' if threads != 1 else ''} per trial" if threads else ""
     return (
-        "## Time\n\nWall time of each stage when it last ran (2 trials at once on a 2-core machine "
+        f"## {TIME_HEADING}\n\nWall time of each stage when it last ran (2 trials at once on a 2-core machine "
         "unless the params say otherwise; after a partial `dvc repro`, the stages it skipped keep "
         "the times of the run that made their outputs, and a sweep that trained some cells anew "
         "shows only their time; the report's own is its previous run's). From scratch: each "
@@ -511,8 +520,7 @@ def pipeline_time_markdown(
 
 
 def readme_results(
-    claims: list[Any],
-    claims_md: str,
+    claims: list[ClaimResult],
     times: dict[str, float],
     label: str,
     report_dir: str,
@@ -520,22 +528,41 @@ def readme_results(
     training: dict[str, float] | None = None,
     parallel: int = 1,
 ) -> str:
-    """The project README's results section: what the main command gives, from this run."""
+    """The project README's results block from this run, a few lines: the verdict counts, the
+    from-scratch time, and where to read on. The claims table itself lives in the report
+    (``report_dir``: the report's folder relative to the README)."""
+    page = f"{report_dir}/README.md"
     total = from_scratch_minutes(times, training or {}, parallel) if times else None
     took = (
-        f" From scratch its stages take about {total:.0f} minutes in all (the report's Time section); the"
+        f" From scratch its stages take about {total:.0f} minutes in all "
+        f"([the report's Time section]({page}#{heading_anchor(TIME_HEADING)}))."
         if total is not None
-        else " The"
+        else ""
     )
-    claims_md = claims_md.replace("](tables/", f"]({report_dir}/tables/").replace(
-        "](recorded/", f"]({report_dir}/recorded/"
+    tally = verdict_tally(claims)
+    lines = [
+        f"Written by the report stage of the run that made the committed [`{report_dir}/`]({page}) "
+        f"({label}).{took}",
+        "",
+        f"- **{tally['held']} of the {tally['judged']} claims with a verdict hold** in this run.",
+    ]
+    if replication is not None:
+        lines.append(
+            f"- With the recorded replication [`{REPLICATION}`]({report_dir}/recorded/{REPLICATION}/README.md) "
+            f"(training seeds moved by 100): **{verdict_count(claims, replication)}**."
+        )
+    far = sum(bool(c.departure) for c in claims)
+    if far:
+        lines.append(
+            f"- {far} of the claims' numbers lie more than 2x from the paper's; the claims table flags "
+            "each with its reason."
+        )
+    lines.append(
+        f"- Every claim with its numbers, target and verdicts: [the report's claims table]"
+        f"({page}#{heading_anchor(CLAIMS_HEADING)}); every table and figure, and each cell's training "
+        f"curve and plateau check: [the report]({page})."
     )
-    return (
-        f"Written by the report stage of the run that made the committed [`{report_dir}/`]"
-        f"({report_dir}/README.md) ({label}).{took} report has "
-        f"the per-stage times, every table and figure, and each cell's training curve and plateau "
-        f"check. {verdict_count(claims, replication)}:\n\n{claims_md}\n"
-    )
+    return "\n".join(lines) + "\n"
 
 
 def write_readme_results(readme: Path, block: str) -> None:

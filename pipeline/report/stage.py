@@ -47,6 +47,7 @@ from pipeline.report.headline import claims_json, headline_metrics
 from pipeline.report.longrun import long_run_headline, long_run_markdown
 from pipeline.report.runs import runs_markdown
 from pipeline.report.sections import (
+    CLAIMS_HEADING,
     RESULTS_START,
     cells_training_seconds,
     index_markdown,
@@ -129,13 +130,12 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
     lead = reused_cells_markdown(parts) + pipeline_time_markdown(
         times, params.get("sweep", {}).get("torch_threads"), training, parallel, made_on
     )
-    text = text.replace("\n## Claims of the paper, checked", f"\n{lead}## Claims of the paper, checked", 1)
+    text = text.replace(f"\n## {CLAIMS_HEADING}", f"\n{lead}## {CLAIMS_HEADING}", 1)
     atomic_write(out / "README.md", lambda tmp: tmp.write_text(text + "\n"))
     readme = root / "README.md"
     if readme.is_file() and RESULTS_START in readme.read_text():
         block = readme_results(
             claims,
-            claims_md,
             times,
             label,
             final.relative_to(root).as_posix(),

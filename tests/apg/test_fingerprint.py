@@ -185,12 +185,14 @@ def rename_move_and_comment(root: Path) -> None:
     resampling.write_text(text[:start] + text[end + 1 :] + "\n\n" + text[start:end])
 
 
+@pytest.mark.slow
 def test_renaming_moving_and_commenting_code_keeps_every_fingerprint(tmp_path):
     assert fingerprints_of_copy(tmp_path / "a") == fingerprints_of_copy(
         tmp_path / "b", rename_move_and_comment
     )
 
 
+@pytest.mark.slow
 def test_a_change_in_one_tasks_arithmetic_changes_only_that_tasks_fingerprints(tmp_path):
     def edit(root: Path) -> None:
         # the GMM's log joint off by one part in a thousand: a bug a refactor could bring

@@ -18,6 +18,7 @@ from tests.support import REPO
 DATA = REPO / "reports" / report.COMMITTED_DATA
 
 
+@pytest.mark.slow
 def test_every_committed_verdict_recomputes_from_the_committed_rows():
     if not DATA.is_dir() and provenance.current_banners(REPO).get("README.md"):
         pytest.skip(

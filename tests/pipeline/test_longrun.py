@@ -222,6 +222,7 @@ def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
     assert long_run_markdown(tmp_path / "elsewhere", tmp_path / "reports", "png") == ""
 
 
+@pytest.mark.slow
 @needs_mnist
 def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_and_4(
     tmp_path, mnist_env, monkeypatch

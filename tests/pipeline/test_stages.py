@@ -197,6 +197,7 @@ def test_unsatisfiable_gpu_request_fails_before_trials(tmp_path, tiny):
     assert not (root / "results" / "sweeps" / "gmm" / "cells").exists()
 
 
+@pytest.mark.slow
 def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
     # A sweep whose grid changed gets a new parent run; its cells trained by the earlier
     # sweep are reused, and the report must still trace them to their training runs.
@@ -216,6 +217,7 @@ def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
     assert mlflow_run_ids(summary) == {"apg-K2-L3-s0-abc": trained, "rws-K2-L3-s0-def": fresh}
 
 
+@pytest.mark.slow
 def test_run_ids_of_a_sweep_run_in_a_moved_project(tmp_path, monkeypatch):
     # The sweep ran in a copy of the project whose store is gone (its mlflow.db copied into
     # this one): the lookup must use this project's store, not create an empty one there.

@@ -112,6 +112,7 @@ def test_pipeline_modules_import_each_other_without_circles():
         visit(name)
 
 
+@pytest.mark.slow
 def test_runs_carry_the_commit_the_stage_and_the_params_digest(tmp_path):
     import subprocess
 

@@ -124,6 +124,7 @@ def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path, tiny):
     assert (reports / "figures" / "gmm_budget.png").is_file()
 
 
+@pytest.mark.slow
 def test_the_evaluation_logs_each_cells_held_out_numbers_to_its_mlflow_run(tmp_path):
     from pipeline import tracking
     from pipeline.evaluate_mlflow import log_evaluation

@@ -116,6 +116,7 @@ def test_tables_use_main_cells_and_the_budget_figure_exists(synthetic_report):
         assert (synthetic_report / "figures" / name).stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_a_clone_rebuilds_the_report_from_the_committed_rows(synthetic_report):
     # The report keeps the rows it read in reports/data/; with results/ gone (a clone that
     # trained nothing) --from-committed writes the same verdicts, tables and README, and
@@ -258,7 +259,13 @@ def test_a_recorded_replication_adds_its_verdicts_and_counts_claims_holding_in_b
     assert (headline["held_both"], headline["judged_both"]) == (held, len(both))
     readme = (tmp_path / "README.md").read_text()
     assert f"{held} of the {len(both)} claims with a verdict in both runs hold in both" in readme
+    assert f"{headline['held']} of the {headline['judged']} claims with a verdict hold" in readme
     assert "](reports/recorded/replicate/README.md)" in readme
+    # The README's block is a few lines: the claims table stays in the report, which it links
+    # at the table's heading.
+    assert "| task | claim" not in readme
+    assert "](reports/README.md#claims-of-the-paper-checked)" in readme
+    assert "\n## Claims of the paper, checked\n" in text
 
 
 def test_the_replication_note_says_whether_the_two_cpu_types_differ():
