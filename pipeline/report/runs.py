@@ -110,10 +110,10 @@ def runs_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str) ->
             f"{rows_spec.get('num_datasets', rows_spec.get('num_videos')):,} training datasets; held-out set "
             f"`{first['eval']['name']}` ({first['eval'].get('num_datasets', first['eval'].get('num_videos'))} datasets).",
             "",
-            "| run | method | seed | step | of | sittings | hours | "
+            "| run | method | seed | steps trained | of | sittings | hours | scored at | "
             + " | ".join(SCORES[n] for n in shown)
             + " |",
-            "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in shown) + " |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in shown) + " |",
         ]
         for r in table.itertuples():
             values = " | ".join(f"{getattr(r, n):.4g}" for n in shown)

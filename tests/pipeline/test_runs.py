@@ -168,6 +168,12 @@ def test_the_report_shows_each_run_and_the_methods_at_the_step_they_share(tmp_pa
     paper = yaml.safe_load(PAPER_NUMBERS.read_text())
     text = runs_markdown(tmp_path, tmp_path / "out", paper, "png")
     assert "### dgmm, `paper` profile" in text
+    table = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and "paper-dgmm" in line or line.startswith("| run ")
+    ]
+    assert len({line.count(" | ") for line in table}) == 1, table  # the header has a column for every cell
     assert "| `paper-dgmm-apg-K10-L10-s1` | apg | 1 | 520 | 200,000 | 1 | 1.00 | 500 | -949 |" in text
     assert "At step 500, the latest every run" in text  # seed 1 of APG was scored at 500 last
     assert "| apg | 2 | -949.5 [" in text and "| rws-mlp | 1 | -950 (one seed) |" in text
