@@ -176,11 +176,9 @@ def cmd_long_run(args: argparse.Namespace) -> None:
 
 
 def _check_sitting(args: argparse.Namespace) -> None:
-    """A sitting's flags, before any folder is read."""
-    checks.minutes(args.minutes, "--minutes")
-    if args.steps is not None:
-        checks.integer(args.steps, "--steps", low=1)
-    checks.device(args.device)
+    from pipeline.runs.execute import check_sitting
+
+    check_sitting(args.minutes, args.steps, args.device)
 
 
 def _advance(root: Path, run_dir: Path, args: argparse.Namespace, new: dict[str, Any] | None) -> None:

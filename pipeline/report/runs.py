@@ -34,7 +34,7 @@ SCORES = {
 CURVE_ORDER = ("log_joint_true", "pos_err", "log_joint")
 
 
-def continued_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+def continued_runs(root: Path) -> list[tuple[Path, dict[str, Any], pd.DataFrame]]:
     """The runs under ``recorded/`` that :func:`pipeline.runs.spec.run_name` names (every
     folder with a ``run.json`` but the long Bouncing MNIST runs'), in name order."""
     found = []
@@ -42,12 +42,11 @@ def continued_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
         folder = run_json.parent
         if folder.name.startswith(LONG_RUN_DIR.name) or not (folder / EVALS).is_file():
             continue
-        found.append((folder, json.loads(run_json.read_text())))
+        found.append((folder, json.loads(run_json.read_text()), pd.read_csv(folder / EVALS)))
     return found
 
 
-def _run_row(folder: Path, run: dict[str, Any]) -> dict[str, Any]:
-    evals = pd.read_csv(folder / EVALS)
+def _run_row(folder: Path, run: dict[str, Any], evals: pd.DataFrame) -> dict[str, Any]:
     segments = pd.read_csv(folder / SEGMENTS) if (folder / SEGMENTS).is_file() else pd.DataFrame()
     last = evals.iloc[-1]
     train = run["train"]
@@ -94,11 +93,11 @@ def runs_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str) ->
         "judged on them until their curves plateau.",
         "",
     ]
-    by_task: dict[tuple[str, str], list[tuple[Path, dict[str, Any]]]] = {}
-    for folder, run in runs:
-        by_task.setdefault((run.get("profile", "?"), run["train"]["task"]), []).append((folder, run))
+    by_task: dict[tuple[str, str], list[tuple[Path, dict[str, Any], pd.DataFrame]]] = {}
+    for folder, run, evals in runs:
+        by_task.setdefault((run.get("profile", "?"), run["train"]["task"]), []).append((folder, run, evals))
     for (profile, task), members in by_task.items():
-        table = pd.DataFrame([_run_row(folder, run) for folder, run in members])
+        table = pd.DataFrame([_run_row(*member) for member in members])
         shown = [name for name in SCORES if name in table]
         first = members[0][1]
         rows_spec = first["rows"]
@@ -131,19 +130,21 @@ def runs_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str) ->
     return "\n".join(lines) + "\n"
 
 
-def _shared_step(members: list[tuple[Path, dict[str, Any]]]) -> int:
+def _shared_step(members: list[tuple[Path, dict[str, Any], pd.DataFrame]]) -> int:
     """The latest step at which every run of ``members`` has a held-out score."""
-    steps = [set(pd.read_csv(folder / EVALS)["iteration"].astype(int)) for folder, _ in members]
+    steps = [set(evals["iteration"].astype(int)) for _, _, evals in members]
     common = set.intersection(*steps)
     return max(common) if common else 0
 
 
 def _side_by_side(
-    paper_task: dict[str, Any], members: list[tuple[Path, dict[str, Any]]], step: int, shown: list[str]
+    paper_task: dict[str, Any],
+    members: list[tuple[Path, dict[str, Any], pd.DataFrame]],
+    step: int,
+    shown: list[str],
 ) -> list[str]:
     frames = []
-    for folder, run in members:
-        evals = pd.read_csv(folder / EVALS)
+    for _, run, evals in members:
         at = evals[evals["iteration"] == step]
         if len(at):
             frames.append({"method": run["train"]["method"], **{n: float(at.iloc[0][n]) for n in shown}})
@@ -177,15 +178,14 @@ def _side_by_side(
     return lines
 
 
-def _curves_figure(members: list[tuple[Path, dict[str, Any]]], score: str, path: Path) -> None:
+def _curves_figure(members: list[tuple[Path, dict[str, Any], pd.DataFrame]], score: str, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     colours: dict[str, str] = {}
-    for folder, run in members:
+    for _, run, evals in members:
         method = run["train"]["method"]
         label = None if method in colours else method  # one legend entry a method
         colour = colours.setdefault(method, f"C{len(colours)}")
-        evals = pd.read_csv(folder / EVALS)
         ax.plot(evals["iteration"], evals[score], "o-", ms=2, lw=0.8, color=colour, label=label)
     ax.set(xlabel="training step", ylabel=SCORES[score])
     ax.legend(fontsize=7)

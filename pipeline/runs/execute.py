@@ -244,6 +244,14 @@ class _Sitting(Callback):
         save_checkpoint(self.dir / STATE, trainer.cfg.to_dict(), compact(state))  # last: see the module
 
 
+def check_sitting(minutes: float | None, steps: int | None, device: str) -> None:
+    """A sitting's length and device, checked before any run's folder is read."""
+    checks.minutes(minutes, "--minutes")
+    if steps is not None:
+        checks.integer(steps, "--steps", low=1)
+    checks.device(device)
+
+
 def advance(
     root: Path,
     run_dir: Path,
@@ -260,10 +268,7 @@ def advance(
 
     ``full_state=False`` writes only the compact state at each checkpoint (a machine whose
     copy is thrown away after the sitting has no use for the unquantized one)."""
-    checks.minutes(minutes, "--minutes")
-    if steps is not None:
-        checks.integer(steps, "--steps", low=1)
-    checks.device(device)
+    check_sitting(minutes, steps, device)
     if (run_dir / RUN).is_file():
         if new is not None:
             raise ValueError(f"{run_dir / RUN}: a run is there already; continue it without --start")
