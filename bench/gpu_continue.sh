@@ -6,7 +6,7 @@
 #   APG_COMMIT=$(git rev-parse --short HEAD) MNIST_DIR=.device/mnist MINUTES=8 OUT=$OUT \
 #     RUNS="recorded/bmnist-long recorded/bmnist-long-avf" bash bench/gpu_continue.sh
 # What it leaves under $OUT is the sitting's log and the runs' tables and states tarred and
-# split into parts under 15 MB (the device tool returns files of at most 16 MiB; the long
+# split into parts under 15 MB (a GPU machine returns files of at most 16 MiB; the long
 # run's state.pt is 20 MB). Then, here:
 #   cat OUTDIR/runs.tar.* | tar x -C recorded/ && rm -f recorded/*/full-state.pt
 # (a full state of an earlier step must not stand beside the newer compact one), rebuild the
