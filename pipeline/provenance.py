@@ -19,6 +19,15 @@ A rebuild of the report from its committed rows (``apg-pipeline report --from-co
 runs only the report stage: the record then takes the digests of the code only that stage
 reads (``refresh_report_inputs``) and keeps the rest as the training and evaluation left it.
 
+- **Code that computes the same numbers keeps the results.** The record also holds the
+  numerics fingerprint of every stage (:mod:`pipeline.numerics`: a few datasets generated,
+  trained on and scored by the stages' own code). After a change to the code that should
+  not move a number (a refactor, a new input check), ``python -m pipeline.provenance
+  refresh`` recomputes those fingerprints; when every one is unchanged, it takes the code's
+  new digests into the record (and into ``dvc.lock``, so DVC sees no changed stage either),
+  and the results stay current without retraining. When any differs it changes nothing,
+  names the numbers that moved and exits 1: ``dvc repro`` regenerates them.
+
 The code each stage reads is taken from ``dvc.yaml`` by :mod:`pipeline.stages` (one list,
 so the provenance record and DVC's own change detection agree).
 """
@@ -37,7 +46,7 @@ from typing import Any
 import yaml
 
 from pipeline import checks
-from pipeline.stages import code_files, file_digests, stage_code, stage_params, stage_specs
+from pipeline.stages import CODE_PREFIXES, code_files, file_digests, stage_code, stage_params, stage_specs
 
 RECORD = "provenance.json"
 # The results sections the stale line is written into: (file, heading it follows).
@@ -209,12 +218,13 @@ def cell_fingerprints(root: Path, tasks: list[str]) -> dict[str, dict[str, dict[
     return out
 
 
-def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
+def record(params: dict[str, Any], root: Path, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
     """What produced the results of ``params`` in ``root``: commit, code and params digests,
-    and the numerics fingerprint each trained cell was trained under."""
+    the numerics fingerprint each trained cell was trained under and, given, the stages'
+    numerics (``pipeline.numerics.numerics``)."""
     code, keys = _all_stage_inputs(root, params["tasks"])
     digests = file_digests(root, code)
-    return {
+    out = {
         "commit": git_commit(root),
         # Code that differed from that commit when the results were made.
         "uncommitted": uncommitted(root, code),
@@ -223,6 +233,9 @@ def record(params: dict[str, Any], root: Path) -> dict[str, Any]:
         "fingerprints": cell_fingerprints(root, params["tasks"]),
         "machine": machine(),
     }
+    if numbers is not None:
+        out["numerics"] = numbers
+    return out
 
 
 def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> str:
@@ -267,13 +280,121 @@ def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> 
     return line + "."
 
 
-def write_record(params: dict[str, Any], root: Path, out: Path) -> Path:
+def write_record(
+    params: dict[str, Any], root: Path, out: Path, numbers: dict[str, Any] | None = None
+) -> Path:
     from apg.data import atomic_write
 
-    text = json.dumps(record(params, root), indent=2, sort_keys=True)
+    text = json.dumps(record(params, root, numbers), indent=2, sort_keys=True)
     path = out / RECORD
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
     return path
+
+
+def lock_inputs(root: Path, only: str | None = None, paths: tuple[str, ...] = ()) -> int:
+    """Write the hashes of the stages' code (and of ``paths``, where a stage lists them as
+    inputs or outputs) as they are in ``root`` into ``dvc.lock`` (and every other lock file),
+    as ``dvc commit`` would for those paths alone; ``only``: that stage alone. Inputs that
+    are not here (``data/``, ``results/``) keep their recorded hashes. Returns how many
+    entries moved. Only for code whose numbers are checked unchanged (:func:`refresh`), and
+    for a report rebuilt from its committed rows: a fresh clone's ``dvc status`` then lists
+    the absent results and no changed stage."""
+    import logging
+
+    from dvc.repo import Repo
+
+    logging.getLogger("dvc").setLevel(logging.WARNING)  # not a line per lock file written
+    moved = 0
+    repo = Repo(str(root))
+    try:
+        with repo.lock:
+            for stage in repo.index.stages:
+                if only is not None and stage.name != only:
+                    continue
+                entries = [d for d in stage.deps if type(d).__name__ == "Dependency"] + (
+                    list(stage.outs) if paths else []
+                )
+                touched = False
+                for entry in entries:
+                    path = entry.def_path
+                    if not (
+                        path.split("/", 1)[0] in CODE_PREFIXES
+                        or path in paths
+                        or any(path.startswith(p + "/") for p in paths)
+                    ):
+                        continue
+                    if not entry.exists:
+                        continue
+                    before = (entry.hash_info, entry.meta.size if entry.meta else None)
+                    entry.save()
+                    moved += (entry.hash_info, entry.meta.size if entry.meta else None) != before
+                    touched = True
+                if touched:
+                    stage.dump(update_pipeline=False)
+    finally:
+        repo.close()
+    return moved
+
+
+def refresh(root: Path, params_file: str = "params.yaml", reports: str = "reports") -> tuple[bool, str]:
+    """Take this checkout's code into the committed record when it computes the recorded
+    numbers (``(True, what it checked)``); else change nothing (``(False, why)``).
+
+    The params must be the recorded ones: other params are other results. Where the code
+    is exactly the recorded code, the numerics it computes now are the results' own and
+    are written in (a record made before numerics were kept gains them that way)."""
+    from apg.data import atomic_write
+    from pipeline.numerics import differences, numerics
+
+    path = root / reports / RECORD
+    if not path.is_file():
+        return False, f"no {reports}/{RECORD}: the results were not made by the report stage"
+    recorded = checks.read_json(path)
+    params = yaml.safe_load((root / params_file).read_text())
+    now = record(params, root)
+    moved_params = sorted(
+        k
+        for k in set(recorded.get("params", {})) | set(now["params"])
+        if recorded.get("params", {}).get(k) != now["params"].get(k)
+    )
+    if moved_params:
+        return (
+            False,
+            f"params changed ({', '.join(moved_params)}): other params are other results; `dvc repro`",
+        )
+    # The report stage's own code is taken by a rebuild of the report, which runs it.
+    report_files = set(report_only_inputs(root, params["tasks"])[0])
+    old_code = {k: v for k, v in recorded.get("code", {}).items() if k not in report_files}
+    new_code = {k: v for k, v in now["code"].items() if k not in report_files}
+    code_changed = sorted(k for k in set(old_code) | set(new_code) if old_code.get(k) != new_code.get(k))
+    numbers = numerics(params)
+    if code_changed:
+        if "numerics" not in recorded:
+            return False, "the record holds no numerics to compare with: `dvc repro` regenerates the results"
+        moved = differences(recorded["numerics"], numbers)
+        if moved:
+            shown = ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
+            return False, f"the code computes other numbers ({shown}): `dvc repro` regenerates the results"
+    recorded["code"] = {
+        **{k: v for k, v in recorded.get("code", {}).items() if k in report_files},
+        **new_code,
+    }
+    recorded["numerics"] = numbers
+    recorded.setdefault("numerics_machine", machine_line(machine()))
+    text = json.dumps(recorded, indent=2, sort_keys=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+    if (root / "dvc.yaml").is_file() and (root / ".dvc").is_dir():
+        lock_inputs(root)
+    count = sum(len(v["train"]) + len(v["evaluate"]) + 1 for v in numbers.values())
+    if not code_changed:
+        return (
+            True,
+            f"the code is the recorded code: its {count} numerics fingerprints written into {reports}/{RECORD}",
+        )
+    return True, (
+        f"{len(code_changed)} code files changed and all {count} numerics fingerprints are unchanged: "
+        f"their digests taken into {reports}/{RECORD}"
+    )
 
 
 def changes(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> list[str]:
@@ -292,7 +413,8 @@ def stale_line(recorded: dict[str, Any], changed: list[str]) -> str:
     )
     return (
         f"**Stale since {recorded.get('commit', 'unknown')}:** {shown} changed after these results "
-        "were made; `dvc repro` regenerates them."
+        "were made; `dvc repro` regenerates them (`python -m pipeline.provenance refresh` keeps them "
+        "where the code still computes the same numbers)."
     )
 
 
@@ -350,20 +472,28 @@ def set_banner(path: Path, heading: str, message: str | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="are the committed results the code's own?")
     parser.add_argument(
-        "action", choices=["check", "mark"], help="check: say; mark: also write the stale line"
+        "action",
+        choices=["check", "mark", "refresh"],
+        help="check: say; mark: also write the stale line; refresh: take changed code that "
+        "computes the recorded numbers into the record",
     )
     parser.add_argument("--root", default=".")
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
+    if args.action == "refresh":
+        kept, message = refresh(root)
+        print(message)
+        if not kept:
+            return 1
     current, message = check(root)
-    if args.action == "mark":
+    if args.action in ("mark", "refresh"):
         mark(root, None if current else message)
     print(message)
     if not current and (root / "reports" / RECORD).is_file():
         # Not part of the stale line: it depends on the data present here, the line must not.
         recorded = checks.read_json(root / "reports" / RECORD)
         print(retraining(root, yaml.safe_load((root / "params.yaml").read_text()), recorded))
-    return 0 if current or args.action == "mark" else 1
+    return 0 if current or args.action != "check" else 1
 
 
 if __name__ == "__main__":

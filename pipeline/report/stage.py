@@ -77,6 +77,10 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
     final = root / params.get("report", {}).get("out", "reports")
     with staged(final) as out:
         _write_report(params, root, out, final, from_committed)
+    if from_committed and (root / ".dvc").is_dir() and final.is_relative_to(root):
+        # DVC's record of the stage, as the rebuild left it (its rows and the continuing
+        # runs it read, its code, its outputs): a clone's `dvc status` shows no change here.
+        provenance.lock_inputs(root, only="report", paths=("recorded", final.relative_to(root).as_posix()))
     return final
 
 
@@ -166,7 +170,9 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         if readme.is_file():
             provenance.set_banner(readme, dict(provenance.BANNER_PLACES)["README.md"], stale)
     else:
-        provenance.write_record(params, root, out)
+        from pipeline.numerics import numerics
+
+        provenance.write_record(params, root, out, numerics(params))
         # These results are now the checkout's own: a stale line that an earlier
         # `provenance mark` put in the README goes (reports/README.md is written anew).
         if readme.is_file():

@@ -225,3 +225,56 @@ def test_the_record_names_the_machine_the_results_were_made_on(tmp_path):
         {"cpu": "X", "vector": ["avx2"], "cores": 2, "torch": "2.13", "python": "3.11"}
     )
     assert line == "X (avx2), 2 cores; torch 2.13, Python 3.11"
+
+
+NUMBERS = {"a": {"data": "d1", "train": {"c": "t1"}, "evaluate": {"apg": "e1"}}}
+
+
+def test_refresh_takes_code_that_computes_the_recorded_numbers(tmp_path, monkeypatch):
+    from pipeline import numerics
+
+    root = make_project(tmp_path)
+    provenance.write_record(PARAMS, root, root / "reports", NUMBERS)
+    (root / "apg/core.py").write_text("CORE = 1  # moved, same numbers\n")
+    assert not provenance.check(root)[0]
+    monkeypatch.setattr(numerics, "numerics", lambda params: NUMBERS)
+    kept, message = provenance.refresh(root)
+    assert kept and "1 code files changed" in message, message
+    assert provenance.check(root)[0]
+
+
+def test_refresh_changes_nothing_when_a_number_moved_or_the_params_did(tmp_path, monkeypatch):
+    from pipeline import numerics
+
+    root = make_project(tmp_path)
+    path = provenance.write_record(PARAMS, root, root / "reports", NUMBERS)
+    before = path.read_bytes()
+    (root / "apg/core.py").write_text("CORE = 2\n")
+    moved = {"a": {**NUMBERS["a"], "evaluate": {"apg": "e2"}}}
+    monkeypatch.setattr(numerics, "numerics", lambda params: moved)
+    kept, message = provenance.refresh(root)
+    assert not kept and "a/evaluate/apg" in message and path.read_bytes() == before
+    monkeypatch.setattr(numerics, "numerics", lambda params: NUMBERS)
+    (root / "params.yaml").write_text(yaml.safe_dump({**PARAMS, "a": {"train": {"lr": 5}}}))
+    kept, message = provenance.refresh(root)
+    assert not kept and "a.train" in message and path.read_bytes() == before
+
+
+def test_refresh_leaves_the_report_stages_own_code_to_a_rebuild_of_the_report(tmp_path, monkeypatch):
+    from pipeline import numerics
+
+    root = make_project(tmp_path)
+    provenance.write_record(PARAMS, root, root / "reports", NUMBERS)
+    (root / "pipeline/report.py").write_text("R = 2\n")  # what a rebuild runs, not the numerics
+    monkeypatch.setattr(numerics, "numerics", lambda params: NUMBERS)
+    assert provenance.refresh(root)[0]
+    current, message = provenance.check(root)
+    assert not current and "`pipeline/report.py`" in message
+
+
+def test_numerics_differences_name_each_moved_number():
+    from pipeline.numerics import differences
+
+    moved = {"a": {"data": "d2", "train": {"c": "t1", "n": "t9"}, "evaluate": {"apg": "e1"}}}
+    assert differences(NUMBERS, NUMBERS) == []
+    assert differences(NUMBERS, moved) == ["a/data", "a/train/n"]
