@@ -100,6 +100,8 @@ def check_task_data(
     method = next(m for m in METHODS.values() if m.architecture == architecture)
     # Files may store x in a compact dtype (``data.x_dtype``, e.g. float16): cast back.
     first = x[torch.zeros(1, dtype=torch.long)].to(torch.get_default_dtype())
+    if not torch.isfinite(first).all():  # a file read a batch at a time is not scanned whole
+        raise DatasetError(f"dataset file {path}: 'x' contains NaN or infinite values (dataset 0)")
     try:
         with torch.no_grad():
             method.run(model, proposals, first, 1, 2)

@@ -35,6 +35,7 @@ import yaml
 from apg.baselines import METHODS, get_method
 from apg.tasks import get_task, task_names
 from apg.training import TrainConfig
+from pipeline import checks
 from pipeline.params_schema import (
     AXIS_SECTIONS,
     DATA_KEYS,
@@ -139,7 +140,11 @@ def read_yaml(path: Path) -> Any:
     """A YAML file's contents; ``ParamsError`` naming the file and line for invalid YAML or a
     key given twice in one mapping."""
     try:
-        return yaml.load(path.read_text(), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise ParamsError(f"{path} is not a YAML text file (byte {err.start}: {err.reason})") from None
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" line {where.line + 1}:" if where is not None else ""
@@ -186,8 +191,12 @@ def validate_params(params: dict[str, Any]) -> None:
     for key in ("checkpoint_every", "log_every", "torch_threads"):
         if key in sweep and sweep[key] < 1:
             raise ParamsError(f"sweep.{key}: must be >= 1, got {sweep[key]}")
+    if "storage" in sweep:  # a cluster's shared storage may be absolute; a relative one stays inside
+        checks.relative_stays_inside(sweep["storage"], "sweep.storage", ParamsError)
     check_section(params, "tracking", TRACKING_KEYS, required=False)
-    check_section(params, "report", REPORT_KEYS, required=False)
+    report = check_section(params, "report", REPORT_KEYS, required=False)
+    if "out" in report:  # the report stage writes there: inside the project
+        checks.inside_project(report["out"], "report.out", ParamsError)
     for task in tasks:
         validate_task(params, task)
 
@@ -195,10 +204,8 @@ def validate_params(params: dict[str, Any]) -> None:
 def validate_task(params: dict[str, Any], task: str) -> None:
     section = check_section(params, task, TASK_KEYS, required=True)
     spec = get_task(task)
-    try:
-        model = spec.build_model(**section.get("model", {}))
-    except (TypeError, ValueError) as err:
-        raise ParamsError(f"{task}.model: {first_line(err)}") from None
+    model = checks.build_model(task, section.get("model") or {}, f"{task}.model", ParamsError)
+    checks.network_values(section.get("network") or {}, f"{task}.network", ParamsError)
     data = check_mapping(section.get("data"), f"{task}.data", DATA_KEYS)
     if "train" not in data:
         raise ParamsError(f"{task}.data.train: missing")
@@ -210,6 +217,8 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     if data.get("x_dtype", "float32") not in X_DTYPES:
         raise ParamsError(f"{task}.data.x_dtype: must be one of {list(X_DTYPES)}, got {data['x_dtype']!r}")
     sets = evaluation_sets(section, where=f"{task}.data")  # checks names and each entry
+    for entry in [{**data["train"], "where": f"{task}.data.train"}, *sets]:
+        checks.size_values(task, entry.get("sizes") or {}, f"{entry['where']}.sizes", ParamsError)
     check_mapping(section.get("train"), f"{task}.train", TRAIN_KEYS)
     cells = grid_cells(params, task)  # validates every cell's TrainConfig
     network = section.get("network", {})
@@ -219,19 +228,16 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     for c in cells:  # the first cell of each distinct model and (method, network)
         models.setdefault(json.dumps(c.train.model, sort_keys=True), c)
         networks.setdefault((c.method, json.dumps(c.train.network, sort_keys=True)), c)
-    for cell in models.values():
-        try:
-            spec.build_model(**cell.train.model)  # a model an entry's axes set
-        except (TypeError, ValueError) as err:
-            raise ParamsError(f"{task}.grid ({cell.name}): {first_line(err)}") from None
+    for cell in models.values():  # a model an entry's axes set
+        checks.build_model(task, cell.train.model, f"{task}.grid ({cell.name}): model", ParamsError)
     # Every network a cell trains (the task's, or one its axes set) under every override.
     for (method, cell_network), cell in networks.items():
         for key, where in overrides.items():
             try:
-                get_method(method).build_proposals(
-                    spec, model, **{**json.loads(cell_network), **json.loads(key)}
-                )
-            except (TypeError, ValueError) as err:
+                merged = {**json.loads(cell_network), **json.loads(key)}
+                checks.network_values(merged, "network", ParamsError)
+                get_method(method).build_proposals(spec, model, **merged)
+            except (TypeError, ValueError, RuntimeError) as err:
                 at = f"{where}.network" if key != "{}" else f"{task}.network"
                 if json.loads(cell_network) != network:
                     at = f"{task}.grid ({cell.name})"
@@ -248,6 +254,8 @@ def validate_task(params: dict[str, Any], task: str) -> None:
     for key in ("batch_size", "figure_particles", "threads"):
         if key in ev and ev[key] < (2 if key == "figure_particles" else 1):
             raise ParamsError(f"{task}.evaluate.{key}: too small ({ev[key]})")
+    if "seed" in ev:
+        checks.seed(ev["seed"], f"{task}.evaluate.seed", ParamsError)
     for j, k in enumerate(ev.get("figure_sweeps", [])):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ParamsError(f"{task}.evaluate.figure_sweeps[{j}]: K must be an integer >= 1, got {k!r}")
@@ -272,6 +280,8 @@ def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) 
     for key, low in (("num_datasets", 1), ("iterations", 1), ("burn_in", 0)):
         if key in imp and imp[key] < low:
             raise ParamsError(f"{where}.{key}: must be >= {low}, got {imp[key]}")
+    if "seed" in imp:
+        checks.seed(imp["seed"], f"{where}.seed", ParamsError)
     if imp.get("burn_in", 0) >= imp.get("iterations", 10):
         raise ParamsError(f"{where}.burn_in: must be below iterations ({imp.get('iterations', 10)})")
     if imp.get("fill", "sample") not in ("sample", "mean"):
@@ -395,9 +405,10 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
         entry_network = {**section.get("network", {}), **(entry.get("network") or {})}
         axes = check_axes(entry.get("axes") or {}, f"{where}.axes")
         seeds = entry.get("seeds", [0])
+        if not isinstance(seeds, list) or not seeds:
+            raise ParamsError(f"{where}.seeds: must be a non-empty list of integers, got {seeds!r}")
         for j, seed in enumerate(seeds):
-            if not isinstance(seed, int) or isinstance(seed, bool):
-                raise ParamsError(f"{where}.seeds[{j}]: must be an integer, got {seed!r}")
+            checks.seed(seed, f"{where}.seeds[{j}]", ParamsError)
         for j, method in enumerate(methods):
             if method not in METHODS:
                 raise ParamsError(

@@ -66,6 +66,7 @@ from apg.checkpoint import CheckpointError
 from apg.data import atomic_write, load_dataset
 from apg.tasks import get_task
 from apg.training import evaluate as evaluate_cell
+from pipeline import checks
 from pipeline.common import (
     file_digest,
     load_task_data,
@@ -178,7 +179,7 @@ def load_summary(root: Path, task: str) -> dict[str, Any]:
     summary_path = root / "results" / task / "sweep.json"
     if not summary_path.is_file():
         raise ValueError(f"sweep summary {summary_path} not found; run the sweep stage first")
-    return json.loads(summary_path.read_text())
+    return checks.read_json(summary_path)
 
 
 def load_sets(task: str, section: dict[str, Any], data_dir: Path) -> list[dict[str, Any]]:
@@ -273,7 +274,9 @@ def cell_history(root: Path, task: str, cell: dict[str, Any]) -> pd.DataFrame:
     """The cell's training curves recorded by the sweep, in long format."""
     # A cell with nothing to learn (exact Gibbs, 0 iterations) has an empty history.
     history_file = root / cell["history"]
-    hist = pd.read_csv(history_file) if history_file.stat().st_size else pd.DataFrame({"iteration": []})
+    hist = checks.read_csv(history_file) if history_file.stat().st_size else pd.DataFrame({"iteration": []})
+    if "iteration" not in hist.columns:
+        raise ValueError(f"{history_file} is not a training history (no 'iteration' column)")
     return hist.melt(id_vars="iteration", var_name="metric", value_name="value").assign(
         task=task,
         method=cell["method"],
@@ -535,6 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.errors import run_guarded
 
     def work() -> None:
+        checks.device(args.device)  # before any checkpoint is loaded onto it
         params = load_params(args.params)
         root = project_root()
         # The evaluation runs alone after the sweep: its own thread count (default: a trial's)

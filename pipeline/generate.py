@@ -37,6 +37,7 @@ import torch
 
 from apg.data import DatasetError, atomic_write
 from apg.tasks import get_task
+from pipeline import checks
 from pipeline.common import project_root
 from pipeline.config import evaluation_sets, load_params
 from pipeline.stages import record_stage_time
@@ -72,6 +73,13 @@ def simulate_chunks(
                 arrays = spec.simulate(model, count, generator, **sizes)
         except TypeError as err:
             raise ValueError(f"{task}: bad dataset sizes {sizes} ({err})") from None
+        if 0 in arrays["x"].shape[1:]:
+            shape = tuple(arrays["x"].shape)
+            raise ValueError(f"{task}: sizes {sizes} give datasets of no entries ('x' {shape})")
+        if not torch.isfinite(arrays["x"]).all():  # a model hyperparameter out of its range
+            raise ValueError(
+                f"{task}: the model {dict(model_hparams)} simulates NaN or infinite values of 'x'"
+            )
         return {k: v.cpu().numpy() for k, v in arrays.items()}
 
     per_chunk = num_datasets
@@ -91,9 +99,26 @@ def planned_sets(section: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return sets
 
 
+def check_room(task: str, section: dict[str, Any], out_dir: Path) -> None:
+    """Refuse, before anything is written, sets of which one dataset would not fit in memory,
+    or which together would not fit on the disk under ``out_dir``: every archive (``x`` in
+    its stored dtype) plus the spool of the largest, less the files they replace."""
+    x_dtype = np.dtype(section["data"].get("x_dtype", "float32"))
+    written, need = 0, 0  # bytes the sets written so far add; the most needed at once
+    for stem, entry in planned_sets(section).items():
+        one = checks.dataset_bytes(task, section.get("model", {}), entry.get("sizes", {}), x_dtype)
+        checks.room(f"one dataset of {task}'s {stem} set", memory=one["simulated"])
+        size = one["stored"] * entry["num_datasets"]
+        need = max(need, written + 2 * size)  # its spool and its archive, before the spool goes
+        old = out_dir / f"{stem}.npz"
+        written += size - (old.stat().st_size if old.is_file() else 0)  # the file it replaces
+    checks.room(f"{task}'s datasets ({', '.join(planned_sets(section))})", disk=need, folder=out_dir)
+
+
 def generate(task: str, params: dict[str, Any], out_dir: Path) -> list[Path]:
     section = params[task]
     x_dtype = np.dtype(section["data"].get("x_dtype", "float32"))
+    check_room(task, section, out_dir)
     written = []
     for stem, entry in planned_sets(section).items():
         chunks = simulate_chunks(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
+from pipeline import checks
+
 
 class ParamsError(ValueError):
     """An invalid params file; the message names the key and the reason."""
@@ -157,15 +159,18 @@ def check_data_set(entry: Any, where: str) -> None:
         raise ParamsError(f"{where}.num_datasets: must be an integer >= 1, got {entry.get('num_datasets')!r}")
     if "seed" not in entry:
         raise ParamsError(f"{where}.seed: missing (datasets are always seeded)")
+    checks.seed(entry["seed"], f"{where}.seed", ParamsError)
     check_sizes(entry.get("sizes") or {}, f"{where}.sizes")
+    checks.network_values(entry.get("network") or {}, f"{where}.network", ParamsError)
 
 
 def check_sizes(sizes: dict[str, Any], where: str) -> None:
-    """Every numeric simulator size (points, frames, digits, a radius) is positive: a dataset
-    of no points would pass through training and evaluation with meaningless numbers."""
+    """Every numeric simulator size (points, frames, digits, a radius) is finite and
+    positive: a dataset of no points would pass through training and evaluation with
+    meaningless numbers. (Which keys a task knows: ``checks.size_values``.)"""
     for key, value in sizes.items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value > 0:
-            raise ParamsError(f"{where}.{key}: must be positive, got {value!r}")
+        if checks.is_number(value):
+            checks.number(value, f"{where}.{key}", positive=True, error=ParamsError)
 
 
 def check_section(params: dict[str, Any], name: str, keys: dict[str, Any], required: bool) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from pipeline import checks
+
 CODE_PREFIXES = ("apg", "pipeline")
 TIMINGS = "results/timings"  # one {stage}@{task}.json per stage run: its wall time
 
@@ -103,5 +105,5 @@ def stage_times(root: Path) -> dict[str, float]:
     if not folder.is_dir():
         return {}
     order = {"generate": 0, "sweep": 1, "evaluate": 2}
-    times = {p.stem: json.loads(p.read_text())["seconds"] for p in folder.glob("*.json")}
+    times = {p.stem: checks.read_json(p)["seconds"] for p in folder.glob("*.json")}
     return dict(sorted(times.items(), key=lambda kv: (order.get(kv[0].split("@")[0], 3), kv[0])))

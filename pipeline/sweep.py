@@ -57,7 +57,7 @@ from apg.data import atomic_write, load_dataset
 from apg.fingerprint import BATCH as FINGERPRINT_BATCH
 from apg.fingerprint import fingerprint
 from apg.training import build, make_method
-from pipeline import tracking
+from pipeline import checks, tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
 from pipeline.config import Cell, grid_cells, load_params
 from pipeline.diskfull import as_disk_full, disk_full_callback
@@ -111,7 +111,7 @@ def _done_by_other_code(sweep_dir: Path, config_key: str) -> str | None:
     """The newest finished cell of the same config trained by other code (opt-in reuse)."""
     found = []
     for done in (sweep_dir / "cells").glob(f"*/{DONE}"):
-        record = json.loads(done.read_text())
+        record = checks.read_json(done)
         if record.get("config_key") == config_key:
             found.append((done.stat().st_mtime, done.parent.name))
     return max(found)[1] if found else None
@@ -371,7 +371,7 @@ def summarize(task: str, cells: dict[str, Cell], sweep_dir: Path, root: Path) ->
     rows = []
     for cell_id, cell in cells.items():
         cell_dir = sweep_dir / "cells" / cell_id
-        done = json.loads((cell_dir / DONE).read_text())
+        done = checks.read_json(cell_dir / DONE)
         rows.append(
             {
                 "cell_id": cell_id,
@@ -588,7 +588,7 @@ def main(argv: list[str] | None = None) -> None:
         # A rerun that found every cell done (a refactor that kept every fingerprint) keeps the
         # time of the run that trained them: the report's Time table is the training's.
         last_run = root / params["sweep"].get("storage", "results/sweeps") / args.task / "last_run.json"
-        if args.fetch or not last_run.is_file() or json.loads(last_run.read_text())["trained"]:
+        if args.fetch or not last_run.is_file() or checks.read_json(last_run)["trained"]:
             record_stage_time(root, "sweep", args.task, time.monotonic() - start)
         print(f"wrote {out}")
 

@@ -18,6 +18,7 @@ recomputes steps after the checkpoint, and the ones already logged are skipped.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -109,7 +110,133 @@ def client(uri: str):
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
     from mlflow.tracking import MlflowClient
 
+    prepare_store(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+_PREPARED: set[str] = set()  # local stores this process has checked
+
+
+def prepare_store(uri: str) -> None:
+    """A local SQLite store (``sqlite:///<path>``) whole before MLflow opens it.
+
+    MLflow creates a missing store in place, table by table and migration by migration: a
+    disk that fills (or a process killed) in between leaves a half-migrated file that every
+    later run fails on ("table _alembic_tmp_jobs already exists"). Here a missing store is
+    made and migrated under a temporary name in the same folder and linked into place
+    whole. A store found half-made (an ``_alembic_tmp_*`` table, no or an old schema
+    version, an unreadable or empty file) is rebuilt when it holds no runs (an unreadable
+    one is kept beside it as ``<name>.broken-<time>``); one that holds runs is left alone,
+    with one line saying how to upgrade it. Other URIs (a server) are the server's own.
+    """
+    path = _sqlite_path(uri)
+    if path is None or uri in _PREPARED:
+        return
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process makes or repairs it; the others wait
+        for stale in path.parent.glob(f".{path.name}.*.tmp*"):  # a maker killed mid-way
+            stale.unlink(missing_ok=True)
+        if path.exists():
+            problem, runs = store_problem(path)
+            if problem is None:
+                _PREPARED.add(uri)
+                return
+            if runs:
+                raise TrackingError(
+                    f"MLflow store {path} is {problem} and holds {runs} runs: back it up, then run "
+                    f"`mlflow db upgrade sqlite:///{path}`"
+                )
+            if runs is None:  # unreadable: kept aside, in case something in it matters
+                aside = path.with_name(f"{path.name}.broken-{time.strftime('%Y%m%d-%H%M%S')}")
+                os.replace(path, aside)
+                warn(f"MLflow store {path} was {problem}; moved to {aside.name} and made anew")
+            else:
+                warn(f"MLflow store {path} was {problem} with no runs; made anew")
+        _make_store(path)
+    _PREPARED.add(uri)
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    if not uri.startswith("sqlite:///") or uri.endswith(":memory:"):
+        return None
+    return Path(uri.removeprefix("sqlite:///"))
+
+
+def store_problem(path: Path) -> tuple[str | None, int | None]:
+    """``(what is wrong with the SQLite store at path or None, how many runs it holds or
+    None when it cannot be read)``."""
+    import sqlite3
+
+    from mlflow.store.db.utils import _get_latest_schema_revision
+
+    if path.stat().st_size == 0:
+        return "empty", 0
+    try:
+        con = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            tables = {row[0] for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            runs = con.execute("SELECT count(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+            version = (
+                con.execute("SELECT version_num FROM alembic_version").fetchone()
+                if "alembic_version" in tables
+                else None
+            )
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as err:
+        return f"unreadable ({err})", None
+    leftovers = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
+    if leftovers:
+        return f"half-migrated (leftover {', '.join(leftovers)})", runs
+    head = _get_latest_schema_revision()
+    if version is None or version[0] != head:
+        return f"at schema {version[0] if version else 'none'}, not {head}", runs
+    return None, runs
+
+
+def _make_store(path: Path) -> None:
+    """Create and migrate a SQLite store under a temporary name beside ``path``, then link
+    it into place (``os.link`` never replaces: a store another process made first wins)."""
+    from mlflow.store.tracking import DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{time.monotonic_ns()}.tmp")
+    tmp_uri = f"sqlite:///{tmp}"
+    try:
+        try:
+            SqlAlchemyStore(tmp_uri, DEFAULT_LOCAL_FILE_AND_ARTIFACT_PATH)
+        except Exception as err:
+            if "disk is full" in str(err):  # SQLite's SQLITE_FULL, as sqlite3 or SQLAlchemy raise it
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path)) from err
+            raise
+        _forget_engine(tmp_uri)  # every connection to it closed before it moves
+        if path.exists():  # a broken store with no runs, replaced whole
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:  # made meanwhile by a process that does not lock (mlflow ui)
+                pass
+            except OSError as err:
+                if err.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    raise
+                os.replace(tmp, path)  # a filesystem without hard links
+    finally:
+        _forget_engine(tmp_uri)
+        for leftover in path.parent.glob(f"{tmp.name}*"):
+            leftover.unlink(missing_ok=True)
+
+
+def _forget_engine(uri: str) -> None:
+    """Close and drop MLflow's cached engine of ``uri`` (it keeps one per URI)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engine = SqlAlchemyStore._engine_map.pop(uri, None)
+    if engine is not None:
+        engine.dispose()
 
 
 # The experiment's kind: model training, as MLflow's experiments list shows it. (Which view

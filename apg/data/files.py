@@ -112,6 +112,8 @@ def _check_x(
             raise DatasetError(f"dataset file {path}: 'x' must be shaped (M, {want}), got {tuple(shape)}")
     if len(shape) == 0 or shape[0] == 0:
         raise DatasetError(f"dataset file {path} holds no datasets")
+    if 0 in shape[1:]:  # no points (frames, pixels): every metric of it would mean nothing
+        raise DatasetError(f"dataset file {path}: 'x' shaped {tuple(shape)} has datasets of no entries")
 
 
 class Rows(Protocol):

@@ -4,14 +4,17 @@ the filesystem or a loop sees it (issue 72's fault probe, case by case)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from apg.data import load_dataset
+from apg.data import DatasetError, load_dataset
 from pipeline import checks
 from pipeline.cli import main
+from pipeline.config import ParamsError, load_params
 from tests.support import REPO
 
 TRAIN = ["--task", "gmm", "-K", "2", "-L", "3", "--batch-size", "4", "--iterations", "1", "--threads", "1"]
@@ -115,6 +118,11 @@ def test_record_direct_refuses_a_device_that_does_not_exist(tmp_path, capsys):
     assert not (tmp_path / "s").exists()
 
 
+def test_eval_sweep_blames_a_bad_device_not_the_checkpoint(capsys):
+    line = run_error(["eval-sweep", "--task", "gmm", "--device", "tpu9"], capsys)
+    assert line == "--device tpu9: unknown device (cpu, cuda, cuda:N or mps)"
+
+
 def test_the_device_check_says_why_a_named_device_is_missing(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "12.1")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -130,6 +138,62 @@ def test_the_device_check_says_why_a_named_device_is_missing(monkeypatch):
 
 
 # --------------------------------------------------------------------------- silent acceptances
+
+
+def test_generate_refuses_a_nan_model_hyperparameter(tmp_path, capsys):
+    out = tmp_path / "x.npz"
+    line = run_error(["generate", "--out", str(out), "--num-datasets", "2", "--model", "nu0=.nan"], capsys)
+    assert line == "--model.nu0: must be a finite number, got nan"
+    line = run_error(["generate", "--out", str(out), "--num-datasets", "2", "--model", "nu0=-1"], capsys)
+    assert line == "gmm: the model {'nu0': -1} simulates NaN or infinite values of 'x'"
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("out", ["../../../tmp/elsewhere", "/tmp/elsewhere", "reports/../../elsewhere"])
+def test_params_keep_the_report_inside_the_project(tmp_path, capsys, out):
+    def change(params):
+        params["report"]["out"] = out
+
+    path = write_params(tmp_path / "p.yaml", change)
+    line = run_error(["report", "--params", path], capsys)
+    assert line == f"report.out: {out!r} is outside the project; give a path relative to it"
+
+
+def test_params_sweep_storage_may_be_shared_but_a_relative_one_stays_inside(tmp_path):
+    for storage in ("/shared/sweeps", "s3://bucket/sweeps", "results/sweeps"):
+        load_params(write_params(tmp_path / "p.yaml", lambda p, s=storage: p["sweep"].update(storage=s)))
+    path = write_params(tmp_path / "p.yaml", lambda p: p["sweep"].update(storage="../sweeps"))
+    with pytest.raises(ParamsError, match=r"^sweep.storage: '../sweeps' is outside the project"):
+        load_params(path)
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            lambda p: p["gmm"]["grid"][0].update(seeds=[2**70]),
+            r"^gmm.grid\[0\].seeds\[0\]: must be in \[-2\*\*63",
+        ),
+        (lambda p: p["gmm"]["data"]["train"].update(seed=2**64), r"^gmm.data.train.seed: must be in"),
+        (
+            lambda p: p["gmm"].update(model={"nu0": math.nan}),
+            r"^gmm.model.nu0: must be a finite number, got nan",
+        ),
+        (lambda p: p["gmm"]["network"].update(hidden=-4), r"^gmm.network.hidden: must be at least 1, got -4"),
+        (
+            lambda p: p["gmm"]["data"]["train"]["sizes"].update(num_points=math.inf),
+            r"^gmm.data.train.sizes.num_points: must be a finite number, got inf",
+        ),
+        (
+            lambda p: p["gmm"]["data"]["test"]["sizes"].update(points=60),
+            r"^gmm.data.test.sizes.points: unknown size of task gmm; known: \['num_points'\]",
+        ),
+        (lambda p: p["gmm"]["grid"][0].update(seeds=[]), r"^gmm.grid\[0\].seeds: must be a non-empty list"),
+    ],
+)
+def test_params_refuse_values_out_of_range(tmp_path, change, expected):
+    with pytest.raises(ParamsError, match=expected):
+        load_params(write_params(tmp_path / "p.yaml", change))
 
 
 @pytest.mark.parametrize(
@@ -149,7 +213,67 @@ def test_record_refuses_durations_that_are_not_finite_and_positive(tmp_path, cap
     assert not (tmp_path / "s").exists()
 
 
+def test_datasets_of_no_points_or_all_nan_are_refused(files, tmp_path, capsys):
+    np.savez(tmp_path / "zero.npz", x=np.zeros((4, 0, 2)))
+    np.savez(tmp_path / "nan.npz", x=np.full((4, 10, 2), np.nan))
+    with pytest.raises(DatasetError, match=r"'x' shaped \(4, 0, 2\) has datasets of no entries"):
+        load_dataset(tmp_path / "zero.npz")
+    for name, expected in (
+        ("zero", "has datasets of no entries"),
+        ("nan", "contains NaN or infinite values"),
+    ):
+        data = str(tmp_path / f"{name}.npz")
+        line = run_error(["train", *TRAIN, "--data", data, "--out", str(tmp_path / "c.pt")], capsys)
+        assert expected in line and data in line, line
+        argv = [
+            "evaluate",
+            "--checkpoint",
+            str(files / "ckpt.pt"),
+            "--data",
+            data,
+            "--out",
+            str(tmp_path / "m.json"),
+        ]
+        line = run_error(argv, capsys)
+        assert expected in line and data in line, line
+    assert not (tmp_path / "c.pt").exists() and not (tmp_path / "m.json").exists()
+
+
+def test_a_file_read_in_batches_is_refused_when_its_first_dataset_is_nan(tmp_path):
+    from apg.data import StoredRows
+    from pipeline.common import check_task_data
+
+    np.savez(tmp_path / "nan.npz", x=np.full((4, 10, 2), np.nan, dtype=np.float32))
+    with pytest.raises(DatasetError, match="contains NaN or infinite values"):
+        check_task_data("gmm", StoredRows(tmp_path / "nan.npz"), tmp_path / "nan.npz")
+
+
 # --------------------------------------------------------------------------- hangs
+
+
+def test_the_generate_stage_refuses_a_set_the_disk_cannot_hold_before_writing(tmp_path, capsys):
+    from pipeline.generate import main as generate_main
+
+    path = write_params(tmp_path / "p.yaml", lambda p: p["gmm"]["data"]["train"].update(num_datasets=10**12))
+    out = tmp_path / "data"
+    line = run_error(["--task", "gmm", "--params", path, "--out", str(out)], capsys, entry=generate_main)
+    assert (
+        line.startswith("gmm's datasets (train, test, figure_0, figure_1): about ") and "on disk" in line
+    ), line
+    assert not out.exists()
+
+
+def test_the_generate_stage_refuses_one_dataset_memory_cannot_hold(tmp_path, capsys, monkeypatch):
+    from pipeline.generate import main as generate_main
+
+    monkeypatch.setattr(checks, "available_memory", lambda device="cpu": 10_000)
+    path = write_params(
+        tmp_path / "p.yaml", lambda p: p["gmm"]["data"]["train"]["sizes"].update(num_points=10**6)
+    )
+    line = run_error(
+        ["--task", "gmm", "--params", path, "--out", str(tmp_path / "data")], capsys, entry=generate_main
+    )
+    assert line.startswith("one dataset of gmm's train set: about 24.1 MB in memory"), line
 
 
 def test_the_byte_estimate_matches_a_small_set_and_scales_a_large_one():
@@ -164,6 +288,13 @@ def test_the_byte_estimate_matches_a_small_set_and_scales_a_large_one():
 # --------------------------------------------------------------------------- messages
 
 
+def test_a_binary_params_file_is_named(tmp_path, capsys):
+    path = tmp_path / "params.yaml"
+    path.write_bytes(bytes(range(128, 256)) * 4)
+    line = run_error(["report", "--params", str(path)], capsys)
+    assert line.startswith(f"{path} is not a YAML text file"), line
+
+
 @pytest.mark.parametrize("content", [b"", b"{not json", bytes(range(128, 256))])
 def test_every_json_parse_error_names_its_file(tmp_path, content):
     for name in ("run.json", "meta.json", "manifest.json"):
@@ -171,6 +302,21 @@ def test_every_json_parse_error_names_its_file(tmp_path, content):
         path.write_bytes(content)
         with pytest.raises(ValueError, match=rf"^{path} is not (valid JSON|UTF-8 text) \("):
             checks.read_json(path)
+
+
+def test_a_corrupt_history_or_manifest_is_named(tmp_path):
+    from pipeline.evaluate import cell_history
+    from pipeline.recorded import recorded_runs
+
+    cell = {"history": "history.csv", "method": "apg", "K": 2, "L": 3, "seed": 0, "cell_id": "c"}
+    for content in (bytes(range(128, 256)) * 8, b"a,b\n1,2,3,4\n5\n", b"x\n1\n"):
+        (tmp_path / "history.csv").write_bytes(content)
+        with pytest.raises(ValueError, match=rf"^{tmp_path / 'history.csv'} "):
+            cell_history(tmp_path, "gmm", cell)
+    (tmp_path / "recorded" / "run").mkdir(parents=True)
+    (tmp_path / "recorded" / "run" / "manifest.json").write_text('{"cells": ')
+    with pytest.raises(ValueError, match=r"manifest.json is not valid JSON"):
+        recorded_runs(tmp_path)
 
 
 def test_a_bad_key_value_flag_is_one_line(tmp_path, capsys):

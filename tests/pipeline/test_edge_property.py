@@ -1,21 +1,25 @@
 """A property of the edge: whatever flags ``generate`` and ``train`` get (valid or not:
 negatives, zero, NaN, infinities, huge numbers, junk strings, unknown keys and flags), a
 call ends in a clean start or in one line ``... error: ...`` with exit status 2, never a
-traceback. The work after a clean
+traceback. Params files likewise load or raise ``ParamsError``. The work after a clean
 start is cut short (a few datasets simulated, no training step), so examples stay fast."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 from unittest import mock
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipeline.generate
 from pipeline import cli
+from pipeline.config import ParamsError, validate_params
+from tests.support import REPO
 
 SETTINGS = settings(
     max_examples=100,
@@ -154,3 +158,57 @@ def test_train_starts_cleanly_or_refuses_in_one_line(data, argv):
     with mock.patch.object(cli, "drive", drive):
         result = outcome(["train", "--data", str(data / "train.npz"), "--out", str(data / "c.pt"), *argv])
     assert result in ("started", "refused")
+
+
+PARAM_KEYS = [
+    ("gmm", "data", "train", "num_datasets"),
+    ("gmm", "data", "train", "seed"),
+    ("gmm", "data", "train", "sizes", "num_points"),
+    ("gmm", "data", "test", "sizes", "num_points"),
+    ("gmm", "model", "nu0"),
+    ("gmm", "model", "num_clusters"),
+    ("gmm", "network", "hidden"),
+    ("gmm", "train", "lr"),
+    ("gmm", "train", "batch_size"),
+    ("gmm", "train", "iterations"),
+    ("gmm", "evaluate", "seed"),
+    ("gmm", "evaluate", "batch_size"),
+    ("sweep", "log_every"),
+    ("sweep", "storage"),
+    ("report", "out"),
+    ("gmm", "unknown_key"),
+]
+PARAM_VALUES = st.one_of(
+    st.integers(-5, 100),
+    st.sampled_from([0, -1, 10**12, 2**64, 2**70, True, None, [], {}, [1], "abc", "../../x", "/tmp/x"]),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+
+
+@pytest.fixture(scope="module")
+def base_params():
+    return yaml.safe_load((REPO / "params.yaml").read_text())
+
+
+@settings(SETTINGS, max_examples=30)
+@given(key=st.sampled_from(PARAM_KEYS), value=PARAM_VALUES)
+def test_params_load_or_are_refused_naming_the_key(base_params, key, value):
+    params = yaml.safe_load(yaml.safe_dump(base_params))
+    params["tasks"] = ["gmm"]  # one task's section: the others are checked the same way
+    where = params
+    for part in key[:-1]:
+        where = where[part]
+    where[key[-1]] = value
+    try:
+        validate_params(params)
+    except ParamsError as err:
+        text = str(err)
+        assert text and "\n" not in text, text
+        return
+    # Accepted: then the value is one the key can take.
+    assert key[-1] != "unknown_key"
+    assert not (isinstance(value, float) and not math.isfinite(value)), (key, value)
+    if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        assert key[-1] in ("nu0", "seed", "iterations"), (key, value)  # finite floats, torch's seeds, 0 steps
+    if key[-1] == "out":
+        assert not value.startswith(("/", ".."))
