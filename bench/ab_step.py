@@ -61,7 +61,7 @@ def export_old_package(rev: str, root: Path) -> Path:
 def default_cell(task_name: str, method: str) -> tuple[dict, torch.Tensor]:
     """The training config (as a dict) and training inputs of the first cell of ``method``
     in params.yaml's grid for ``task_name``: the default run's step."""
-    from pipeline.config import grid_cells, load_params
+    from pipeline.config.params import grid_cells, load_params
     from pipeline.generate import simulate_set
 
     params = load_params(Path("params.yaml"))
@@ -113,7 +113,7 @@ def make_trainer(
         )
     trainer = training.Trainer(cfg, data["x"].float())
     if weights is not None:
-        from pipeline.runs import latest_state
+        from pipeline.runs.execute import latest_state
 
         state = latest_state(Path(weights))
         if state is None:

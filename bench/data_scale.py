@@ -38,8 +38,8 @@ def generate(path: str, videos: int) -> dict:
     import numpy as np
     import torch
 
+    from pipeline.config.profiles import resolve
     from pipeline.generate import save_reproducible, simulate_chunks
-    from pipeline.profiles import resolve
 
     torch.set_num_threads(1)
     data = resolve("paper")["bmnist"]["data"]

@@ -42,8 +42,8 @@ def difference(u: float, v: float) -> float:
 def configs(params_file: str) -> list[tuple[str, dict]]:
     """``(task, shrunk TrainConfig as a dict)`` for every distinct config of the grids."""
     from apg.fingerprint import shrunk
-    from pipeline.config import grid_cells
-    from pipeline.profiles import load
+    from pipeline.config.params import grid_cells
+    from pipeline.config.profiles import load
 
     params = load(params_file)
     seen: dict[str, tuple[str, dict]] = {}
@@ -66,8 +66,8 @@ def measure(params_file: str, out: str) -> None:
 
     from apg.fingerprint import BATCH, numbers
     from apg.training import TrainConfig
+    from pipeline.config.profiles import load
     from pipeline.generate import simulate_set
-    from pipeline.profiles import load
 
     params = load(params_file)
     rows = []

@@ -64,8 +64,8 @@ def plan(
     """One row per (task, method, K, L) of the grid: the cell's config and how many cells
     (seeds, roles) of the grid share it; only ``methods`` and ``pairs`` ("KxL") if given.
     ``params_file``: a params file or a profile's name."""
-    from pipeline.config import grid_cells
-    from pipeline.profiles import load
+    from pipeline.config.params import grid_cells
+    from pipeline.config.profiles import load
 
     params = load(params_file)
     rows: dict[tuple, dict] = {}

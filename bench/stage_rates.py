@@ -27,9 +27,9 @@ import torch
 
 from apg.training import Trainer
 from pipeline.common import seed_everything
-from pipeline.config import grid_cells, load_params
+from pipeline.config.params import grid_cells, load_params
 from pipeline.generate import simulate_set
-from pipeline.provenance import machine, machine_line
+from pipeline.provenance.record import machine, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]
 TRIALS_AT_ONCE = 2

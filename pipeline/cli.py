@@ -29,7 +29,7 @@ Subcommands::
 
 Bad input (shapes, non-finite data, K < 1, L < 2, unknown task or method, missing or
 corrupt files, an invalid params file, values out of range, a device this machine lacks, a
-set its memory or disk cannot hold: ``pipeline.checks``) ends with one line
+set its memory or disk cannot hold: ``pipeline.config.checks``) ends with one line
 ``apg-pipeline: error: ...`` and exit status 2, before any training; outputs are written
 atomically.
 """
@@ -49,10 +49,10 @@ import yaml
 
 from apg.data import atomic_write, save_dataset
 from apg.training import TrainConfig, Trainer, evaluate
-from pipeline import checks
 from pipeline.common import check_budget, load_task_data, load_trained, load_training_rows, seed_everything
-from pipeline.driver import Callback, drive
+from pipeline.config import checks
 from pipeline.errors import run_guarded
+from pipeline.runs.loop import Callback, drive
 
 
 def _key_values(items: list[str], flag: str) -> dict[str, Any]:
@@ -73,8 +73,8 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from pipeline.config.schema import check_sizes
     from pipeline.generate import simulate_set
-    from pipeline.params_schema import check_sizes
 
     if args.num_datasets < 1:
         raise ValueError(f"--num-datasets must be >= 1, got {args.num_datasets}")
@@ -98,7 +98,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_smoke(args: argparse.Namespace) -> None:
-    from pipeline.profiles import load, params_file
+    from pipeline.config.profiles import load, params_file
     from pipeline.smoke import run_smoke, timing_table
 
     with params_file(load(args.params)) as path:
@@ -108,7 +108,7 @@ def cmd_smoke(args: argparse.Namespace) -> None:
 
 
 def cmd_config(args: argparse.Namespace) -> None:
-    from pipeline.profiles import dump, extends, resolve
+    from pipeline.config.profiles import dump, extends, resolve
 
     params = resolve(args.profile, args.check)
     variant = f"profiles/check/{args.profile}.yaml over " if args.check else ""
@@ -116,7 +116,7 @@ def cmd_config(args: argparse.Namespace) -> None:
         params,
         f"apg-pipeline config --profile {args.profile}{' --check' if args.check else ''}: "
         f"{variant}profiles/{args.profile}.yaml over {extends(args.profile)}, resolved.\n"
-        "Generated: edit the overlays in profiles/ (pipeline/profiles.py), not this.",
+        "Generated: edit the overlays in profiles/ (pipeline/config/profiles.py), not this.",
     )
     if args.out is None:
         sys.stdout.write(text)
@@ -127,7 +127,7 @@ def cmd_config(args: argparse.Namespace) -> None:
 
 
 def cmd_record(args: argparse.Namespace) -> None:
-    from pipeline.recorded import record
+    from pipeline.recorded.record import record
 
     record(
         args.profile,
@@ -158,7 +158,7 @@ def cmd_long_run(args: argparse.Namespace) -> None:
         if given is not None and not args.grid:
             raise ValueError(f"long-run: {option} goes with --grid (a sitting trains on the run's own data)")
     if args.grid:
-        from pipeline.longrun_grid import evaluate_grid
+        from pipeline.runs.grid import evaluate_grid
 
         sets = None if args.sets is None else [name for name in args.sets.split(",") if name]
         path = evaluate_grid(
@@ -169,7 +169,7 @@ def cmd_long_run(args: argparse.Namespace) -> None:
     if args.minutes is None and args.steps is None:
         raise ValueError("long-run: give --minutes or --steps (how long this sitting trains), or --grid")
     _check_sitting(args)
-    from pipeline.longrun_grid import new_run
+    from pipeline.runs.grid import new_run
 
     new = new_run(args.start, method=method) if args.start else None
     _advance(root, run_dir, args, new)
@@ -182,7 +182,7 @@ def _check_sitting(args: argparse.Namespace) -> None:
 
 
 def _advance(root: Path, run_dir: Path, args: argparse.Namespace, new: dict[str, Any] | None) -> None:
-    from pipeline.runs import advance
+    from pipeline.runs.execute import advance
 
     segment = advance(
         root,
@@ -335,7 +335,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_impute(args: argparse.Namespace) -> None:
-    from pipeline.impute import impute_file
+    from pipeline.evaluate.impute import impute_file
 
     check_budget(args.sweeps, args.particles)
     checks.seed(args.seed, "--seed")
@@ -664,7 +664,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-STAGES = {"sweep": "sweep", "eval-sweep": "evaluate", "report": "report", "tune": "tune"}
+STAGES = {
+    "sweep": "sweep.stage",
+    "eval-sweep": "evaluate.stage",
+    "report": "report.stage",
+    "tune": "search.stage",
+}
 
 
 def main(argv: list[str] | None = None) -> None:

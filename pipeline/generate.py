@@ -37,10 +37,10 @@ import torch
 
 from apg.data import DatasetError, atomic_write
 from apg.tasks import get_task
-from pipeline import checks
 from pipeline.common import project_root
-from pipeline.config import evaluation_sets, load_params
-from pipeline.stages import record_stage_time
+from pipeline.config import checks
+from pipeline.config.params import evaluation_sets, load_params
+from pipeline.provenance.stages import record_stage_time
 
 CHUNK_BYTES = 256 * 2**20  # arrays simulated and written at once, at most (roughly)
 

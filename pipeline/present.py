@@ -1,5 +1,5 @@
 """How the report shows numbers and animations: one place for ``pipeline.report`` and the
-report part of ``pipeline.impute``, so every table formats alike."""
+report part of ``pipeline.evaluate.impute``, so every table formats alike."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from apg.data.mnist import ENV_VAR as MNIST_ENV
-from pipeline.stages import package_root, stage_times
+from pipeline.provenance.stages import package_root, stage_times
 
 COPIED = ("apg", "pipeline", "dvc.yaml", ".dvcignore", ".gitignore")
 MARKER = ".apg-sandbox"  # in every sandbox: only a folder holding it is ever deleted
@@ -87,7 +87,7 @@ def _copy_code(src: Path, directory: Path) -> None:
 
 
 def no_recorded_runs(directory: Path) -> None:
-    """The report stage reads recorded runs (``pipeline.recorded``, a dvc dep); a sandbox has none."""
+    """The report stage reads recorded runs (``pipeline.recorded.record``, a dvc dep); a sandbox has none."""
     (directory / "recorded").mkdir(exist_ok=True)
     (directory / "recorded" / "README.md").write_text("No recorded runs in a sandbox.\n")
 

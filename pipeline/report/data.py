@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 
 from apg.data import atomic_write
-from pipeline.impute import load_imputation
-from pipeline.recorded import compress_samples
+from pipeline.evaluate.impute import load_imputation
+from pipeline.recorded.record import compress_samples
 
 PAPER_NUMBERS = Path(__file__).parents[1] / "paper_numbers.yaml"
 

@@ -18,11 +18,11 @@ import yaml
 from matplotlib.ticker import MaxNLocator
 
 from apg.tasks.bmnist.config import BMNISTConfig
-from pipeline.longrun_grid import COLUMNS, GRID, TRAIL
 from pipeline.report.claims import ClaimResult, check_claim, claims_not_run, verdict
 from pipeline.report.data import PAPER_NUMBERS, finals
 from pipeline.report.figures import _save
 from pipeline.report.longrun_reach import reach_markdown, reaches
+from pipeline.runs.grid import COLUMNS, GRID, TRAIL
 from pipeline.runs.spec import LONG_RUN_METHOD as METHOD
 from pipeline.runs.spec import RUN
 from pipeline.statistics import seed_interval
@@ -72,7 +72,7 @@ def per_set(grid: pd.DataFrame) -> pd.DataFrame:
 
 def as_evaluation_rows(grid: pd.DataFrame, method: str, pair: tuple[int, int]) -> pd.DataFrame:
     """One step's grid of a run at ``pair`` (its K, L) in the evaluation's long form
-    (``pipeline/evaluate.py``), each video in place of a seed: what ``check_claim`` reads."""
+    (``pipeline/evaluate/stage.py``), each video in place of a seed: what ``check_claim`` reads."""
     long = grid.melt(
         id_vars=["iteration", "set", "video", "sweep"], value_vars=list(COLUMNS), var_name="metric"
     )

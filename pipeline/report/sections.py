@@ -12,10 +12,10 @@ import pandas as pd
 
 from apg.data import atomic_write
 from apg.tasks import get_task
-from pipeline import provenance
-from pipeline.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
-from pipeline.impute import report_imputation
+from pipeline.evaluate.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
+from pipeline.evaluate.impute import report_imputation
 from pipeline.present import pm
+from pipeline.provenance import record as provenance
 from pipeline.report.axes import axes_markdown
 from pipeline.report.claims import REPLICATION, ClaimResult, task_claims
 from pipeline.report.data import COMMITTED_DATA, main_rows, primary_test_set, retrained_rows, scale_caption

@@ -24,10 +24,11 @@ import seaborn as sns
 import yaml
 
 from apg.data import atomic_write
-from pipeline import provenance, stages
 from pipeline.common import project_root
-from pipeline.config import load_params
-from pipeline.recorded import GENERATIVE_ONLY, recorded_runs
+from pipeline.config.params import load_params
+from pipeline.provenance import record as provenance
+from pipeline.provenance import stages
+from pipeline.recorded.record import GENERATIVE_ONLY, recorded_runs
 from pipeline.report.claims import (
     claims_markdown,
     claims_not_run,
@@ -64,7 +65,7 @@ from pipeline.statistics import (
 
 
 def trials_at_once(sweep: dict[str, Any]) -> int:
-    """How many CPU trials a sweep runs at once on this machine (``pipeline.sweep``'s rule)."""
+    """How many CPU trials a sweep runs at once on this machine (``pipeline.sweep.stage``'s rule)."""
     cpus = sweep.get("num_cpus") or os.cpu_count() or 1
     parallel = max(int(cpus // max(sweep.get("cpus_per_trial", 1), 1e-9)), 1)
     return min(parallel, sweep["max_concurrent"]) if sweep.get("max_concurrent") else parallel
@@ -159,7 +160,7 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         payload = json.dumps(metrics, indent=2, sort_keys=True) + "\n"
         atomic_write(path, lambda tmp, payload=payload: tmp.write_text(payload))
     # What produced these results (code and params digests, commit): the CI check that
-    # committed results are the checkout's own reads it (pipeline.provenance). A rebuild
+    # committed results are the checkout's own reads it (pipeline.provenance.record). A rebuild
     # from the committed rows trained and evaluated nothing: the record keeps what did, and
     # takes the report stage's own code (which did run) at this checkout's digests.
     if from_committed:
@@ -170,7 +171,7 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         if readme.is_file():
             provenance.set_banner(readme, dict(provenance.BANNER_PLACES)["README.md"], stale)
     else:
-        from pipeline.numerics import numerics
+        from pipeline.provenance.numerics import numerics
 
         provenance.write_record(params, root, out, numerics(params))
         # These results are now the checkout's own: a stale line that an earlier
@@ -303,7 +304,7 @@ def recorded_markdown(root: Path, out: Path, paper_all: dict[str, Any], fmt: str
     lines = [
         "## Recorded runs at other scales",
         "",
-        "Runs too long for `dvc repro` (`apg-pipeline record <profile>`, `pipeline/recorded.py`): "
+        "Runs too long for `dvc repro` (`apg-pipeline record <profile>`, `pipeline/recorded/record.py`): "
         "their evaluation results and trained weights are kept in `recorded/` and this stage "
         "rebuilds their tables and figures from them. Each names the commit whose code trained it; "
         "`training code today` says whether the training code (the sweep stage's code digest) is "

@@ -4,26 +4,12 @@ A run is a folder (under ``recorded/``, kept in git) that any machine continues 
 the last one stopped: ``apg-pipeline continue RUN --minutes N`` on 2 CPU cores at low
 priority or on a GPU, then ``git add`` the folder. What a run is (``run.json``) lives in
 :mod:`pipeline.runs.spec`, the executor that advances one and the files it writes in
-:mod:`pipeline.runs.execute`, and the compact form of its state in
-:mod:`pipeline.runs.compact`.
+:mod:`pipeline.runs.execute`, the compact form of its state in :mod:`pipeline.runs.compact`,
+the training loop every caller drives (sweep and search trials, ``train``, recorded
+profiles and runs) in :mod:`pipeline.runs.loop`, and the long Bouncing MNIST runs' grid
+evaluation in :mod:`pipeline.runs.grid`.
 
 Imports: :mod:`apg`, and the pipeline's config (profiles, grids), common helpers, training
-loop (:mod:`pipeline.driver`), evaluation helpers and provenance lines. Never a planner (the
+loop (:mod:`pipeline.runs.loop`), evaluation helpers and provenance lines. Never a planner (the
 sweep, the search, recorded profiles) and never the report: they read a run's files.
 """
-
-from pipeline.runs.execute import advance, latest_state, restore, score
-from pipeline.runs.spec import RUNS_DIR, new_run, parse_cell, read_run, run_method, run_name
-
-__all__ = [
-    "RUNS_DIR",
-    "advance",
-    "latest_state",
-    "new_run",
-    "parse_cell",
-    "read_run",
-    "restore",
-    "run_method",
-    "run_name",
-    "score",
-]

@@ -37,12 +37,12 @@ import torch
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, evaluate
-from pipeline import checks
 from pipeline.common import seed_everything
-from pipeline.driver import Callback, drive, write_history
-from pipeline.evaluate_particles import final_particle, particle_scores, tracking_errors
-from pipeline.provenance import device_line, git_commit, utc_now
+from pipeline.config import checks
+from pipeline.evaluate.particles import final_particle, particle_scores, tracking_errors
+from pipeline.provenance.record import device_line, git_commit, utc_now
 from pipeline.runs.compact import compact, expand
+from pipeline.runs.loop import Callback, drive, write_history
 from pipeline.runs.spec import (
     EVALS,
     FULL_STATE,

@@ -30,8 +30,8 @@ import torch
 
 from apg.data import atomic_write
 from apg.tasks import get_task
-from pipeline import checks
-from pipeline.config import evaluation_sets, grid_cells
+from pipeline.config import checks
+from pipeline.config.params import evaluation_sets, grid_cells
 
 RUN, STATE, HISTORY, EVALS, SEGMENTS = "run.json", "state.pt", "history.csv", "evals.csv", "segments.csv"
 FULL_STATE = "full-state.pt"  # the same state unquantized, for the machine that wrote it (not in git)
@@ -91,7 +91,7 @@ def new_run(
 ) -> dict[str, Any]:
     """``run.json`` of a new run of ``profile``'s cell ``task/method/K/L/seed``; ``eval_size``:
     score the first n of the held-out set (default all of it)."""
-    from pipeline import profiles
+    from pipeline.config import profiles
 
     params = profiles.resolve(profile)
     if task not in params:

@@ -189,7 +189,7 @@ def test_the_gradient_check_leaves_the_trials_draws_as_they_were():
 def test_params_turn_compiling_on_per_task_or_per_grid_entry():
     import copy
 
-    from pipeline.config import ParamsError, grid_cells, load_params, validate_params
+    from pipeline.config.params import ParamsError, grid_cells, load_params, validate_params
 
     params = load_params(REPO / "params.yaml")
     on = copy.deepcopy(params)

@@ -125,7 +125,7 @@ def test_the_start_ignores_whatever_the_hidden_entries_hold():
 
 
 def test_task_settings_are_checked_before_any_work():
-    from pipeline.impute import check_settings
+    from pipeline.evaluate.impute import check_settings
 
     video_set = {"name": "T5", "sizes": {"num_frames": 5}}
     with pytest.raises(ValueError, match="gmm and bmnist only, not dgmm"):
@@ -166,7 +166,7 @@ def test_gmm_masks_are_seeded():
 def test_pipeline_imputation_rows_for_both_tasks():
     """``imputation_frame`` on untrained cells: the rows, metrics and examples the report reads."""
     from apg.training import TrainConfig, build
-    from pipeline.impute import imputation_frame, imputation_markdown, imputation_table
+    from pipeline.evaluate.impute import imputation_frame, imputation_markdown, imputation_table
 
     torch.manual_seed(0)
     spec, _, arrays = _gmm(num_datasets=3, num_points=12)

@@ -112,7 +112,7 @@ def start_sweep(root: Path) -> subprocess.Popen:
     """The GMM's data generated, then its sweep started in the background, quietly."""
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        [sys.executable, "-m", "pipeline.sweep.stage", "--task", "gmm"],
         cwd=root,
         env=env(),
         stdout=subprocess.DEVNULL,

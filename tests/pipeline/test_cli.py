@@ -424,7 +424,7 @@ def test_an_os_error_is_one_line_naming_the_path(files, tmp_path, capsys):
 
 
 def test_params_with_a_key_given_twice_are_refused(tmp_path):
-    from pipeline.config import ParamsError, load_params
+    from pipeline.config.params import ParamsError, load_params
 
     text = (REPO / "params.yaml").read_text()
     doubled = text.replace("tasks:", "tasks: [gmm]\ntasks:", 1)

@@ -10,8 +10,9 @@ import json
 import pytest
 import yaml
 
-from pipeline import provenance, report
-from pipeline.config import load_params
+from pipeline import report
+from pipeline.config.params import load_params
+from pipeline.provenance import record as provenance
 from pipeline.report.training import training_table
 from tests.support import REPO
 

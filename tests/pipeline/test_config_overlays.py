@@ -1,4 +1,4 @@
-"""Profiles as overlays of ``params.yaml`` (``pipeline.profiles``): the merge rules, every
+"""Profiles as overlays of ``params.yaml`` (``pipeline.config.profiles``): the merge rules, every
 profile resolving to valid params, check variants that are their profile under
 ``paper-check``'s caps, and ``apg-pipeline config``."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import profiles
 from pipeline.cli import main
-from pipeline.config import ParamsError, grid_cells, validate_params
-from pipeline.recorded import CHECK_ITERATIONS, CHECK_PROFILE
+from pipeline.config import profiles
+from pipeline.config.params import ParamsError, grid_cells, validate_params
+from pipeline.recorded.record import CHECK_ITERATIONS, CHECK_PROFILE
 from tests.support import REPO
 
 NAMES = profiles.profile_names()

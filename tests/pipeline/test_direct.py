@@ -1,5 +1,5 @@
 """``apg-pipeline record --direct``: a recorded run's stages without Ray, MLflow or DVC
-(``pipeline.direct``), training sized to the clock, cut at a deadline, split between
+(``pipeline.recorded.direct``), training sized to the clock, cut at a deadline, split between
 machines, and what the kept run holds."""
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ import yaml
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.training import TrainConfig, build
-from pipeline import direct, provenance, recorded
 from pipeline.common import seed_everything
+from pipeline.provenance import record as provenance
+from pipeline.recorded import direct
+from pipeline.recorded import record as recorded
 
 SMOKE = "smoke"  # the profile laid under paper-gmm in place of the paper's sizes
 
@@ -141,7 +143,7 @@ def test_a_curriculum_step_finds_the_earlier_runs_checkpoints_by_their_recorded_
     found = starts["cells"]["gmm"][recorded.cell_key("apg", 2, 3, 0)]
     assert Path(found["path"]).read_bytes() == init.read_bytes() and found["sha256"] == file_digest(init)
 
-    class Cell:  # what pipeline.sweep.plan gives per cell
+    class Cell:  # what pipeline.sweep.stage.plan gives per cell
         name, seed = "gmm/apg", 0
         train = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3)
 
@@ -254,7 +256,7 @@ def test_direct_record_trains_to_the_clock_on_one_machine_and_evaluates_on_anoth
     manifest = json.loads((kept / "manifest.json").read_text())
     assert manifest["commit"] == "c0ffee1"  # named by the caller: a lent machine's git may be stale
     assert manifest["device"] == manifest["eval_device"] == provenance.device_line("cpu")  # the CPU's line
-    assert "pipeline.direct" in manifest["machine"]
+    assert "pipeline.recorded.direct" in manifest["machine"]
     assert set(manifest["stage_minutes"]) == {"generate@gmm", "sweep@gmm", "evaluate@gmm"}
     for name in recorded.EVAL_FILES:
         assert (kept / "eval" / "gmm" / name).is_file(), name

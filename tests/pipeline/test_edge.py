@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from apg.data import DatasetError, load_dataset
-from pipeline import checks
 from pipeline.cli import main
-from pipeline.config import ParamsError, load_params
+from pipeline.config import checks
+from pipeline.config.params import ParamsError, load_params
 from tests.support import REPO
 
 TRAIN = ["--task", "gmm", "-K", "2", "-L", "3", "--batch-size", "4", "--iterations", "1", "--threads", "1"]
@@ -305,8 +305,8 @@ def test_every_json_parse_error_names_its_file(tmp_path, content):
 
 
 def test_a_corrupt_history_or_manifest_is_named(tmp_path):
-    from pipeline.evaluate import cell_history
-    from pipeline.recorded import recorded_runs
+    from pipeline.evaluate.stage import cell_history
+    from pipeline.recorded.record import recorded_runs
 
     cell = {"history": "history.csv", "method": "apg", "K": 2, "L": 3, "seed": 0, "cell_id": "c"}
     for content in (bytes(range(128, 256)) * 8, b"a,b\n1,2,3,4\n5\n", b"x\n1\n"):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import pipeline.generate
 from pipeline import cli
-from pipeline.config import ParamsError, validate_params
+from pipeline.config.params import ParamsError, validate_params
 from tests.support import REPO
 
 SETTINGS = settings(

@@ -13,10 +13,10 @@ import yaml
 
 from apg.checkpoint import load_checkpoint
 from apg.tasks.bmnist.simulator import VideoRows, row_seed
-from pipeline.longrun_grid import new_run
 from pipeline.report.data import PAPER_NUMBERS
 from pipeline.runs.compact import compact, expand
 from pipeline.runs.execute import advance, score
+from pipeline.runs.grid import new_run
 from pipeline.runs.spec import EVALS, FULL_STATE, HISTORY, RUN, SEGMENTS, STATE, held_out, training_rows
 from tests.support import needs_mnist
 
@@ -229,8 +229,8 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
 ):
     import shutil
 
-    from pipeline import longrun_grid
     from pipeline.report.longrun_grid import grid_markdown
+    from pipeline.runs import grid as longrun_grid
 
     run = tiny_run()
     advance(tmp_path, tmp_path / "r", steps=1, new=run)
@@ -326,7 +326,7 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
 
 @needs_mnist
 def test_the_grid_of_a_method_that_reports_one_sweep_has_a_row_per_video(tmp_path, mnist_env, monkeypatch):
-    from pipeline import longrun_grid
+    from pipeline.runs import grid as longrun_grid
 
     advance(tmp_path, tmp_path / "avf", steps=1, new=tiny_run("avf"))
     sets = [{"name": "T3_D1", "num_datasets": 2, "seed": 9, "sizes": {"num_frames": 3, "num_digits": 1}}]

@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import pytest
 
-from pipeline.config import ParamsError, grid_cells, validate_params
+from pipeline.config.params import ParamsError, grid_cells, validate_params
 from tests.pipeline.harness import make_repo, run, tiny
 
 

@@ -1,4 +1,4 @@
-"""The stages' numerics fingerprints (pipeline.numerics): the same code gives the same
+"""The stages' numerics fingerprints (pipeline.provenance.numerics): the same code gives the same
 digests, and a change in what a stage computes changes exactly its own."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import copy
 
 import pytest
 
-from pipeline import numerics, profiles
-from pipeline.config import grid_cells
+from pipeline.config import profiles
+from pipeline.config.params import grid_cells
+from pipeline.provenance import numerics
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import torch
 import yaml
 
 from pipeline import tracking
-from pipeline.config import ParamsError, grid_cells, validate_params
+from pipeline.config.params import ParamsError, grid_cells, validate_params
 from pipeline.errors import SweepError
-from pipeline.ray_setup import check_ray_address
+from pipeline.sweep.ray_setup import check_ray_address
 from tests.pipeline.harness import TINY
 from tests.support import REPO
 
@@ -103,7 +103,7 @@ def test_bad_axes_name_the_key(axes, expected, tiny):
 def test_trials_start_longest_first(tiny):
     # The rings' hmc-rws cell (a leapfrog per transition) once ran alone for 22 minutes at the
     # end of the sweep; ordered by estimated cost it starts first, gibbs (nothing to train) last.
-    from pipeline.sweep import estimated_cost
+    from pipeline.sweep.stage import estimated_cost
 
     grid = [{"methods": ["rws-mlp", "gibbs", "apg", "hmc-rws"], "pairs": [[2, 3]]}]
     cells = grid_cells(tiny(**{"gmm.grid": grid}), "gmm")
@@ -117,7 +117,7 @@ def test_the_evaluation_runs_on_its_own_thread_count(tmp_path, monkeypatch, tiny
     # The evaluate stage runs alone after the sweep, so it may use every core; without the key
     # it keeps a trial's count. A count below one is refused by name.
 
-    from pipeline import evaluate
+    from pipeline.evaluate import stage as evaluate
 
     with pytest.raises(ParamsError, match=r"^gmm.evaluate.threads: too small \(0\)$"):
         validate_params(tiny(**{"gmm.evaluate.threads": 0}))
@@ -233,7 +233,7 @@ def test_bad_params_name_the_key(changes, expected, tiny):
 def test_sweep_stage_fails_before_ray_starts(tmp_path, capsys, tiny):
     import ray
 
-    from pipeline.sweep import main
+    from pipeline.sweep.stage import main
 
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(tiny(**{"gmm.grid.0.pairs": [[2, 1]]})))
@@ -247,7 +247,7 @@ def test_sweep_stage_fails_before_ray_starts(tmp_path, capsys, tiny):
 
 
 def test_committed_params_file_is_valid():
-    from pipeline.config import load_params
+    from pipeline.config.params import load_params
 
     params = load_params(REPO / "params.yaml")  # the profiles: tests/pipeline/test_config_overlays.py
     assert all(grid_cells(params, task) for task in params["tasks"])
@@ -264,7 +264,7 @@ def test_unreachable_services_fail_fast():
 
 def test_smoke_profile_mirrors_the_defaults():
     # The smoke profile is only worth running if it exercises what params.yaml runs.
-    from pipeline.profiles import resolve
+    from pipeline.config.profiles import resolve
 
     full, smoke = yaml.safe_load((REPO / "params.yaml").read_text()), resolve("smoke")
     assert smoke["tasks"] == full["tasks"]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from pipeline import provenance, stages
+from pipeline.provenance import record as provenance
+from pipeline.provenance import stages
 from tests.support import REPO
 
 DVC = {
@@ -171,7 +172,8 @@ def _imported_code(module: str) -> set[str]:
     """The project files ``module`` imports at module level, transitively (imports inside
     functions are left out: they run only on the paths that need them)."""
     seen: set[Path] = set()
-    todo = [_module_file(module)]
+    main = REPO / Path(*module.split(".")) / "__main__.py"  # `python -m` of a package runs this
+    todo = [main if main.is_file() else _module_file(module)]
     while todo:
         path = todo.pop()
         if path is None or path in seen:
@@ -231,7 +233,7 @@ NUMBERS = {"a": {"data": "d1", "train": {"c": "t1"}, "evaluate": {"apg": "e1"}}}
 
 
 def test_refresh_takes_code_that_computes_the_recorded_numbers(tmp_path, monkeypatch):
-    from pipeline import numerics
+    from pipeline.provenance import numerics
 
     root = make_project(tmp_path)
     provenance.write_record(PARAMS, root, root / "reports", NUMBERS)
@@ -244,7 +246,7 @@ def test_refresh_takes_code_that_computes_the_recorded_numbers(tmp_path, monkeyp
 
 
 def test_refresh_changes_nothing_when_a_number_moved_or_the_params_did(tmp_path, monkeypatch):
-    from pipeline import numerics
+    from pipeline.provenance import numerics
 
     root = make_project(tmp_path)
     path = provenance.write_record(PARAMS, root, root / "reports", NUMBERS)
@@ -261,7 +263,7 @@ def test_refresh_changes_nothing_when_a_number_moved_or_the_params_did(tmp_path,
 
 
 def test_refresh_leaves_the_report_stages_own_code_to_a_rebuild_of_the_report(tmp_path, monkeypatch):
-    from pipeline import numerics
+    from pipeline.provenance import numerics
 
     root = make_project(tmp_path)
     provenance.write_record(PARAMS, root, root / "reports", NUMBERS)
@@ -273,7 +275,7 @@ def test_refresh_leaves_the_report_stages_own_code_to_a_rebuild_of_the_report(tm
 
 
 def test_numerics_differences_name_each_moved_number():
-    from pipeline.numerics import differences
+    from pipeline.provenance.numerics import differences
 
     moved = {"a": {"data": "d2", "train": {"c": "t1", "n": "t9"}, "evaluate": {"apg": "e1"}}}
     assert differences(NUMBERS, NUMBERS) == []

@@ -11,8 +11,11 @@ import sys
 import pytest
 import yaml
 
-from pipeline import profiles, provenance, recorded, stages
-from pipeline.config import grid_cells
+from pipeline.config import profiles
+from pipeline.config.params import grid_cells
+from pipeline.provenance import record as provenance
+from pipeline.provenance import stages
+from pipeline.recorded import record as recorded
 from tests.support import REPO
 
 RECORDED_PROFILES = sorted(set(profiles.profile_names()) - {"smoke", "paper"})

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pipeline import tracking
-from pipeline.stages import TIMINGS
+from pipeline.provenance.stages import TIMINGS
 from tests.pipeline.harness import TINY, env, make_repo, mlflow_runs, run, start_sweep, tiny
 from tests.support import MNIST_DIR, REPO, needs_mnist
 
@@ -159,7 +159,7 @@ def test_interrupted_sweep_resumes_without_rerunning_finished_cells(tmp_path, ti
     assert 1 <= len(finished) < 3, finished
     assert not (root / "results" / "gmm" / "sweep.json").exists()
 
-    resumed = run([sys.executable, "-m", "pipeline.sweep", "--task", "gmm"], root)
+    resumed = run([sys.executable, "-m", "pipeline.sweep.stage", "--task", "gmm"], root)
     summary = json.loads((root / "results" / "gmm" / "sweep.json").read_text())
     assert len(summary["cells"]) == 3
     # Ray Train's line per checkpoint is silenced in the trials (the progress line says it all)
@@ -182,7 +182,7 @@ def test_unsatisfiable_gpu_request_fails_before_trials(tmp_path, tiny):
     root = make_repo(tmp_path, tiny(**{"sweep.gpus_per_trial": 1}))
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        [sys.executable, "-m", "pipeline.sweep.stage", "--task", "gmm"],
         cwd=root,
         env=env(),
         capture_output=True,
@@ -201,7 +201,7 @@ def test_unsatisfiable_gpu_request_fails_before_trials(tmp_path, tiny):
 def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
     # A sweep whose grid changed gets a new parent run; its cells trained by the earlier
     # sweep are reused, and the report must still trace them to their training runs.
-    from pipeline.evaluate_mlflow import mlflow_run_ids
+    from pipeline.evaluate.logged import mlflow_run_ids
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = tracking.client(uri)
@@ -221,7 +221,7 @@ def test_reused_cells_keep_the_mlflow_run_that_trained_them(tmp_path):
 def test_run_ids_of_a_sweep_run_in_a_moved_project(tmp_path, monkeypatch):
     # The sweep ran in a copy of the project whose store is gone (its mlflow.db copied into
     # this one): the lookup must use this project's store, not create an empty one there.
-    from pipeline import evaluate_mlflow
+    from pipeline.evaluate import logged as evaluate_mlflow
 
     project = tmp_path / "project"
     project.mkdir()
@@ -243,7 +243,7 @@ def test_run_ids_of_a_sweep_run_in_a_moved_project(tmp_path, monkeypatch):
 def _planned(tmp_path, monkeypatch, code: str, reuse: bool = False):
     from apg.data import save_dataset
     from apg.tasks import get_task
-    from pipeline import sweep
+    from pipeline.sweep import stage as sweep
 
     data = tmp_path / "data" / "gmm" / "train.npz"
     if not data.is_file():
@@ -274,7 +274,7 @@ def test_cells_trained_by_other_code_are_new_cells_unless_reuse_is_asked_for(tmp
 
 
 def test_provenance_says_which_recorded_cells_a_repro_would_retrain(tmp_path, monkeypatch, tiny):
-    from pipeline import provenance
+    from pipeline.provenance import record as provenance
 
     cells, _, _ = _planned(tmp_path, monkeypatch, "numbers-1")
     params = tiny()
@@ -312,13 +312,13 @@ def test_provenance_says_which_recorded_cells_a_repro_would_retrain(tmp_path, mo
 
 
 def sweep_module():
-    from pipeline import sweep
+    from pipeline.sweep import stage as sweep
 
     return sweep
 
 
 def test_sweep_progress_counts_cells_and_estimates_the_time_left(capsys):
-    from pipeline.sweep import SweepProgress
+    from pipeline.sweep.stage import SweepProgress
 
     configs = [
         {"cell_id": "a", "train": {"iterations": 100, "method": "apg"}},
@@ -371,7 +371,7 @@ def test_smoke_profile_runs_every_stage_of_every_task_from_scratch(tmp_path):
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    from pipeline.profiles import resolve
+    from pipeline.config.profiles import resolve
 
     tasks = resolve("smoke")["tasks"]
     for task in tasks:
@@ -382,6 +382,6 @@ def test_smoke_profile_runs_every_stage_of_every_task_from_scratch(tmp_path):
     assert "smoke run of smoke: dvc repro from scratch in" in proc.stdout
     report = (box / "reports" / "README.md").read_text()
     assert "Claims of the paper" in report
-    from pipeline import provenance
+    from pipeline.provenance import record as provenance
 
     assert provenance.check(box)[0]  # the record matches the sandbox's code and params

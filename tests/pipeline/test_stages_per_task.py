@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pipeline.common import with_network
-from pipeline.config import ParamsError, evaluation_sets, validate_params
+from pipeline.config.params import ParamsError, evaluation_sets, validate_params
 from pipeline.generate import generate
 from tests.pipeline.harness import TINY, make_repo, run
 from tests.support import MNIST_DIR, needs_mnist
@@ -228,7 +228,7 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
 def test_figure_samples_carry_reconstructions_only_for_small_data():
     from apg.tasks import get_task
     from apg.training import TrainConfig, build
-    from pipeline.evaluate_particles import best_particles
+    from pipeline.evaluate.particles import best_particles
 
     cfg = TrainConfig(task="dgmm", method="apg", sweeps=2, particles=3).validate()
     model, proposals = build(cfg)

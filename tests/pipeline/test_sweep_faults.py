@@ -14,11 +14,11 @@ import torch
 
 from apg.checkpoint import save_checkpoint
 from pipeline.common import file_digest
-from pipeline.config import grid_cells
-from pipeline.driver import DONE, MODEL
+from pipeline.config.params import grid_cells
 from pipeline.errors import SweepError
-from pipeline.sweep import acquire_lock, check_finished, estimated_cost
-from pipeline.trial import RESUME, _resume_state
+from pipeline.runs.loop import DONE, MODEL
+from pipeline.sweep.stage import acquire_lock, check_finished, estimated_cost
+from pipeline.sweep.trial import RESUME, _resume_state
 from tests.pipeline.harness import tiny
 from tests.support import REPO
 
@@ -118,12 +118,12 @@ def test_runs_carry_the_commit_the_stage_and_the_params_digest(tmp_path):
 
     from pipeline import tracking
 
-    tags = tracking.source_tags(REPO, "pipeline.sweep", {"gmm": {"train": {"lr": 0.01}}})
+    tags = tracking.source_tags(REPO, "pipeline.sweep.stage", {"gmm": {"train": {"lr": 0.01}}})
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
-    assert tags["mlflow.source.git.commit"] == head and tags[tracking.TAG_STAGE] == "pipeline.sweep"
-    other = tracking.source_tags(REPO, "pipeline.sweep", {"gmm": {"train": {"lr": 0.02}}})
+    assert tags["mlflow.source.git.commit"] == head and tags[tracking.TAG_STAGE] == "pipeline.sweep.stage"
+    other = tracking.source_tags(REPO, "pipeline.sweep.stage", {"gmm": {"train": {"lr": 0.02}}})
     assert other[tracking.TAG_PARAMS] != tags[tracking.TAG_PARAMS]
     client = tracking.client(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.create_experiment("apg")
@@ -183,7 +183,7 @@ def test_a_full_disk_stops_the_sweep_at_once_without_retries(tmp_path, tiny):
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
     first = max(grid_cells(params, "gmm"), key=estimated_cost).name  # the one that starts first
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.sweep", "--task", "gmm"],
+        [sys.executable, "-m", "pipeline.sweep.stage", "--task", "gmm"],
         cwd=root,
         env={**env(), "APG_FAULT_INJECT": f"{first}:3:disk-full"},
         capture_output=True,
@@ -202,7 +202,7 @@ def test_a_full_disk_stops_the_sweep_at_once_without_retries(tmp_path, tiny):
 
 
 def _alive(pid: int, start: int) -> bool:
-    from pipeline.reaper import _stat
+    from pipeline.sweep.reaper import _stat
 
     info = _stat(pid)
     return info is not None and info[1] == start
@@ -222,7 +222,7 @@ def test_the_reaper_kills_what_a_killed_driver_left_and_nothing_else(tmp_path):
     import subprocess
     import time
 
-    from pipeline.reaper import _processes, descendants
+    from pipeline.sweep.reaper import _processes, descendants
 
     # A stand-in driver: a child that forks a grandchild (as raylet forks workers), then sleeps.
     code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, time; subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(600)\"]); time.sleep(600)']); time.sleep(600)"
@@ -232,7 +232,7 @@ def test_the_reaper_kills_what_a_killed_driver_left_and_nothing_else(tmp_path):
         deadline = time.time() + 30
         while len(descendants({driver.pid}, _processes())) < 2 and time.time() < deadline:
             time.sleep(0.05)
-        watcher = subprocess.Popen([sys.executable, "-m", "pipeline.reaper", str(driver.pid)], cwd=REPO)
+        watcher = subprocess.Popen([sys.executable, "-m", "pipeline.sweep.reaper", str(driver.pid)], cwd=REPO)
         time.sleep(1.5)  # the watcher has noted the driver's descendants
         left = descendants({driver.pid}, _processes())
         assert len(left) == 2
@@ -251,7 +251,7 @@ def test_a_killed_sweep_driver_takes_ray_s_processes_with_it(tmp_path, tiny):
     import signal
     import time
 
-    from pipeline.reaper import _processes, descendants
+    from pipeline.sweep.reaper import _processes, descendants
     from tests.pipeline.harness import make_repo, start_sweep
 
     root = make_repo(tmp_path, tiny(**{"gmm.train.iterations": 4000}))

@@ -1,4 +1,4 @@
-"""Hyperparameter search (``pipeline/tune.py``, ``apg-pipeline tune``).
+"""Hyperparameter search (``pipeline/search/stage.py``, ``apg-pipeline tune``).
 
 Fast tests: the search section is checked before Ray starts, with one-line errors. The
 slow loopback test runs a real search on a tiny GMM project: ASHA stops trials early,
@@ -22,10 +22,10 @@ import pytest
 import yaml
 
 from apg.checkpoint import load_checkpoint
-from pipeline.config import ParamsError, apply_setting
-from pipeline.tune import main
-from pipeline.tune_plan import check_section, extremes
-from pipeline.tune_report import TAG_BEST, TAG_TRIAL, asha_order, read_attempts
+from pipeline.config.params import ParamsError, apply_setting
+from pipeline.search.plan import check_section, extremes
+from pipeline.search.report import TAG_BEST, TAG_TRIAL, asha_order, read_attempts
+from pipeline.search.stage import main
 from tests.pipeline.harness import env, make_repo, mlflow_runs, run
 from tests.support import REPO
 
@@ -60,8 +60,8 @@ def test_a_good_section_plans_the_search(tiny):
 
 
 def test_searchers_and_schedulers_are_chosen_in_the_section(tiny):
-    from pipeline.tune import scheduler, searcher
-    from pipeline.tune_plan import plan_key
+    from pipeline.search.plan import plan_key
+    from pipeline.search.stage import scheduler, searcher
 
     plan = check_section(
         tiny(), "gmm", section(search={"algorithm": "hyperopt", "seed": 3, "max_concurrent": 4})
@@ -100,14 +100,14 @@ def test_a_blocks_ess_is_a_score_to_maximize(tiny):
 
 
 def test_report_lines_name_the_code_and_compare_with_the_defaults():
-    from pipeline.tune_report import defaults_line, made_at_line
+    from pipeline.search.report import defaults_line, made_at_line
 
     start = {"commit": "abc", "uncommitted": [], "started": "T0"}
-    resumed = {"commit": "def", "uncommitted": ["pipeline/tune.py"], "started": "T1"}
+    resumed = {"commit": "def", "uncommitted": ["pipeline/search/stage.py"], "started": "T1"}
     summary = {"starts": [start, resumed], "finished": "T2"}
     assert made_at_line(summary) == (
         "Run at commit `abc` (started T0); resumed at commit `def` with uncommitted changes to "
-        "`pipeline/tune.py` (started T1); finished T2."
+        "`pipeline/search/stage.py` (started T1); finished T2."
     )
     assert made_at_line({}) == "Made by code whose commit was not recorded."
     setting = {"train.lr": 0.01}
@@ -127,7 +127,7 @@ def test_report_lines_name_the_code_and_compare_with_the_defaults():
 
 
 def test_scores_are_printed_to_the_digits_that_tell_settings_apart():
-    from pipeline.tune_report import _score_text
+    from pipeline.search.report import _score_text
 
     assert _score_text(-274.9512) == "-274.95" and _score_text(0.992729) == "0.9927"
     assert _score_text(0.00523) == "0.00523" and _score_text(float("nan")) == "nan"
@@ -299,14 +299,14 @@ def test_a_baseline_search_is_named_for_its_method_and_writes_nothing_without_da
 
 
 def test_the_report_goes_to_a_file_when_one_is_named():
-    from pipeline.tune_report import report_path
+    from pipeline.search.report import report_path
 
     assert report_path("reports/tune", "dgmm-rws-mlp") == Path("reports/tune/dgmm-rws-mlp.md")
     assert report_path("elsewhere/search.md", "gmm") == Path("elsewhere/search.md")
 
 
 def test_best_params_carry_the_iterations_the_trials_ran(tiny):
-    from pipeline.tune_report import best_params
+    from pipeline.search.report import best_params
 
     params = tiny()
     plan = check_section(params, "gmm", section(iterations=600))
@@ -330,7 +330,7 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path, t
     subprocess.run(
         [sys.executable, "-m", "pipeline.generate", "--task", "gmm"], cwd=root, env=env(), check=True
     )
-    cmd = [sys.executable, "-m", "pipeline.tune", "--task", "gmm"]
+    cmd = [sys.executable, "-m", "pipeline.search.stage", "--task", "gmm"]
     proc = subprocess.Popen(
         cmd, cwd=root, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -439,7 +439,7 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path, t
 
 
 def test_the_report_draws_a_choice_as_categories_and_goes_where_asked(tmp_path, tiny):
-    from pipeline.tune_report import write_report
+    from pipeline.search.report import write_report
 
     plan = check_section(tiny(), "gmm", section())
     plan.update(
@@ -514,7 +514,7 @@ def test_pbt_moves_weights_and_rates_between_trials(tmp_path, tiny):
     )
     (root / "tune.yaml").write_text(yaml.safe_dump({"gmm": pbt}))
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
-    proc = run([sys.executable, "-m", "pipeline.tune", "--task", "gmm"], root)
+    proc = run([sys.executable, "-m", "pipeline.search.stage", "--task", "gmm"], root)
     out = root / "results" / "tune" / "gmm"
     experiment = next((out / "ray").glob("search-*"))
     # Tune's PBT log: one line per exploit, [target tag, clone tag, target iter, clone iter, ...]
@@ -558,7 +558,7 @@ def test_the_search_to_try_runs_as_the_readme_gives_it(tmp_path):
     )
     assert command[:2] == ["apg-pipeline", "tune"]
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
-    proc = run([sys.executable, "-m", "pipeline.tune", *command[2:]], root)
+    proc = run([sys.executable, "-m", "pipeline.search.stage", *command[2:]], root)
     out = root / "results" / "tune" / "try"
     assert (out / "best-params.yaml").is_file() and (out / "gmm.md").is_file(), proc.stdout[-2000:]
     import pandas as pd

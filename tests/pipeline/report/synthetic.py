@@ -1,4 +1,4 @@
-"""Synthetic evaluation results shaped like ``results/eval/<task>/`` (pipeline.evaluate's
+"""Synthetic evaluation results shaped like ``results/eval/<task>/`` (pipeline.evaluate.stage's
 columns), for the report tests: one cell's rows, a method's seeds, a whole task's results."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pandas as pd
 
-from pipeline.evaluate import COLUMNS
+from pipeline.evaluate.stage import COLUMNS
 
 
 def cell(method, k, l, seed, roles=("main",), iterations=1000):

@@ -24,7 +24,7 @@ def fake_sweep(root, params) -> None:
     from apg.data import load_dataset
     from apg.training import Trainer
     from pipeline.common import file_digest
-    from pipeline.config import grid_cells
+    from pipeline.config.params import grid_cells
 
     train_x = torch.from_numpy(load_dataset(root / "data" / "gmm" / "train.npz")["x"])
     cells = []
@@ -55,7 +55,7 @@ def fake_sweep(root, params) -> None:
 
 
 def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path, tiny):
-    from pipeline.evaluate import evaluate_task
+    from pipeline.evaluate.stage import evaluate_task
     from pipeline.generate import generate
 
     torch.set_num_threads(1)
@@ -127,7 +127,7 @@ def test_evaluate_and_report_budget_cells_and_cluster_recovery(tmp_path, tiny):
 @pytest.mark.slow
 def test_the_evaluation_logs_each_cells_held_out_numbers_to_its_mlflow_run(tmp_path):
     from pipeline import tracking
-    from pipeline.evaluate_mlflow import log_evaluation
+    from pipeline.evaluate.logged import log_evaluation
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = tracking.client(uri)

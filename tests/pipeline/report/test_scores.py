@@ -89,7 +89,7 @@ def test_ari_rejects_bad_labels(true, pred, message):
 
 def test_gmm_ceiling_recovers_well_separated_clusters():
     from apg.tasks.gmm import bayes_assignments
-    from pipeline.evaluate_particles import ari_scores
+    from pipeline.evaluate.particles import ari_scores
 
     gen = torch.Generator().manual_seed(1)
     c = torch.randint(3, (2, 50), generator=gen)
@@ -109,7 +109,7 @@ def test_final_particle_of_every_gmm_method(method):
     # The continuous-view baselines draw c from its exact conditional, so they have one too.
     from apg.tasks import get_task
     from apg.training import TrainConfig, build
-    from pipeline.evaluate_particles import final_particle
+    from pipeline.evaluate.particles import final_particle
 
     torch.manual_seed(0)
     cfg = TrainConfig(task="gmm", method=method, sweeps=2, particles=3, network={"hidden": 8}).validate()
@@ -125,7 +125,7 @@ def test_particle_scores_of_the_true_rings_beat_shuffled_ones():
     # The true latents score best on all three decoder-free measures; relabelling the rings
     # changes none of them, moving the centres or the assignments worsens each.
     from apg.tasks.dgmm import simulate_rings
-    from pipeline.evaluate_particles import particle_scores
+    from pipeline.evaluate.particles import particle_scores
 
     data = {k: v.numpy() for k, v in simulate_rings(4, 100, torch.Generator().manual_seed(1)).items()}
     truth = {"arrays": data, "c": data["c"], "ari_ceiling": None}
@@ -153,7 +153,7 @@ def test_particle_scores_of_the_true_rings_beat_shuffled_ones():
 
 
 def test_cell_roles_split_pairs_from_budget_entries(tiny):
-    from pipeline.evaluate import cell_pairs, cell_roles
+    from pipeline.evaluate.stage import cell_pairs, cell_roles
 
     params = tiny(
         **{

@@ -20,7 +20,8 @@ import pytest
 import torch
 import yaml
 
-from pipeline import provenance, report
+from pipeline import report
+from pipeline.provenance import record as provenance
 from tests.pipeline.report.synthetic import write_results
 from tests.support import REPO
 

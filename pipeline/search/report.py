@@ -1,4 +1,4 @@
-"""What a finished search of ``pipeline.tune`` leaves: ``trials.csv`` (a row per trial),
+"""What a finished search of ``pipeline.search.stage`` leaves: ``trials.csv`` (a row per trial),
 ``best-params.yaml``, ``summary.json``, the best trial tagged in MLflow, and the tuning
 report (markdown and its figure)."""
 
@@ -12,8 +12,10 @@ import numpy as np
 import yaml
 
 from apg.data import atomic_write
-from pipeline import checks, provenance, tracking
-from pipeline.tune_plan import SECTIONS
+from pipeline import tracking
+from pipeline.config import checks
+from pipeline.provenance import record as provenance
+from pipeline.search.plan import SECTIONS
 
 TAG_TRIAL = "apg.trial_id"
 TAG_BEST = "apg.best"

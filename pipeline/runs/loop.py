@@ -1,5 +1,5 @@
-"""The training loop, written once: a sweep's trials (``pipeline.sweep``), a search's trials
-(``pipeline.tune``), cells trained in-process (``pipeline.direct``) and the CLI's ``train``
+"""The training loop, written once: a sweep's trials (``pipeline.sweep.stage``), a search's trials
+(``pipeline.search.stage``), cells trained in-process (``pipeline.recorded.direct``) and the CLI's ``train``
 all call :func:`drive`, and differ only in the callbacks they pass.
 
 The loop owns what every caller needs the same way: which steps read their metrics back

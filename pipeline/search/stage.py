@@ -58,13 +58,14 @@ import torch
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.training import TrainConfig, Trainer, evaluate
-from pipeline import provenance, stages, tracking
+from pipeline import tracking
 from pipeline.common import project_root, seed_everything, training_rows
-from pipeline.config import apply_setting, load_params
-from pipeline.driver import Callback, drive
-from pipeline.ray_setup import quiet_trial_process
-from pipeline.tune_plan import check_section, computed, load_section, plan_key, tune_space
-from pipeline.tune_report import (
+from pipeline.config.params import apply_setting, load_params
+from pipeline.provenance import record as provenance
+from pipeline.provenance import stages
+from pipeline.runs.loop import Callback, drive
+from pipeline.search.plan import check_section, computed, load_section, plan_key, tune_space
+from pipeline.search.report import (
     ATTEMPTS,
     STARTS,
     TAG_TRIAL,
@@ -73,6 +74,7 @@ from pipeline.tune_report import (
     write_outputs,
     write_report,
 )
+from pipeline.sweep.ray_setup import quiet_trial_process
 
 STATE = "trial.pt"
 
@@ -312,7 +314,7 @@ def _open_parent(
             "L": plan["pair"][1],
             "space": json.dumps({k: {kind: args} for k, (kind, args) in plan["space"].items()}),
         },
-        tracking.source_tags(root, "pipeline.tune", computed(plan)),
+        tracking.source_tags(root, "pipeline.search.stage", computed(plan)),
     )
     return client, exp_id, parent_id
 
@@ -360,7 +362,7 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
     import ray
     from ray import tune
 
-    from pipeline.ray_setup import start_ray
+    from pipeline.sweep.ray_setup import start_ray
 
     # One snapshot per validation checkpoint is what resuming needs; Tune's warning about it is noise.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
@@ -456,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.tune_params != "tune.yaml":
             command += f" --tune-params {args.tune_params}"
         plan = check_section(params, args.task, section)
-        from pipeline.ray_setup import ray_address
+        from pipeline.sweep.ray_setup import ray_address
 
         if not ray_address(params):
             # The embedded instance listens on loopback only; attached to a cluster (RAY_ADDRESS

@@ -1,7 +1,7 @@
-"""What a sweep's Ray Tune trial runs for one cell (``pipeline.sweep`` schedules them): the
+"""What a sweep's Ray Tune trial runs for one cell (``pipeline.sweep.stage`` schedules them): the
 cell's data (shipped through Ray's object store or read from shared storage), its resumed
 state (Tune's checkpoint, else the cell's own ``resume.pt``), the training loop of
-``pipeline.driver`` with Tune reports, MLflow rows and checkpoints, then the cell's files
+``pipeline.runs.loop`` with Tune reports, MLflow rows and checkpoints, then the cell's files
 (``done.json`` last) and their upload to its MLflow run.
 
 Fault injection, for tests only: ``APG_FAULT_INJECT="<cell name or id>:<iteration>"`` in the
@@ -26,9 +26,9 @@ from apg.training import TrainConfig, Trainer
 from pipeline import tracking
 from pipeline.common import seed_everything, training_rows
 from pipeline.diskfull import report_disk_full
-from pipeline.driver import DONE, HISTORY, Callback, Outcome, drive, mark_done, write_cell
 from pipeline.errors import SweepError
-from pipeline.ray_setup import quiet_trial_process
+from pipeline.runs.loop import DONE, HISTORY, Callback, Outcome, drive, mark_done, write_cell
+from pipeline.sweep.ray_setup import quiet_trial_process
 
 RESUME = "resume.pt"
 ATTEMPTS = "attempts.jsonl"

@@ -10,7 +10,7 @@ their own descendants. Linux only (it reads ``/proc``); elsewhere it does nothin
 
 A process is known by its pid and start time together, so a pid reused after a process
 ended is never killed. Ray clusters the driver attached to are never touched: the watcher
-is started only for the embedded instance (``pipeline.ray_setup.start_ray``).
+is started only for the embedded instance (``pipeline.sweep.ray_setup.start_ray``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def watch(pid: int | None = None) -> subprocess.Popen | None:
     if not (PROC / "self" / "stat").is_file():
         return None
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.reaper", str(pid or os.getpid())],
+        [sys.executable, "-m", "pipeline.sweep.reaper", str(pid or os.getpid())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -4,7 +4,7 @@
 model evaluations); the metrics here need the particles themselves, so each is a run of its
 own: the figure samples (``best_particles``), cluster recovery against the true
 assignments and centres (``final_particle``, ``particle_scores``) and tracking against the
-simulator's positions (``tracking_errors``). ``pipeline.evaluate`` calls them per cell.
+simulator's positions (``tracking_errors``). ``pipeline.evaluate.stage`` calls them per cell.
 
 Shapes: M held-out datasets, N points, I clusters, D dimensions, K sweeps.
 """

@@ -1,6 +1,6 @@
 """What ``dvc.yaml`` says each stage reads, the digest of that code, and each stage's time.
 
-The digests say which source made a result (:mod:`pipeline.provenance`, the recorded runs'
+The digests say which source made a result (:mod:`pipeline.provenance.record`, the recorded runs'
 manifests); they are not part of any cell id, which holds what the training code computes
 (:mod:`apg.fingerprint`) instead. Paths that are not code (``data/``, ``results/``) are
 left out of a stage's code.
@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from pipeline import checks
+from pipeline.config import checks
 
 CODE_PREFIXES = ("apg", "pipeline")
 TIMINGS = "results/timings"  # one {stage}@{task}.json per stage run: its wall time
@@ -25,7 +25,7 @@ TIMINGS = "results/timings"  # one {stage}@{task}.json per stage run: its wall t
 def package_root() -> Path:
     """The directory holding ``apg/`` and ``pipeline/`` as imported (the repo, when
     installed with ``pip install -e``)."""
-    return Path(__file__).resolve().parents[1]
+    return Path(__file__).resolve().parents[2]
 
 
 def stage_specs(root: Path, dvc_file: str = "dvc.yaml") -> dict[str, Any] | None:

@@ -37,9 +37,9 @@ from apg.metrics import highest_weight_particle, reconstruction_mse
 from apg.tasks import get_task
 from apg.training import make_method
 from pipeline.common import with_network
-from pipeline.driver import write_history
 from pipeline.runs import spec
 from pipeline.runs.execute import EVAL_SEED, restore
+from pipeline.runs.loop import write_history
 from pipeline.runs.spec import LONG_RUN_DIR, LONG_RUN_METHOD, STATE
 
 GRID, TRAIL = "grid.csv", "trail.npz"
@@ -69,7 +69,7 @@ def simulate_videos(
 
 def grid_sets(run: dict[str, Any]) -> list[dict[str, Any]]:
     """The held-out sets of the run's profile (name, size, seed, sizes, network overrides)."""
-    from pipeline import profiles
+    from pipeline.config import profiles
 
     return list(profiles.resolve(run["profile"])["bmnist"]["data"].get("tests", []))
 

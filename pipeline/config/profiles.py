@@ -19,7 +19,7 @@ How an overlay is laid over what it extends (:func:`merge`, the one place it hap
   must not add a setting silently. A profile that adds a key (``train.compile``) restates
   the mapping that holds it with ``!replace``.
 
-The result is validated once, as ``params.yaml`` is (:func:`pipeline.config.validate_params`).
+The result is validated once, as ``params.yaml`` is (:func:`pipeline.config.params.validate_params`).
 ``apg-pipeline config --profile NAME`` prints it.
 """
 
@@ -35,8 +35,14 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import ParamsError, _mapping_without_duplicates, load_params, read_yaml, validate_params
-from pipeline.stages import package_root
+from pipeline.config.params import (
+    ParamsError,
+    _mapping_without_duplicates,
+    load_params,
+    read_yaml,
+    validate_params,
+)
+from pipeline.provenance.stages import package_root
 
 BASE = "params.yaml"
 PROFILES = "profiles"

@@ -18,7 +18,7 @@ far more than that):
 
 ``python -m pipeline.provenance refresh`` compares these with the ones recorded beside the
 results and, when every one is unchanged, takes the code's new digests into the record
-(:mod:`pipeline.provenance`).
+(:mod:`pipeline.provenance.record`).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def task_numerics(params: dict[str, Any], task: str) -> dict[str, Any]:
     from apg.fingerprint import SEED, STEPS, fingerprint, shrunk
     from apg.training import Trainer
     from pipeline.common import seed_everything, training_rows
-    from pipeline.config import evaluation_pairs, grid_cells
-    from pipeline.evaluate import cell_pairs, cell_roles, held_out_frames, load_sets, training_ids
+    from pipeline.config.params import evaluation_pairs, grid_cells
+    from pipeline.evaluate.stage import cell_pairs, cell_roles, held_out_frames, load_sets, training_ids
     from pipeline.generate import generate
 
     section = _small(params[task])
@@ -148,8 +148,9 @@ def task_numerics(params: dict[str, Any], task: str) -> dict[str, Any]:
 
 
 def numerics(params: dict[str, Any]) -> dict[str, Any]:
-    """:func:`task_numerics` of every task of ``params``."""
-    return {task: task_numerics(params, task) for task in params["tasks"]}
+    """:func:`task_numerics` of every task of ``params`` that has its section (a report of
+    rows alone, as some tests make, has none to compute)."""
+    return {task: task_numerics(params, task) for task in params["tasks"] if task in params}
 
 
 def differences(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:

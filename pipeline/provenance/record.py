@@ -20,7 +20,7 @@ runs only the report stage: the record then takes the digests of the code only t
 reads (``refresh_report_inputs``) and keeps the rest as the training and evaluation left it.
 
 - **Code that computes the same numbers keeps the results.** The record also holds the
-  numerics fingerprint of every stage (:mod:`pipeline.numerics`: a few datasets generated,
+  numerics fingerprint of every stage (:mod:`pipeline.provenance.numerics`: a few datasets generated,
   trained on and scored by the stages' own code). After a change to the code that should
   not move a number (a refactor, a new input check), ``python -m pipeline.provenance
   refresh`` recomputes those fingerprints; when every one is unchanged, it takes the code's
@@ -28,7 +28,7 @@ reads (``refresh_report_inputs``) and keeps the rest as the training and evaluat
   and the results stay current without retraining. When any differs it changes nothing,
   names the numbers that moved and exits 1: ``dvc repro`` regenerates them.
 
-The code each stage reads is taken from ``dvc.yaml`` by :mod:`pipeline.stages` (one list,
+The code each stage reads is taken from ``dvc.yaml`` by :mod:`pipeline.provenance.stages` (one list,
 so the provenance record and DVC's own change detection agree).
 """
 
@@ -45,8 +45,15 @@ from typing import Any
 
 import yaml
 
-from pipeline import checks
-from pipeline.stages import CODE_PREFIXES, code_files, file_digests, stage_code, stage_params, stage_specs
+from pipeline.config import checks
+from pipeline.provenance.stages import (
+    CODE_PREFIXES,
+    code_files,
+    file_digests,
+    stage_code,
+    stage_params,
+    stage_specs,
+)
 
 RECORD = "provenance.json"
 # The results sections the stale line is written into: (file, heading it follows).
@@ -221,7 +228,7 @@ def cell_fingerprints(root: Path, tasks: list[str]) -> dict[str, dict[str, dict[
 def record(params: dict[str, Any], root: Path, numbers: dict[str, Any] | None = None) -> dict[str, Any]:
     """What produced the results of ``params`` in ``root``: commit, code and params digests,
     the numerics fingerprint each trained cell was trained under and, given, the stages'
-    numerics (``pipeline.numerics.numerics``)."""
+    numerics (``pipeline.provenance.numerics.numerics``)."""
     code, keys = _all_stage_inputs(root, params["tasks"])
     digests = file_digests(root, code)
     out = {
@@ -242,7 +249,7 @@ def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> 
     """What ``dvc repro`` would retrain now: the recorded cells whose id the code and params in
     ``root`` no longer give, and of those how many for their numerics fingerprint (one line).
     Recomputes the fingerprints, so it needs each task's training data."""
-    from pipeline.sweep import plan
+    from pipeline.sweep.stage import plan
 
     old = recorded.get("fingerprints") or {}
     if not old:
@@ -344,7 +351,7 @@ def refresh(root: Path, params_file: str = "params.yaml", reports: str = "report
     is exactly the recorded code, the numerics it computes now are the results' own and
     are written in (a record made before numerics were kept gains them that way)."""
     from apg.data import atomic_write
-    from pipeline.numerics import differences, numerics
+    from pipeline.provenance.numerics import differences, numerics
 
     path = root / reports / RECORD
     if not path.is_file():

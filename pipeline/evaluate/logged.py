@@ -1,7 +1,7 @@
 """The evaluation as MLflow shows it: each cell's run and its held-out numbers there.
 
 Best effort: the files of ``results/eval/<task>/`` are the record, and an unreadable
-tracking store only leaves a note (``pipeline.evaluate`` calls ``mlflow_run_ids`` then
+tracking store only leaves a note (``pipeline.evaluate.stage`` calls ``mlflow_run_ids`` then
 ``log_evaluation`` once per task).
 """
 

@@ -53,9 +53,9 @@ _WATCHED: set[int] = set()
 
 def _watch_driver() -> None:
     """Once per driver process: Ray's processes end with it, even if it is killed
-    (``pipeline.reaper``)."""
+    (``pipeline.sweep.reaper``)."""
     if os.getpid() not in _WATCHED:
-        from pipeline.reaper import watch
+        from pipeline.sweep.reaper import watch
 
         watch()
         _WATCHED.add(os.getpid())

@@ -1,5 +1,5 @@
 """A search's section of ``tune.yaml`` checked and turned into its plan (everything the
-driver and the trials of ``pipeline.tune`` need): the space of settings, the metric, the
+driver and the trials of ``pipeline.search.stage`` need): the space of settings, the metric, the
 (K, L) pair, the searcher, the scheduler and the validation set; a bad section is one
 ``ParamsError`` line before Ray starts. Also Tune's own search-space objects, and the key
 that names a search's Ray experiment."""
@@ -14,7 +14,7 @@ from typing import Any
 from apg.baselines import get_method
 from apg.tasks import get_task
 from apg.training import TrainConfig, build
-from pipeline.config import ParamsError, apply_setting, read_yaml, setting_of
+from pipeline.config.params import ParamsError, apply_setting, read_yaml, setting_of
 
 DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint")
 

@@ -42,7 +42,7 @@
   for Figure-1-style pictures; ``samples.json`` indexes it.
 - ``imputation.parquet`` and ``imputation_examples.npz`` (tasks with
   ``evaluate.imputation``): the errors of the imputations of hidden entries by the cells of
-  the listed methods, and one imputed dataset per method and setting (``pipeline.impute``).
+  the listed methods, and one imputed dataset per method and setting (``pipeline.evaluate.impute``).
 - ``meta.json``: the scale everything was made at (iterations, dataset counts, seeds),
   which the report prints under every figure, and each cell's ``roles``: ``main`` (a
   ``pairs`` grid entry trains it: Table 1, the method tables, the claims) and/or
@@ -66,7 +66,6 @@ from apg.checkpoint import CheckpointError
 from apg.data import atomic_write, load_dataset
 from apg.tasks import get_task
 from apg.training import evaluate as evaluate_cell
-from pipeline import checks
 from pipeline.common import (
     file_digest,
     load_task_data,
@@ -75,9 +74,19 @@ from pipeline.common import (
     seed_everything,
     with_network,
 )
-from pipeline.config import axis_keys, evaluation_pairs, evaluation_sets, grid_cells, load_params, setting_of
-from pipeline.evaluate_mlflow import log_evaluation, mlflow_run_ids
-from pipeline.evaluate_particles import (
+from pipeline.config import checks
+from pipeline.config.params import (
+    axis_keys,
+    evaluation_pairs,
+    evaluation_sets,
+    grid_cells,
+    load_params,
+    setting_of,
+)
+from pipeline.evaluate.impute import check_settings as check_imputation
+from pipeline.evaluate.impute import imputation_frame
+from pipeline.evaluate.logged import log_evaluation, mlflow_run_ids
+from pipeline.evaluate.particles import (
     best_particles,
     final_particle,
     latent_truth,
@@ -85,9 +94,7 @@ from pipeline.evaluate_particles import (
     position_truth,
     tracking_errors,
 )
-from pipeline.impute import check_settings as check_imputation
-from pipeline.impute import imputation_frame
-from pipeline.stages import record_stage_time
+from pipeline.provenance.stages import record_stage_time
 
 COLUMNS = [
     "task",
@@ -422,7 +429,7 @@ def impute_cell(
     device: torch.device | str,
     out: Collected,
 ) -> None:
-    """The cell's imputations of hidden entries (``pipeline.impute``) into ``out``."""
+    """The cell's imputations of hidden entries (``pipeline.evaluate.impute``) into ``out``."""
     cfg, model, proposals = trained
     set_cfg, set_proposals = with_network(cfg, model, proposals, impute_set.get("network"), device)
     k, l = imputing.get("pair") or unique_pairs[0]

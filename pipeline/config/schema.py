@@ -2,7 +2,7 @@
 checks of one value against it.
 
 Every check raises ``ParamsError`` with one line naming the key (``<task>.grid[0].pairs[1]:
-...``); ``pipeline.config`` walks the file with them (sections, held-out sets, the grid).
+...``); ``pipeline.config.params`` walks the file with them (sections, held-out sets, the grid).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from pipeline import checks
+from pipeline.config import checks
 
 
 class ParamsError(ValueError):
@@ -101,7 +101,7 @@ EVALUATE_KEYS: dict[str, Any] = {
     "threads": int,  # torch threads of the evaluate stage (default: sweep.torch_threads)
     "imputation": dict,
 }
-# evaluate.imputation (issue 22, pipeline/impute.py): which cells impute hidden entries of
+# evaluate.imputation (issue 22, pipeline/evaluate/impute.py): which cells impute hidden entries of
 # which held-out set, and how.
 IMPUTATION_KEYS: dict[str, Any] = {
     "methods": list,

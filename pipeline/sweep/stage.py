@@ -57,15 +57,16 @@ from apg.data import atomic_write, load_dataset
 from apg.fingerprint import BATCH as FINGERPRINT_BATCH
 from apg.fingerprint import fingerprint
 from apg.training import build, make_method
-from pipeline import checks, tracking
+from pipeline import tracking
 from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
-from pipeline.config import Cell, grid_cells, load_params
+from pipeline.config import checks
+from pipeline.config.params import Cell, grid_cells, load_params
 from pipeline.diskfull import as_disk_full, disk_full_callback
-from pipeline.driver import DONE, HISTORY, MODEL
 from pipeline.errors import SweepError
-from pipeline.ray_setup import check_resources, start_ray
-from pipeline.stages import record_stage_time
-from pipeline.trial import FAULT_ENV, tune_trainable
+from pipeline.provenance.stages import record_stage_time
+from pipeline.runs.loop import DONE, HISTORY, MODEL
+from pipeline.sweep.ray_setup import check_resources, start_ray
+from pipeline.sweep.trial import FAULT_ENV, tune_trainable
 
 LOCK = ".sweep.lock"
 
@@ -442,7 +443,9 @@ def _run_sweep(
         todo = {}
     else:
         exp_id = tracking.experiment_id(client, exp_name, tracking.artifact_location(root))
-        source = tracking.source_tags(root, "pipeline.sweep", {"sweep": params["sweep"], task: params[task]})
+        source = tracking.source_tags(
+            root, "pipeline.sweep.stage", {"sweep": params["sweep"], task: params[task]}
+        )
         parent = tracking.open_parent(
             client,
             exp_id,

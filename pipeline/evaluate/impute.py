@@ -68,7 +68,7 @@ COLUMNS = [
 def check_settings(
     task: str, settings: dict[str, Any], section: dict[str, Any], test_set: dict[str, Any]
 ) -> None:
-    """What ``pipeline.config`` cannot check without knowing the task: raise ``ValueError``
+    """What ``pipeline.config.params`` cannot check without knowing the task: raise ``ValueError``
     (one line, naming the key) before the evaluate stage does any work."""
     where = f"{task}.evaluate.imputation"
     spec = get_task(task)

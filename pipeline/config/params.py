@@ -2,7 +2,7 @@
 
 Everything is checked here, before Ray or MLflow start, so that a bad params file
 fails in well under a second with one line naming the key (``ParamsError``). The keys each
-section allows and the checks of single values are ``pipeline.params_schema``.
+section allows and the checks of single values are ``pipeline.config.schema``.
 
 Layout (see params.yaml for the documented defaults)::
 
@@ -35,8 +35,8 @@ import yaml
 from apg.baselines import METHODS, get_method
 from apg.tasks import get_task, task_names
 from apg.training import TrainConfig
-from pipeline import checks
-from pipeline.params_schema import (
+from pipeline.config import checks
+from pipeline.config.schema import (
     AXIS_SECTIONS,
     DATA_KEYS,
     EVALUATE_KEYS,
