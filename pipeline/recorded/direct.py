@@ -6,7 +6,7 @@ notebook server): ``generate`` as the stage does it, every grid cell trained in 
 process at once on the one device (each writes the cell files a sweep trial writes:
 ``model.pt``, ``history.csv``, ``done.json``), the sweep's ``sweep.json``, then the
 ``evaluate`` stage on the device. What comes out is what ``dvc repro`` would have made in
-the sandbox, so ``pipeline.recorded.collect`` keeps it the same way.
+the sandbox, so ``pipeline.recorded.record.collect`` keeps it the same way.
 
 With ``minutes``, the iterations are set from the clock: every cell first times a few
 steps while all of them run at once (the device is shared as in training), and all
@@ -36,11 +36,11 @@ from apg.checkpoint import load_checkpoint
 from apg.data import atomic_write
 from apg.training import TrainConfig, Trainer
 from pipeline.common import file_digest, seed_everything, training_rows
-from pipeline.config import cell_key
-from pipeline.driver import Callback, drive, mark_done, write_cell
+from pipeline.config.params import cell_key
 from pipeline.generate import generate
-from pipeline.stages import record_stage_time
-from pipeline.sweep import plan, summarize
+from pipeline.provenance.stages import record_stage_time
+from pipeline.runs.loop import Callback, drive, mark_done, write_cell
+from pipeline.sweep.stage import plan, summarize
 
 CALIBRATION_STEPS = 5  # timed one by one after two warm-up steps; their median plans the run
 
@@ -61,7 +61,7 @@ def run_direct(
     (``done.json`` says so). With ``starts`` (per task, ``cell_key`` -> ``path``
     and ``sha256`` of a checkpoint), every cell starts from those weights instead of afresh.
     Each stage's time goes to ``results/timings`` as the DVC stages' does."""
-    from pipeline.evaluate import evaluate_task
+    from pipeline.evaluate.stage import evaluate_task
 
     params_path = sandbox / "params.yaml"
     params = yaml.safe_load(params_path.read_text())
@@ -157,7 +157,7 @@ def _run_cells(
             "calibrate": calibrate,
             "init": inits[cell_id],
         }
-        cmd = [sys.executable, "-m", "pipeline.direct", json.dumps(job)]
+        cmd = [sys.executable, "-m", "pipeline.recorded.direct", json.dumps(job)]
         procs.append((cell.name, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)))
     last: dict[str, str] = {}
 
@@ -236,7 +236,9 @@ class _PrintLoss(Callback):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="train one cell (internal: pipeline.direct.run_direct)")
+    parser = argparse.ArgumentParser(
+        description="train one cell (internal: pipeline.recorded.direct.run_direct)"
+    )
     parser.add_argument("job", help="the cell's job as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -2,7 +2,7 @@
 
 The reproduction (``params.yaml``) is retrained from scratch by every ``dvc repro``; a run
 at the paper's scale takes hours and is not. A *profile* is an overlay of ``params.yaml``
-under ``profiles/`` (:mod:`pipeline.profiles`), most of them of ``profiles/paper.yaml``
+under ``profiles/`` (:mod:`pipeline.config.profiles`), most of them of ``profiles/paper.yaml``
 (which tasks, which grid cells, how many trials at once: never the per-step sizes B, N, T,
 D, K, L, and the networks only where a profile's name and report say so:
 ``paper-gmm-std``). ``record`` runs the whole pipeline on it
@@ -27,7 +27,7 @@ the tasks' results replace theirs in ``recorded/<profile>``; the manifest names 
 of each re-recorded task (``rerecorded``).
 
 On one GPU machine with PyTorch alone (no Ray, MLflow or DVC), ``--direct`` runs the same
-stages in-process (``pipeline.direct``) and ``--minutes`` sizes the training to the clock;
+stages in-process (``pipeline.recorded.direct``) and ``--minutes`` sizes the training to the clock;
 ``--check`` first runs the profile's check variant (``profiles/check/<profile>.yaml``:
 ``paper-check``'s caps, a few steps, one batch per set) to fail fast on a new machine:
 
@@ -49,17 +49,15 @@ from typing import Any
 
 import yaml
 
-from pipeline import checks, provenance
 from pipeline.common import project_root
-from pipeline.config import cell_key
+from pipeline.config import checks
+from pipeline.config.params import cell_key
+from pipeline.provenance import record as provenance
+from pipeline.provenance.stages import code_digest, package_root, stage_times
+from pipeline.recorded.files import EVAL_FILES, GENERATIVE_ONLY, MANIFEST, RECORDED, compress_samples
 from pipeline.smoke import make_sandbox, refresh_code
-from pipeline.stages import code_digest, package_root, stage_times
 
-RECORDED = "recorded"
-MANIFEST = "manifest.json"
 SANDBOX_INFO = "record.json"
-# What the report reads from a recorded run's evaluation (metrics.csv is the parquet's copy).
-EVAL_FILES = ("meta.json", "metrics.parquet", "training.parquet", "samples.npz")
 # The check profile: with --check it is itself (it has no check variant of its own).
 CHECK_PROFILE = "paper-check"
 # The training steps of paper-check and of every check variant (profiles/check/): enough
@@ -122,7 +120,7 @@ def derive(name: str, check: bool = False, under: str | Path | None = None) -> d
     ``under``: a params file or profile that takes the place of what ``name`` extends (the
     tests run ``paper-gmm`` on the smoke profile's sizes)."""
     # Imported here: the report stage imports this module for the recorded runs alone.
-    from pipeline import profiles
+    from pipeline.config import profiles
 
     below = profiles.load(under) if under is not None else None
     return profiles.resolve(name, check and name != CHECK_PROFILE, below)
@@ -130,7 +128,7 @@ def derive(name: str, check: bool = False, under: str | Path | None = None) -> d
 
 def base_name(name: str, under: str | Path | None = None) -> str:
     """What profile ``name`` was laid over, as the manifest names it."""
-    from pipeline import profiles
+    from pipeline.config import profiles
 
     return profiles.extends(name) if under is None else Path(under).name
 
@@ -147,9 +145,9 @@ def sandbox_for(
     """The profile's sandbox repo: made anew, or the one a stopped run left, resumed only
     under the same params. Resumed under other code, the sandbox takes this code's copy and
     its finished cells are kept only where their numerics fingerprint still matches
-    (``pipeline.sweep.plan``); the earlier commits are listed in ``commits``. ``tasks``:
+    (``pipeline.sweep.stage.plan``); the earlier commits are listed in ``commits``. ``tasks``:
     those of the profile's tasks alone (``--tasks``)."""
-    from pipeline.profiles import params_file
+    from pipeline.config.profiles import params_file
 
     code = package_root()
     params = derive(name, check, under)
@@ -201,7 +199,7 @@ def restore_cells(sandbox: Path, run: Path, root: Path) -> dict[str, int]:
     whose id the recorded run lacks. A cell kept without its proposals (``generative.pt``)
     cannot be resumed and is left out. Returns per task how many cells were restored."""
     from pipeline.common import file_digest
-    from pipeline.driver import DONE, HISTORY, MODEL
+    from pipeline.runs.loop import DONE, HISTORY, MODEL
 
     params = yaml.safe_load((sandbox / "params.yaml").read_text())
     storage = sandbox / params["sweep"]["storage"]
@@ -301,14 +299,14 @@ def collect(
         "scale": params["report"]["scale"],
         "cells": cells,
         "machine": f"trained on {info['device']}, evaluated on {info.get('eval_device', info['device'])}; "
-        "in-process (pipeline.direct)"
+        "in-process (pipeline.recorded.direct)"
         if info.get("device")
         else f"{provenance.machine_line(provenance.machine())}; torch threads per trial "
         f"{params['sweep']['torch_threads']}",
     }
     if whole is not None:
         manifest = merged_manifest(checks.read_json(dest / MANIFEST), manifest, whole, params["tasks"])
-        from pipeline.profiles import params_file
+        from pipeline.config.profiles import params_file
 
         with params_file(whole) as path:
             shutil.copy(path, tmp / "params.yaml")
@@ -341,22 +339,10 @@ def merged_manifest(
     }
 
 
-def compress_samples(source: Path, target: Path) -> None:
-    """``source``'s arrays written to ``target`` deflated: pictures of videos are mostly empty
-    canvas (Bouncing MNIST's reconstructions shrink ~5x), and they are kept in git."""
-    import numpy as np
-
-    with np.load(source) as data:
-        arrays = {k: data[k] for k in data.files}
-    with open(target, "wb") as f:
-        np.savez_compressed(f, **arrays)
-
-
 # Trained weights kept whole up to this size; a larger checkpoint (Bouncing MNIST's
 # proposals: ~18 MB) keeps the generative model's weights alone, which is what the report
 # draws with (its GIF), and leaves the proposals out of git.
 CHECKPOINT_KEEP_BYTES = 4 * 2**20
-GENERATIVE_ONLY = "generative.pt"
 
 
 def keep_file(path: Path, cell_dir: Path, key: str) -> str:
@@ -389,7 +375,7 @@ def record(
     each cell cost instead. ``under``: params (a file or a profile's name) laid under the
     profile's overlay in place of what it extends (``--params``).
 
-    ``direct``: the stages in-process on ``device``, no DVC or Ray (``pipeline.direct``), the
+    ``direct``: the stages in-process on ``device``, no DVC or Ray (``pipeline.recorded.direct``), the
     training sized to ``minutes`` when given and cut at ``deadline_minutes`` from now. With
     ``stages="train"`` it stops after training (the sandbox keeps the cells); ``"evaluate"``
     then evaluates that sandbox, possibly on another machine or device, and keeps the run.
@@ -492,10 +478,10 @@ def _record_direct(
     stages: str,
     deadline_minutes: float | None,
 ) -> tuple[dict[str, Any], float]:
-    """``record --direct``: the stages in-process on ``device`` (``pipeline.direct``), the
+    """``record --direct``: the stages in-process on ``device`` (``pipeline.recorded.direct``), the
     training sized to ``minutes`` when given; the sandbox's updated info (written to it) and
     the stages' wall seconds."""
-    from pipeline.direct import run_direct
+    from pipeline.recorded.direct import run_direct
 
     print(
         f"record {label}: {stages} stages in-process on {device} in {sandbox} (commit {info['commit']})",
@@ -556,11 +542,3 @@ def check_summary(sandbox: Path, wall: float) -> str:
     lines += ["", "| stage | minutes |", "| --- | ---: |"]
     lines += [f"| `{k}` | {v / 60:.1f} |" for k, v in times.items()]
     return "\n".join(lines)
-
-
-def recorded_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """Every recorded run under ``root/recorded`` with its manifest, by name."""
-    base = root / RECORDED
-    return (
-        [(p.parent, checks.read_json(p)) for p in sorted(base.glob(f"*/{MANIFEST}"))] if base.is_dir() else []
-    )

@@ -12,7 +12,7 @@ import pandas as pd
 
 from apg.data import atomic_write
 from pipeline.evaluate.impute import load_imputation
-from pipeline.recorded.record import compress_samples
+from pipeline.recorded.files import compress_samples
 
 PAPER_NUMBERS = Path(__file__).parents[1] / "paper_numbers.yaml"
 

@@ -28,7 +28,7 @@ from pipeline.common import project_root
 from pipeline.config.params import load_params
 from pipeline.provenance import record as provenance
 from pipeline.provenance import stages
-from pipeline.recorded.record import GENERATIVE_ONLY, recorded_runs
+from pipeline.recorded.files import GENERATIVE_ONLY, recorded_runs
 from pipeline.report.claims import (
     claims_markdown,
     claims_not_run,

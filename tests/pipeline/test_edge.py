@@ -306,7 +306,7 @@ def test_every_json_parse_error_names_its_file(tmp_path, content):
 
 def test_a_corrupt_history_or_manifest_is_named(tmp_path):
     from pipeline.evaluate.stage import cell_history
-    from pipeline.recorded.record import recorded_runs
+    from pipeline.recorded.files import recorded_runs
 
     cell = {"history": "history.csv", "method": "apg", "K": 2, "L": 3, "seed": 0, "cell_id": "c"}
     for content in (bytes(range(128, 256)) * 8, b"a,b\n1,2,3,4\n5\n", b"x\n1\n"):
