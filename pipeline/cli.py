@@ -41,18 +41,18 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 import yaml
 
-from apg.data import atomic_write, save_dataset
-from apg.training import TrainConfig, Trainer, evaluate
-from pipeline.common import check_budget, load_task_data, load_trained, load_training_rows, seed_everything
 from pipeline.config import checks
-from pipeline.errors import run_guarded
-from pipeline.runs.loop import Callback, drive
+
+# torch, the library and the stages load inside the commands that use them: `--help` and a
+# refused flag answer at once.
+if TYPE_CHECKING:
+    import numpy as np
+
+    from apg.training import TrainConfig, Trainer
 
 
 def _key_values(items: list[str], flag: str) -> dict[str, Any]:
@@ -73,6 +73,7 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from apg.data import save_dataset
     from pipeline.config.schema import check_sizes
     from pipeline.generate import simulate_set
 
@@ -121,6 +122,8 @@ def cmd_config(args: argparse.Namespace) -> None:
     if args.out is None:
         sys.stdout.write(text)
         return
+    from apg.data import atomic_write
+
     # Read before written: the base (params.yaml) is often the file replaced.
     path = atomic_write(args.out, lambda tmp: tmp.write_text(text))
     print(f"wrote {path}: profile {args.profile}")
@@ -236,27 +239,63 @@ def cmd_continue(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- train
 
 
+# Flags of `train` that set a field of the training config: unset, they take the value of
+# the default profile's cell (params.yaml), so the pipeline's defaults are the only ones.
+TRAIN_FIELDS = {
+    "sweeps": "sweeps",
+    "particles": "particles",
+    "batch_size": "batch_size",
+    "iterations": "iterations",
+    "lr": "lr",
+    "lr_schedule": "lr_schedule",
+    "lr_final_factor": "lr_final_factor",
+    "lr_hold_fraction": "lr_hold_fraction",
+    "resample_mode": "resample_mode",
+    "resampler": "resampler",
+}
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The training config of ``train``: the params' first cell of ``--task``/``--method``
+    (its K, L, training settings, network and model), each flag given replacing its field."""
+    from apg.training import TrainConfig
+    from pipeline.config import profiles
+    from pipeline.config.params import grid_cells
+
+    TrainConfig(task=args.task, method=args.method).validate()  # an unknown task or method, by name
+    params = profiles.load(args.params)
+    if args.task not in params.get("tasks", []) or args.task not in params:
+        raise ValueError(
+            f"--task {args.task!r}: not a task of {args.params} ({', '.join(params.get('tasks', []))})"
+        )
+    cells = [c for c in grid_cells(params, args.task) if c.method == args.method]
+    if not cells:
+        methods = sorted({c.method for c in grid_cells(params, args.task)})
+        raise ValueError(
+            f"--method {args.method!r}: {args.params} trains no such {args.task} cell (it trains {', '.join(methods)})"
+        )
+    base = cells[0].train.to_dict()
+    given = {
+        field: getattr(args, flag) for flag, field in TRAIN_FIELDS.items() if getattr(args, flag) is not None
+    }
+    base.update(given)
+    base["model"] = {**base["model"], **_key_values(args.model, "--model")}
+    base["network"] = {**base["network"], **_key_values(args.network, "--network")}
+    base["method_options"] = {**base["method_options"], **_key_values(args.option, "--option")}
+    base["compile"] = False
+    return TrainConfig.from_dict(base)
+
+
 def cmd_train(args: argparse.Namespace) -> None:
+    import torch
+
+    from pipeline.common import load_training_rows, seed_everything
+    from pipeline.runs import loop
+
     checks.device(args.device)
     checks.threads(args.threads)
     checks.seed(args.seed, "--seed")
-    cfg = TrainConfig(
-        task=args.task,
-        method=args.method,
-        sweeps=args.sweeps,
-        particles=args.particles,
-        batch_size=args.batch_size,
-        iterations=args.iterations,
-        lr=args.lr,
-        lr_schedule=args.lr_schedule,
-        lr_final_factor=args.lr_final_factor,
-        lr_hold_fraction=args.lr_hold_fraction,
-        resample_mode=args.resample_mode,
-        resampler=args.resampler,
-        model=_key_values(args.model, "--model"),
-        network=_key_values(args.network, "--network"),
-        method_options=_key_values(args.option, "--option"),
-    ).validate()  # before touching data: bad K, L, method, task fail first
+    cfg = train_config(args).validate()  # before touching data: bad K, L, method, task fail first
     checks.finite_values(cfg.method_options, "--option")
     checks.networks(cfg)  # model keys the task knows, networks it can build
     train_x = load_training_rows(cfg.task, args.data, cfg.model)
@@ -264,26 +303,26 @@ def cmd_train(args: argparse.Namespace) -> None:
     seed_everything(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from apg.training import Trainer
+
     trainer = Trainer(cfg, train_x, args.device)
     from tqdm import tqdm
+
+    class ProgressBar(loop.Callback):
+        """The loop's rows (every step's) on a tqdm bar, with the log joint and ESS."""
+
+        def on_row(
+            self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool
+        ) -> None:
+            bar.update(1)
+            bar.set_postfix(log_joint=f"{row['log_joint']:.1f}", ess=f"{row['ess']:.3f}", refresh=False)
 
     with tqdm(
         total=cfg.iterations, desc=f"{cfg.task}/{cfg.method} K={cfg.sweeps} L={cfg.particles}", unit="it"
     ) as bar:
-        drive(trainer, log_every=1, callbacks=[_ProgressBar(bar)])
+        loop.drive(trainer, log_every=1, callbacks=[ProgressBar()])
     path = _save(args.out, cfg, trainer)
     print(f"wrote {path}")
-
-
-class _ProgressBar(Callback):
-    """The driver's rows (every step's) on a tqdm bar, with the log joint and ESS."""
-
-    def __init__(self, bar):
-        self.bar = bar
-
-    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix(log_joint=f"{row['log_joint']:.1f}", ess=f"{row['ess']:.3f}", refresh=False)
 
 
 def _save(out: str, cfg: TrainConfig, trainer: Trainer) -> Path:
@@ -305,6 +344,10 @@ def summarize(metrics: dict[str, np.ndarray]) -> dict[str, Any]:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
+    from apg.data import atomic_write
+    from apg.training import evaluate
+    from pipeline.common import check_budget, load_task_data, load_trained, seed_everything
+
     checks.device(args.device)
     checks.seed(args.seed, "--seed")
     checks.integer(args.batch_size, "--batch-size", low=1)
@@ -335,6 +378,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_impute(args: argparse.Namespace) -> None:
+    from pipeline.common import check_budget, seed_everything
     from pipeline.evaluate.impute import impute_file
 
     check_budget(args.sweeps, args.particles)
@@ -383,26 +427,29 @@ def _add_generate(sub) -> None:
 
 def _add_train(sub) -> None:
     """``train``: one method on one dataset file."""
-    train = sub.add_parser("train", help="train a method on a dataset file and save a checkpoint")
+    train = sub.add_parser(
+        "train",
+        help="train a method on a dataset file and save a checkpoint",
+        description="Train one cell on a dataset file. Every setting not given is the --params "
+        "file's first cell of --task and --method (its K, L, training settings, network, model).",
+    )
+    train.add_argument(
+        "--params", default="params.yaml", help="params file or profile whose cell is the default"
+    )
     train.add_argument("--task", default="gmm")
     train.add_argument("--method", default="apg")
-    train.add_argument("--sweeps", "-K", type=int, default=5)
-    train.add_argument("--particles", "-L", type=int, default=10)
-    train.add_argument("--batch-size", type=int, default=20)
-    train.add_argument("--iterations", type=int, default=300)
-    train.add_argument("--lr", type=float, default=3e-3)
+    train.add_argument("--sweeps", "-K", type=int)
+    train.add_argument("--particles", "-L", type=int)
+    train.add_argument("--batch-size", type=int)
+    train.add_argument("--iterations", type=int)
+    train.add_argument("--lr", type=float)
+    train.add_argument("--lr-schedule", help="constant or cosine (decay to lr * --lr-final-factor)")
+    train.add_argument("--lr-final-factor", type=float)
     train.add_argument(
-        "--lr-schedule", default="constant", help="constant or cosine (decay to lr * --lr-final-factor)"
+        "--lr-hold-fraction", type=float, help="cosine: the last fraction of steps at the floor rate"
     )
-    train.add_argument("--lr-final-factor", type=float, default=0.01)
-    train.add_argument(
-        "--lr-hold-fraction",
-        type=float,
-        default=0.0,
-        help="cosine: the last fraction of steps at the floor rate",
-    )
-    train.add_argument("--resample-mode", default="block")
-    train.add_argument("--resampler", default="systematic")
+    train.add_argument("--resample-mode")
+    train.add_argument("--resampler")
     train.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
     train.add_argument("--network", action="append", default=[], metavar="KEY=VALUE")
     train.add_argument(
@@ -681,6 +728,8 @@ def main(argv: list[str] | None = None) -> None:
         importlib.import_module(f"pipeline.{STAGES[argv[0]]}").main(argv[1:])
         return
     args = build_parser().parse_args(argv)
+    from pipeline.errors import run_guarded
+
     run_guarded(lambda: args.func(args))
 
 

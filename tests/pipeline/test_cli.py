@@ -443,3 +443,34 @@ def test_generate_refuses_a_dataset_of_no_points(tmp_path, capsys):
     )
     assert line == "apg-pipeline: error: --size.num_points: must be positive, got -3"
     assert not out.exists()
+
+
+def test_train_takes_every_setting_not_given_from_the_params_cell():
+    import argparse
+
+    from pipeline.cli import build_parser, train_config
+    from pipeline.config import profiles
+    from pipeline.config.params import grid_cells
+
+    def parsed(*flags: str) -> argparse.Namespace:
+        return build_parser().parse_args(
+            ["train", "--task", "gmm", "--method", "rws-mlp", *flags, "--data", "x", "--out", "y"]
+        )
+
+    cell = next(c for c in grid_cells(profiles.load("params.yaml"), "gmm") if c.method == "rws-mlp")
+    assert train_config(parsed()).to_dict() == {**cell.train.to_dict(), "compile": False}
+    changed = train_config(parsed("--lr", "0.5", "-K", "3", "--network", "hidden=8")).to_dict()
+    assert changed == {
+        **cell.train.to_dict(),
+        "compile": False,
+        "lr": 0.5,
+        "sweeps": 3,
+        "network": {**cell.train.network, "hidden": 8},
+    }
+
+
+def test_the_command_line_answers_without_loading_torch():
+    """`apg-pipeline --help` and a refused flag answer at once: torch loads in the commands."""
+    code = "import sys, pipeline.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"

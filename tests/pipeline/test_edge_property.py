@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import pipeline.generate
 from pipeline import cli
 from pipeline.config.params import ParamsError, validate_params
+from pipeline.runs import loop
 from tests.support import REPO
 
 SETTINGS = settings(
@@ -155,7 +156,7 @@ def test_train_starts_cleanly_or_refuses_in_one_line(data, argv):
     def drive(*args, **kwargs):  # the trainer is built: the first step would come next
         raise Started
 
-    with mock.patch.object(cli, "drive", drive):
+    with mock.patch.object(loop, "drive", drive):
         result = outcome(["train", "--data", str(data / "train.npz"), "--out", str(data / "c.pt"), *argv])
     assert result in ("started", "refused")
 
