@@ -153,9 +153,12 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
     full["claims"] = claims_json(claims)
     if replication is not None:
         full["replication_claims"] = claims_json(list(replication.values()))
+    long_run = long_run_headline(root)
+    if long_run:
+        full["long_run"] = long_run
     for path, metrics in (
         (data / FULL_METRICS, full),
-        (out / "metrics.json", headline_metrics(claims, replication, long_run_headline(root))),
+        (out / "metrics.json", headline_metrics(claims, replication, long_run)),
     ):
         payload = json.dumps(metrics, indent=2, sort_keys=True) + "\n"
         atomic_write(path, lambda tmp, payload=payload: tmp.write_text(payload))

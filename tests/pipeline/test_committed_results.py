@@ -67,3 +67,11 @@ def test_committed_training_tables_recompute_to_the_same_bytes(rows, table):
     # file. Correctly rounded sums give one answer; a rebuild anywhere leaves the file as is.
     results = report.load_results(rows)
     assert training_table(results["training"], results["meta"]).to_csv(index=False) == table.read_text()
+
+
+def test_dvc_metrics_show_is_a_table_a_terminal_shows():
+    """`dvc metrics show` prints every value of reports/metrics.json: at most 60 of them."""
+    from pipeline.report.headline import HEADLINE_NUMBERS, count_numbers
+
+    headline = json.loads((REPO / "reports" / "metrics.json").read_text())
+    assert count_numbers(headline) <= HEADLINE_NUMBERS
