@@ -161,7 +161,11 @@ def read_rows(path: Path, upto: int, key: str = "iteration") -> list[dict[str, A
         return []
     try:
         with open(path, newline="") as f:
-            rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+            raw = list(csv.DictReader(f, strict=True))
+        # a row cut short (fields missing: None) or run on (a None key) is not one the run wrote
+        if any(None in row or None in row.values() for row in raw):
+            raise csv.Error("a row whose fields do not match the header")
+        rows = [{k: _number(v) for k, v in row.items()} for row in raw]
         return [r for r in rows if r[key] <= upto]
     except (UnicodeDecodeError, KeyError, TypeError, csv.Error) as err:
         raise ValueError(f"{path}: not a run's table ({type(err).__name__}: {err})") from None
@@ -289,6 +293,8 @@ def advance(
         s["to_iteration"] = min(s["to_iteration"], done)
     past = {"evals": read_rows(run_dir / EVALS, done), "segments": segments}
     history = read_rows(run_dir / HISTORY, done)
+    if done and not history:  # the state is past its first logged step: its rows are gone
+        raise ValueError(f"{run_dir / HISTORY}: no rows up to step {done}, where the run's state is")
     segment = {
         "from_iteration": done,
         "to_iteration": done,

@@ -148,7 +148,38 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     path = run_dir / RUN
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no run there; start one with --start")
-    return checks.read_json(path)
+    run = checks.read_json(path)
+    check_run(run, path)
+    return run
+
+
+def check_run(run: Any, path: Path) -> None:
+    """A ``run.json`` that a sitting can train from, or one line naming the file and the key
+    (``ValueError``): its sets, seed and cadences of the right kinds, and a training config
+    whose networks build (model keys the task knows, sizes in range)."""
+    from apg.training import TrainConfig
+
+    if not isinstance(run, dict):
+        raise ValueError(f"{path}: not a run (a JSON object of train, seed, rows, eval, every)")
+    for key, kind in (("train", dict), ("rows", dict), ("eval", dict), ("every", dict), ("seed", int)):
+        if not isinstance(run.get(key), kind) or isinstance(run.get(key), bool):
+            raise ValueError(
+                f"{path}: {key} must be {'an object' if kind is dict else 'an integer'}, got {run.get(key)!r}"
+            )
+    checks.seed(run["seed"], f"{path}: seed")
+    for key in ("log", "checkpoint", "eval"):
+        checks.integer(run["every"].get(key), f"{path}: every.{key}", low=1)
+    for key in ("rows", "eval"):
+        try:
+            count, sizes = count_and_sizes(run[key])
+        except KeyError as err:
+            raise ValueError(f"{path}: {key} has no {err.args[0]}") from None
+        checks.integer(count, f"{path}: {key}'s count", low=1)
+    try:
+        cfg = TrainConfig.from_dict(run["train"]).validate()
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"{path}: train: {checks.first_line(err)}") from None
+    checks.networks(cfg, f"{path}: train.model", f"{path}: train.network")
 
 
 def write_run(run_dir: Path, run: dict[str, Any]) -> None:

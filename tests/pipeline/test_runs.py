@@ -4,6 +4,7 @@ is the run made in one sitting."""
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,37 @@ def test_a_sitting_refuses_what_means_nothing(tmp_path):
     (tmp_path / "junk" / spec.RUN).write_bytes(b"\x89PNG\x00\xff")
     with pytest.raises(ValueError, match="junk/run.json is not UTF-8 text"):
         advance(tmp_path, tmp_path / "junk", steps=1)
+
+
+def test_a_damaged_run_folder_is_one_line_naming_the_file(tmp_path):
+    new = spec.new_run(
+        "smoke", "gmm", "apg", 5, 4, 0, eval_size=2, every={"log": 1, "checkpoint": 2, "eval": 2}
+    )
+    advance(tmp_path, tmp_path / "r", steps=2, new=new)
+    run = json.loads((tmp_path / "r" / spec.RUN).read_text())
+
+    def damaged(name: str, text: str) -> Path:
+        copy = tmp_path / name
+        shutil.copytree(tmp_path / "r", copy)
+        target = copy / (spec.HISTORY if name.startswith("history") else spec.RUN)
+        target.write_text(text)
+        return copy
+
+    for name, text, said in (
+        ("list", "[1, 2]", "run.json: not a run"),
+        ("train", json.dumps({**run, "train": "x"}), "run.json: train must be an object"),
+        ("seed", json.dumps({**run, "seed": "abc"}), "run.json: seed must be an integer"),
+        ("every", json.dumps({**run, "every": {**run["every"], "log": 0}}), "every.log: must be at least 1"),
+        (
+            "hidden",
+            json.dumps({**run, "train": {**run["train"], "network": {"hidden": -4}}}),
+            "train.network.hidden: must be at least 1",
+        ),
+        ("history-empty", "", "history.csv: no rows up to step 2"),
+        ("history-cut", 'iteration,loss\n1,"2', "history.csv: not a run's table"),
+    ):
+        with pytest.raises(ValueError, match=said):
+            advance(tmp_path, damaged(name, text), steps=1)
 
 
 def test_the_cli_says_what_a_sitting_needs(tmp_path, monkeypatch, capsys):
