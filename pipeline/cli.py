@@ -289,7 +289,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> None:
     import torch
 
-    from pipeline.common import load_training_rows, seed_everything
+    from pipeline.common import load_training_rows
     from pipeline.runs import loop
 
     checks.device(args.device)
@@ -300,12 +300,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     checks.networks(cfg)  # model keys the task knows, networks it can build
     train_x = load_training_rows(cfg.task, args.data, cfg.model)
     checks.step_room(cfg.particles, cfg.batch_size, train_x, args.device)
-    seed_everything(args.seed)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from apg.training import Trainer
-
-    trainer = Trainer(cfg, train_x, args.device)
+    trainer = loop.start(cfg, train_x, args.device, args.seed)
     from tqdm import tqdm
 
     class ProgressBar(loop.Callback):

@@ -73,11 +73,11 @@ def task_numerics(params: dict[str, Any], task: str) -> dict[str, Any]:
     import torch
 
     from apg.fingerprint import SEED, STEPS, fingerprint, shrunk
-    from apg.training import Trainer
     from pipeline.common import seed_everything, training_rows
     from pipeline.config.params import evaluation_pairs, grid_cells
     from pipeline.evaluate.stage import cell_pairs, cell_roles, held_out_frames, load_sets, training_ids
     from pipeline.generate import generate
+    from pipeline.runs.loop import start
 
     section = _small(params[task])
     small_params = {**params, task: section}
@@ -110,8 +110,7 @@ def task_numerics(params: dict[str, Any], task: str) -> dict[str, Any]:
     try:
         for method, cell in sorted(first_of_method.items()):
             cfg = shrunk(cell.train)
-            seed_everything(SEED)
-            trainer = Trainer(cfg, x.clone())
+            trainer = start(cfg, x.clone(), "cpu", SEED)
             for _ in range(STEPS):
                 trainer.step(log=False)
             trained = (cfg, trainer.model, trainer.proposals)

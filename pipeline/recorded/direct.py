@@ -39,7 +39,7 @@ from pipeline.common import file_digest, seed_everything, training_rows
 from pipeline.config.params import cell_key
 from pipeline.generate import generate
 from pipeline.provenance.stages import record_stage_time
-from pipeline.runs.loop import Callback, drive, mark_done, write_cell
+from pipeline.runs.loop import Callback, drive, mark_done, start, write_cell
 from pipeline.sweep.stage import plan, summarize
 
 CALIBRATION_STEPS = 5  # timed one by one after two warm-up steps; their median plans the run
@@ -185,8 +185,7 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = TrainConfig.from_dict(job["train"])
     cell_dir = Path(job["cell_dir"])
-    seed_everything(job["seed"])
-    trainer = Trainer(cfg, training_rows(job["data"]), job["device"])
+    trainer = start(cfg, training_rows(job["data"]), job["device"], job["seed"])
     init = job.get("init")
     if init is not None:  # a curriculum's later step: the trained networks, a fresh optimizer
         if file_digest(init["path"]) != init["sha256"]:

@@ -37,12 +37,11 @@ import torch
 from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, evaluate
-from pipeline.common import seed_everything
 from pipeline.config import checks
 from pipeline.evaluate.particles import final_particle, particle_scores, tracking_errors
 from pipeline.provenance.record import device_line, git_commit, utc_now
 from pipeline.runs.compact import compact, expand
-from pipeline.runs.loop import Callback, drive, write_history
+from pipeline.runs.loop import Callback, drive, start, write_history
 from pipeline.runs.spec import (
     EVALS,
     FULL_STATE,
@@ -69,13 +68,9 @@ def restore(
 ) -> Trainer:
     """The run's trainer at its latest state (at step 0 before the first checkpoint), or at
     the checkpoint ``state_file`` (a committed state of an earlier step, say)."""
-    seed_everything(run["seed"])
     cfg = TrainConfig.from_dict({**run["train"], "compile": compile}).validate()
-    trainer = Trainer(cfg, training_rows(run), device)
     state = latest_state(run_dir) if state_file is None else expand(load_checkpoint(state_file)[1])
-    if state is not None:
-        trainer.load_state_dict(state)
-    return trainer
+    return start(cfg, training_rows(run), device, run["seed"], state)
 
 
 def latest_state(run_dir: Path) -> dict[str, Any] | None:

@@ -1,6 +1,7 @@
-"""The training loop, written once: a sweep's trials (``pipeline.sweep.stage``), a search's trials
-(``pipeline.search.stage``), cells trained in-process (``pipeline.recorded.direct``) and the CLI's ``train``
-all call :func:`drive`, and differ only in the callbacks they pass.
+"""The training loop, written once: a sweep's trials (``pipeline.sweep.trial``), a search's
+trials (``pipeline.search.stage``), cells trained in-process (``pipeline.recorded.direct``),
+continuing runs (``pipeline.runs.execute``) and the CLI's ``train`` all build their trainer
+with :func:`start` and train it with :func:`drive`, and differ only in the callbacks they pass.
 
 The loop owns what every caller needs the same way: which steps read their metrics back
 (every ``log_every``-th and the last, so that on a GPU the others only queue work), the
@@ -26,11 +27,24 @@ from typing import Any
 from apg.checkpoint import save_checkpoint
 from apg.data import atomic_write
 from apg.training import TrainConfig, Trainer
-from pipeline.common import file_digest
+from pipeline.common import file_digest, seed_everything
 
 DONE = "done.json"
 MODEL = "model.pt"
 HISTORY = "history.csv"
+
+
+def start(
+    cfg: TrainConfig, x: Any, device: Any = "cpu", seed: int = 0, state: dict[str, Any] | None = None
+) -> Trainer:
+    """The one place a cell's trainer is built, for every caller: seeded as every entry
+    point seeds (``seed_everything``: the initial weights and the first batches are the
+    seed's), then, for a run that resumes, its saved state loaded over it."""
+    seed_everything(seed)
+    trainer = Trainer(cfg, x, device)
+    if state is not None:
+        trainer.load_state_dict(state)
+    return trainer
 
 
 class Callback:

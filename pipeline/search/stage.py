@@ -59,11 +59,11 @@ from apg.checkpoint import load_checkpoint, save_checkpoint
 from apg.data import atomic_write, load_dataset
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline import tracking
-from pipeline.common import project_root, seed_everything, training_rows
+from pipeline.common import project_root, training_rows
 from pipeline.config.params import apply_setting, load_params
 from pipeline.provenance import record as provenance
 from pipeline.provenance import stages
-from pipeline.runs.loop import Callback, drive
+from pipeline.runs.loop import Callback, drive, start
 from pipeline.search.plan import check_section, computed, load_section, plan_key, tune_space
 from pipeline.search.report import (
     ATTEMPTS,
@@ -106,14 +106,13 @@ def run_trial(config: dict[str, Any], plan: dict[str, Any], paths: dict[str, str
     torch.set_num_threads(1)
     setting = {key: config[key] for key in plan["space"]}
     cfg = TrainConfig.from_dict(apply_setting(plan["base"], setting)).validate()
-    seed_everything(plan["seed"])
     x = training_rows(paths["train"])
     x_val = torch.from_numpy(load_dataset(paths["validation"])["x"]).to(torch.get_default_dtype())
-    trainer = Trainer(cfg, x)
-    checkpoint = tune.get_checkpoint()
+    state, checkpoint = None, tune.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            trainer.load_state_dict(load_checkpoint(Path(d) / STATE)[1])
+            state = load_checkpoint(Path(d) / STATE)[1]
+    trainer = start(cfg, x, "cpu", plan["seed"], state)
     # Our own log of attempts, outside Tune's trial folders (Tune re-creates those from the
     # last synced copy when a search resumes, so lines appended there can be lost).
     trial_id = tune.get_context().get_trial_id()

@@ -24,10 +24,10 @@ import torch
 from apg.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from apg.training import TrainConfig, Trainer
 from pipeline import tracking
-from pipeline.common import seed_everything, training_rows
+from pipeline.common import training_rows
 from pipeline.diskfull import report_disk_full
 from pipeline.errors import SweepError
-from pipeline.runs.loop import DONE, HISTORY, Callback, Outcome, drive, mark_done, write_cell
+from pipeline.runs.loop import DONE, HISTORY, Callback, Outcome, drive, mark_done, start, write_cell
 from pipeline.sweep.ray_setup import quiet_trial_process
 
 RESUME = "resume.pt"
@@ -95,7 +95,6 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
     cfg = TrainConfig.from_dict(config["train"])
     cell_dir = Path(config["cell_dir"])
     cell_dir.mkdir(parents=True, exist_ok=True)
-    seed_everything(config["seed"])
     # Ray sets CUDA_VISIBLE_DEVICES to the GPUs it assigned, but no longer hides GPUs
     # from trials that asked for none: only use a GPU that Ray gave this trial.
     device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
@@ -108,12 +107,9 @@ def train_cell(config: dict[str, Any], data: dict[str, Any] | None = None) -> No
             f"training data {config['data']} is not on node {socket.gethostname()}; "
             "put the project on storage every node sees"
         )
-    trainer = Trainer(cfg, x, device)
-    history: list[dict[str, float]] = []
     resumed = _resume_state(tune.get_checkpoint(), cell_dir / RESUME)
-    if resumed is not None:
-        trainer.load_state_dict(resumed["trainer"])
-        history = list(resumed["history"])
+    trainer = start(cfg, x, device, config["seed"], resumed["trainer"] if resumed is not None else None)
+    history: list[dict[str, float]] = list(resumed["history"]) if resumed is not None else []
     attempts = _record_attempt(cell_dir, trainer.iteration)
 
     client = tracking.client(config["tracking_uri"])
