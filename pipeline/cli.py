@@ -95,6 +95,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(f"wrote {path}: " + ", ".join(f"{k} {v.shape}" for k, v in arrays.items()))
 
 
+# --------------------------------------------------------------------------- preview
+
+
+def cmd_preview(args: argparse.Namespace) -> None:
+    from pipeline.common import project_root
+    from pipeline.provenance.preview import preview
+
+    print(preview(project_root()))
+
+
+def _add_preview(sub) -> None:
+    preview = sub.add_parser(
+        "preview", help="what `dvc repro` would run now, and about how long it would take"
+    )
+    preview.set_defaults(func=cmd_preview)
+
+
 # --------------------------------------------------------------------------- smoke
 
 
@@ -699,6 +716,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_evaluate(sub)
     _add_impute(sub)
+    _add_preview(sub)
     _add_smoke(sub)
     _add_config(sub)
     _add_record(sub)

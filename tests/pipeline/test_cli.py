@@ -474,3 +474,18 @@ def test_the_command_line_answers_without_loading_torch():
     code = "import sys, pipeline.cli as c; c.build_parser(); print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
+
+
+def test_preview_says_what_dvc_repro_would_run_and_for_how_long(capsys):
+    """In this checkout (results absent or not), one line per stage DVC would run, each with
+    the committed run's time for it, under a total; or that nothing would run."""
+    from pipeline.cli import main
+
+    main(["preview"])
+    out = capsys.readouterr().out.splitlines()
+    if out[0].startswith("dvc repro has nothing to run"):
+        return
+    assert out[0].startswith("dvc repro would run ") and "minutes on " in out[0]
+    stages = [line.split()[0] for line in out[1:]]
+    assert len(stages) == int(out[0].split()[4]) and "report" in stages
+    assert all(" min " in line for line in out[1:])
