@@ -99,15 +99,30 @@ def timing_table(times: dict[str, float], total: float) -> str:
     return "\n".join(rows)
 
 
+def sandbox_env() -> dict[str, str]:
+    """The environment a sandbox's ``dvc repro`` runs in: its own MLflow store and project
+    root, MNIST's folder as an absolute path (the stages run inside the sandbox, where a
+    relative one would point elsewhere), and ``APG_COMMIT``, the project's own commit, which
+    the runs name as theirs (the sandbox's git repo has a commit of its own)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # the sandbox's own ./mlflow.db
+    env.pop("APG_PROJECT_ROOT", None)  # the stages' root is the sandbox
+    if env.get(MNIST_ENV):
+        env[MNIST_ENV] = str(Path(env[MNIST_ENV]).resolve())
+    if not env.get("APG_COMMIT"):
+        proc = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=package_root(), capture_output=True, text=True
+        )
+        if proc.returncode == 0:
+            env["APG_COMMIT"] = proc.stdout.strip()
+    return env
+
+
 def run_smoke(params_file: Path, directory: Path) -> tuple[dict[str, float], float]:
     if not params_file.is_file():
         raise FileNotFoundError(f"params file not found: {params_file}")
     root = make_sandbox(directory.resolve(), params_file.resolve())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)  # the sandbox's own ./mlflow.db
-    # The stages run inside the sandbox: a relative path meant from here must not move.
-    if env.get(MNIST_ENV):
-        env[MNIST_ENV] = str(Path(env[MNIST_ENV]).resolve())
+    env = sandbox_env()
     start = time.monotonic()
     proc = subprocess.run(["dvc", "repro"], cwd=root, env=env)
     total = time.monotonic() - start

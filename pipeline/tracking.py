@@ -285,15 +285,20 @@ def source_tags(root: Path, stage: str, params: Mapping[str, Any]) -> dict[str, 
     import json
     import subprocess
 
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+    # A sandbox (smoke, a recorded profile) or a copy without git history names the
+    # project's commit in APG_COMMIT; its own repo's commit would name nothing a reader has.
+    commit = os.environ.get("APG_COMMIT")
+    if not commit:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
+        commit = proc.stdout.strip() if proc.returncode == 0 else None
     tags = {
         "mlflow.source.name": stage,
         "mlflow.source.type": "PROJECT",
         TAG_STAGE: stage,
         TAG_PARAMS: hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:12],
     }
-    if proc.returncode == 0:
-        tags["mlflow.source.git.commit"] = proc.stdout.strip()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
     return tags
 
 

@@ -55,7 +55,7 @@ from pipeline.config.params import cell_key
 from pipeline.provenance import record as provenance
 from pipeline.provenance.stages import code_digest, package_root, stage_times
 from pipeline.recorded.files import EVAL_FILES, GENERATIVE_ONLY, MANIFEST, RECORDED, compress_samples
-from pipeline.smoke import make_sandbox, refresh_code
+from pipeline.smoke import make_sandbox, refresh_code, sandbox_env
 
 SANDBOX_INFO = "record.json"
 # The check profile: with --check it is itself (it has no check variant of its own).
@@ -230,11 +230,8 @@ def _digest(params: dict[str, Any]) -> str:
 
 
 def run_profile(sandbox: Path) -> float:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env.pop("MLFLOW_TRACKING_URI", None)  # the sandbox's own ./mlflow.db
-    env.pop("APG_PROJECT_ROOT", None)  # the stages' root is the sandbox
     start = time.monotonic()
-    proc = subprocess.run(["dvc", "repro"], cwd=sandbox, env=env)
+    proc = subprocess.run(["dvc", "repro"], cwd=sandbox, env=sandbox_env())
     if proc.returncode != 0:
         raise SystemExit(
             f"apg-pipeline: error: dvc repro failed in {sandbox} (exit {proc.returncode}); "

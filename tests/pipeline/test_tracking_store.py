@@ -119,3 +119,22 @@ def test_a_half_migrated_store_that_holds_runs_is_left_alone_with_one_line(made,
 def test_a_server_uri_is_not_touched(tmp_path):
     tracking.prepare_store("http://127.0.0.1:1")  # nothing to do, nothing raised
     tracking.prepare_store("sqlite:///:memory:")
+
+
+def test_runs_made_in_a_sandbox_name_the_projects_commit(monkeypatch):
+    """Smoke and recorded profiles run the stages in a sandbox repo with a commit of its own:
+    their runs name the project's commit (APG_COMMIT, set by ``sandbox_env``) instead."""
+    import subprocess
+
+    from pipeline import tracking
+    from pipeline.smoke import sandbox_env
+    from tests.support import REPO
+
+    monkeypatch.delenv("APG_COMMIT", raising=False)
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    env = sandbox_env()
+    assert env["APG_COMMIT"] == head and "MLFLOW_TRACKING_URI" not in env
+    monkeypatch.setenv("APG_COMMIT", "abc123")
+    assert tracking.source_tags(REPO, "smoke", {})["mlflow.source.git.commit"] == "abc123"
