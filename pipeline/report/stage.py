@@ -59,6 +59,7 @@ from pipeline.report.sections import (
     task_sections,
     write_readme_results,
 )
+from pipeline.report.tracked import log_claims
 from pipeline.statistics import (
     MIN_SEEDS,
 )
@@ -82,6 +83,8 @@ def make_report(params: dict[str, Any], root: Path, from_committed: bool = False
         # DVC's record of the stage, as the rebuild left it (its rows and the continuing
         # runs it read, its code, its outputs): a clone's `dvc status` shows no change here.
         provenance.lock_inputs(root, only="report", paths=("recorded", final.relative_to(root).as_posix()))
+    if not from_committed and params.get("tracking"):  # the claims beside the runs they judge
+        log_claims(params, root, json.loads((final / "metrics.json").read_text()), final)
     return final
 
 
