@@ -124,7 +124,8 @@ def run_smoke(params_file: Path, directory: Path) -> tuple[dict[str, float], flo
     root = make_sandbox(directory.resolve(), params_file.resolve())
     env = sandbox_env()
     start = time.monotonic()
-    proc = subprocess.run(["dvc", "repro"], cwd=root, env=env)
+    # -q: the stages' own lines, not DVC's git and push hints for a throwaway repo
+    proc = subprocess.run(["dvc", "repro", "-q"], cwd=root, env=env)
     total = time.monotonic() - start
     if proc.returncode != 0:
         raise SystemExit(

@@ -108,8 +108,11 @@ def client(uri: str):
     # Fail fast on HTTP errors instead of MLflow's default minutes of retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    import logging
+
     from mlflow.tracking import MlflowClient
 
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # not its database migrations, line by line
     prepare_store(uri)
     return MlflowClient(tracking_uri=uri)
 

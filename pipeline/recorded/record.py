@@ -231,7 +231,7 @@ def _digest(params: dict[str, Any]) -> str:
 
 def run_profile(sandbox: Path) -> float:
     start = time.monotonic()
-    proc = subprocess.run(["dvc", "repro"], cwd=sandbox, env=sandbox_env())
+    proc = subprocess.run(["dvc", "repro", "-q"], cwd=sandbox, env=sandbox_env())  # as smoke's
     if proc.returncode != 0:
         raise SystemExit(
             f"apg-pipeline: error: dvc repro failed in {sandbox} (exit {proc.returncode}); "

@@ -457,12 +457,6 @@ def main(argv: list[str] | None = None) -> None:
         if args.tune_params != "tune.yaml":
             command += f" --tune-params {args.tune_params}"
         plan = check_section(params, args.task, section)
-        from pipeline.sweep.ray_setup import ray_address
-
-        if not ray_address(params):
-            # The embedded instance listens on loopback only; attached to a cluster (RAY_ADDRESS
-            # or sweep.ray_address), token auth stays as the user set it.
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         out = Path(args.out or root / "results" / "tune" / name)
         shown = (
             out.resolve().relative_to(root.resolve()) if out.resolve().is_relative_to(root.resolve()) else out

@@ -4,6 +4,7 @@ is queued: an unreachable address and a trial no node can fit fail in seconds.""
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
@@ -43,9 +44,18 @@ def start_ray(params: dict[str, Any]) -> None:
     else:
         _loopback_only()
         _watch_driver()
+        # A fresh instance on this machine's loopback alone: Ray's token authentication is
+        # for clusters others can reach, and its warning, three times a run, only says so.
+        # Attached to a cluster (above), token auth stays as the user set it.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         # "local" always starts a fresh instance; plain ray.init() silently attaches to any
         # cluster already running on the machine.
-        ray.init(address="local", num_cpus=params["sweep"].get("num_cpus"), include_dashboard=False)
+        ray.init(
+            address="local",
+            num_cpus=params["sweep"].get("num_cpus"),
+            include_dashboard=False,
+            logging_level=logging.WARNING,  # not "Started a local Ray instance"
+        )
 
 
 _WATCHED: set[int] = set()

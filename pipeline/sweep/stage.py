@@ -357,6 +357,11 @@ def run_tuner(
                 verbose=0 if progress is not None else 1,
             ),
         )
+    if progress is not None:
+        # Tune's newer output prints its experiment table, results folder and a TensorBoard
+        # hint even when silent; its older one, silent, prints nothing: the progress lines
+        # are this sweep's whole output.
+        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     try:
         tuner.fit()
     except Exception as err:  # a trial's full disk (DiskFull) or the driver's own
