@@ -391,6 +391,7 @@ def evaluate_task(
         out.histories.append(cell_history(root, task, cell))
         if own_main:
             figure_samples(task, trained, cell, figure_sets, ev, device, out)
+    frames = animation_frames(task, root, out.samples, out.index, summary["cells"])
     metrics_frame = pd.concat(out.frames, ignore_index=True)
     run_ids = mlflow_run_ids(summary)
     logged = log_evaluation(summary, run_ids, metrics_frame)
@@ -399,6 +400,10 @@ def evaluate_task(
             f"evaluate {task}: held-out numbers logged to {logged} MLflow runs (metrics eval.<set>.K<K>L<L>.<metric>)"
         )
     write_outputs(out_dir, metrics_frame, out)
+    if frames is not None:
+        atomic_write(out_dir / ANIMATION, lambda tmp: _savez_compressed(tmp, {"frames": frames}))
+    else:  # no pictured cell, or a task without frames: no leftover of an earlier run
+        (out_dir / ANIMATION).unlink(missing_ok=True)
     meta = {
         **scale_meta(task, section, summary, test_sets),
         "cells": [cell_meta(c, run_ids, roles, out.settings) for c in summary["cells"]],
@@ -415,6 +420,47 @@ def evaluate_task(
     text = json.dumps(meta, indent=2)
     atomic_write(out_dir / "meta.json", lambda tmp: tmp.write_text(text + "\n"))
     return meta
+
+
+ANIMATION = "animation.npz"  # the GIF's frames: the pictured cell's generative model on its sample
+
+
+def animation_frames(
+    task: str,
+    root: Path,
+    samples: dict[str, np.ndarray],
+    index: list[dict[str, Any]],
+    cells: list[dict[str, Any]],
+) -> np.ndarray | None:
+    """The frames of the report's GIF (tasks with an ``animate`` hook): the last APG sweep's
+    sample on the first figure set, drawn by the generative model of the cell pictured with
+    the most sweeps (the lowest seed among those), so that the report loads no model.
+    ``samples``/``index``: what ``figure_samples`` collected; ``cells``: the sweep's cells."""
+    spec = get_task(task)
+    if spec.animate is None or not index:
+        return None
+    from apg.checkpoint import load_checkpoint
+    from apg.training import TrainConfig
+
+    entry = max(index, key=lambda e: (len(e["sweeps"]), -e["seed"]))
+    cell = next(c for c in cells if c["cell_id"] == entry["cell_id"])
+    # The generative model alone draws the frames (a recorded run may keep no proposals).
+    config, state = load_checkpoint(root / cell["checkpoint"])
+    model = spec.build_model(**TrainConfig.from_dict(config).model)
+    model.load_state_dict(state["model"])
+    model.eval()
+    sweep = max(entry["sweeps"])
+    prefix = f"{entry['cell_id']}__{entry['figure_set']}__sweep{sweep}__"
+    z = {k[len(prefix) :]: torch.from_numpy(v[0]) for k, v in samples.items() if k.startswith(prefix)}
+    x = torch.from_numpy(samples[f"x__{entry['figure_set']}"][0]).to(torch.get_default_dtype())
+    if f"truth__{entry['figure_set']}__z_where" in samples:
+        z["true_where"] = torch.from_numpy(samples[f"truth__{entry['figure_set']}__z_where"][0])
+    return np.asarray(spec.animate(model, x, z))
+
+
+def _savez_compressed(tmp: Path, arrays: dict[str, np.ndarray]) -> None:
+    with open(tmp, "wb") as f:  # a file object: numpy would append ".npz" to the temporary name
+        np.savez_compressed(f, **arrays)
 
 
 def impute_cell(

@@ -52,6 +52,7 @@ import yaml
 from pipeline.common import project_root
 from pipeline.config import checks
 from pipeline.config.params import cell_key
+from pipeline.evaluate.stage import ANIMATION
 from pipeline.provenance import record as provenance
 from pipeline.provenance.stages import code_digest, package_root, stage_times
 from pipeline.recorded.files import EVAL_FILES, GENERATIVE_ONLY, MANIFEST, RECORDED, compress_samples
@@ -263,8 +264,10 @@ def collect(
                 shutil.rmtree(tmp / part / task, ignore_errors=True)
     cells = {}
     for task in params["tasks"]:
-        for name in EVAL_FILES:
+        for name in (*EVAL_FILES, ANIMATION):
             source, target = sandbox / "results" / "eval" / task / name, tmp / "eval" / task / name
+            if name == ANIMATION and not source.is_file():  # a task without frames
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
             (compress_samples if name == "samples.npz" else shutil.copy)(source, target)
         sweep = checks.read_json(sandbox / "results" / task / "sweep.json")

@@ -36,12 +36,17 @@ def load_results(eval_dir: Path) -> dict[str, Any]:
         cell["base_method"], cell["method"] = cell["method"], labels[cell["cell_id"]]
     for frame in (metrics, training):
         frame["method"] = frame["cell_id"].map(labels).fillna(frame["method"])
+    frames = None
+    if (eval_dir / ANIMATION).is_file():
+        with np.load(eval_dir / ANIMATION) as archive:
+            frames = archive["frames"]
     return {
         "meta": meta,
         "metrics": metrics,
         "training": training,
         "samples": samples,
         "imputation": load_imputation(eval_dir),
+        "animation": frames,
     }
 
 
@@ -127,7 +132,10 @@ def retrained_rows(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
 COMMITTED_DATA = "data"
 
 
-COMMITTED_FILES = ("meta.json", "metrics.parquet", "training.parquet", "imputation.parquet")
+ANIMATION = "animation.npz"  # the GIF's frames, drawn by the evaluation (pipeline.evaluate.stage)
+
+
+COMMITTED_FILES = ("meta.json", "metrics.parquet", "training.parquet", "imputation.parquet", ANIMATION)
 
 
 COMMITTED_ARRAYS = ("samples.npz", "imputation_examples.npz")  # deflated: most of a video is empty canvas

@@ -499,60 +499,14 @@ def _draw_aspect(spec, panel: tuple[str, np.ndarray, dict[str, np.ndarray]]) -> 
         plt.close(fig)
 
 
-ANIMATION_FRAMES = "animation.npz"
-
-
-def animation(
-    task: str,
-    samples: dict[str, np.ndarray],
-    meta: dict[str, Any],
-    root: Path,
-    path: Path,
-    frames_file: Path | None = None,
-) -> bool:
-    """A GIF of the last APG sweep's sample on the first figure set (tasks with ``animate``).
-
-    Drawn with the pictured cell's generative model, whose frames are then kept in
-    ``frames_file``; a report rebuilt from committed rows (no checkpoints) reads them back."""
-    spec = get_task(task)
-    if spec.animate is None or not meta["samples"]:
+def animation(frames: np.ndarray | None, path: Path) -> bool:
+    """The GIF of the evaluation's animation frames (``animation.npz`` beside its rows: the
+    pictured cell's generative model drawing the last APG sweep's sample; tasks with an
+    ``animate`` hook). False when the evaluation drew none."""
+    if frames is None:
         return False
-    entry = max(meta["samples"], key=lambda e: (len(e["sweeps"]), -e["seed"]))
-    cell = next(c for c in meta["cells"] if c["cell_id"] == entry["cell_id"])
-    if frames_file is not None and not (root / cell["checkpoint"]).is_file():
-        if not frames_file.is_file():
-            return False
-        with np.load(frames_file) as archive:
-            kept = list(archive["frames"])
-        write_picture(path, lambda tmp: write_gif(tmp, kept, 200))
-        return True
-    import torch
-
-    from apg.checkpoint import load_checkpoint
-    from apg.training import TrainConfig
-
-    # The generative model alone draws the frames (a recorded run may keep no proposals).
-    config, state = load_checkpoint(root / cell["checkpoint"])
-    model = spec.build_model(**TrainConfig.from_dict(config).model)
-    model.load_state_dict(state["model"])
-    model.eval()
-    sweep = max(entry["sweeps"])
-    prefix = f"{entry['cell_id']}__{entry['figure_set']}__sweep{sweep}__"
-    z = {k[len(prefix) :]: torch.from_numpy(v[0]) for k, v in samples.items() if k.startswith(prefix)}
-    x = torch.from_numpy(samples[f"x__{entry['figure_set']}"][0]).to(torch.get_default_dtype())
-    if f"truth__{entry['figure_set']}__z_where" in samples:
-        z["true_where"] = torch.from_numpy(samples[f"truth__{entry['figure_set']}__z_where"][0])
-    frames = np.asarray(spec.animate(model, x, z))
     write_picture(path, lambda tmp: write_gif(tmp, list(frames), 200))
-    if frames_file is not None:
-        frames_file.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(frames_file, lambda tmp: _write_frames(tmp, frames))
     return True
-
-
-def _write_frames(tmp: Path, frames: np.ndarray) -> None:
-    with open(tmp, "wb") as f:  # a file object: numpy would append ".npz" to the temporary name
-        np.savez_compressed(f, frames=frames)
 
 
 def plain_numbers(ax) -> None:

@@ -18,9 +18,8 @@ from pipeline.present import pm
 from pipeline.provenance import record as provenance
 from pipeline.report.axes import axes_markdown
 from pipeline.report.claims import REPLICATION, ClaimResult, task_claims
-from pipeline.report.data import COMMITTED_DATA, main_rows, primary_test_set, retrained_rows, scale_caption
+from pipeline.report.data import main_rows, primary_test_set, retrained_rows, scale_caption
 from pipeline.report.figures import (
-    ANIMATION_FRAMES,
     SET_CURVES,
     _save,
     animation,
@@ -65,13 +64,10 @@ def report_task(
     results: dict[str, Any],
     paper: dict[str, Any] | None,
     out: Path,
-    root: Path,
     label: str,
     fmt: str,
-    keep_frames: bool = False,
 ) -> dict[str, Any]:
-    """One task's tables, figures and claims; ``keep_frames``: keep the GIF's frames with the
-    committed rows (the default run's report, whose checkpoints a clone does not have)."""
+    """One task's tables, figures and claims."""
     meta = results["meta"]
     all_sets = main_rows(results["metrics"], meta)
     frame = primary_test_set(all_sets, meta)
@@ -94,7 +90,7 @@ def report_task(
     tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking.csv")
     axes_md = axes_markdown(frame, meta, caption, out, task, fmt)
     claims = task_claims(task, results, paper)
-    made = task_figures(task, results, all_sets, frame, training, paper, out, caption, fmt, keep_frames, root)
+    made = task_figures(task, results, all_sets, frame, training, paper, out, caption, fmt)
     imputation = report_imputation(
         task, results.get("imputation"), out, fmt, lambda fig, path: _save(fig, path, caption)
     )
@@ -169,8 +165,6 @@ def task_figures(
     out: Path,
     caption: str,
     fmt: str,
-    keep_frames: bool,
-    root: Path,
 ) -> dict[str, str]:
     """Every figure the task's results allow, drawn; ``{name: path relative to out}``.
     ``all_sets``: the main cells' rows on every held-out set, ``frame`` on the first."""
@@ -202,17 +196,7 @@ def task_figures(
             "samples",
             samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}"),
         ),
-        (
-            "animation",
-            animation(
-                task,
-                results["samples"],
-                meta,
-                root,
-                figures / f"{task}_samples.gif",
-                out / COMMITTED_DATA / task / ANIMATION_FRAMES if keep_frames else None,
-            ),
-        ),
+        ("animation", animation(results.get("animation"), figures / f"{task}_samples.gif")),
     ):
         if ok:
             made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"

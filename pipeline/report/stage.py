@@ -102,7 +102,7 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         results = load_results(eval_dir)
         if not from_committed:
             commit_rows(eval_dir, data / task)
-        parts.append(report_task(task, results, paper_all.get(task), out, root, label, fmt, keep_frames=True))
+        parts.append(report_task(task, results, paper_all.get(task), out, label, fmt))
     claims = [c for p in parts for c in p["claims"]]
     for task, section in paper_all.items():
         if task not in params["tasks"] and (section or {}).get("claims"):
@@ -242,7 +242,7 @@ def recorded_parts(
     for task in params["tasks"]:
         paper = paper_all.get(task) or {}
         paper = {**paper, "claims": (paper.get("claims") or []) + (paper.get("paper_scale_claims") or [])}
-        part = report_task(task, load_results(run_dir / "eval" / task), paper, out, root, label, fmt)
+        part = report_task(task, load_results(run_dir / "eval" / task), paper, out, label, fmt)
         parts.append(part)
         # A run at another scale has other held-out sets and budgets: the claims it cannot
         # test (the CPU defaults' sets) are left out of its table, not listed as not run.
