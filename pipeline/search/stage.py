@@ -328,7 +328,30 @@ def checkpoints_to_keep(plan: dict[str, Any]) -> int:
     return 2 * plan["pbt"]["perturbation_interval"] // plan["eval_every"] + 1
 
 
-def _new_tuner(plan: dict[str, Any], trainable, storage: Path, name: str, callbacks: list):
+def _progress_callback(plan: dict[str, Any]):
+    """One line a finished trial: how many of the search's are done and the best score yet."""
+    from ray.tune import Callback
+
+    better = max if plan["mode"] == "max" else min
+
+    class _Progress(Callback):
+        def __init__(self) -> None:
+            self.done, self.best = 0, None
+
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            self.done += 1
+            score = (trial.last_result or {}).get("score")
+            if score is not None:
+                self.best = score if self.best is None else better(self.best, score)
+            best = f", best {plan['metric']} {self.best:.4g}" if self.best is not None else ""
+            print(f"tune {plan['task']}: {self.done}/{plan['num_samples']} trials done{best}", flush=True)
+
+    return _Progress()
+
+
+def _new_tuner(
+    plan: dict[str, Any], trainable, storage: Path, name: str, callbacks: list, verbose: bool = False
+):
     """A new search: Tune's space, searcher and scheduler from the plan."""
     from ray import tune
 
@@ -351,13 +374,17 @@ def _new_tuner(plan: dict[str, Any], trainable, storage: Path, name: str, callba
             # clone a donor into a trial that has finished, which then ends on the donor's result.
             stop={"iteration": plan["iterations"]},
             callbacks=callbacks,
-            verbose=1,
+            # Quiet: a line a finished trial (_progress_callback); --verbose: Tune's own tables.
+            verbose=1 if verbose else 0,
         ),
     )
 
 
-def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Path) -> dict[str, Any]:
-    """Run (or resume) the search; return its summary after writing the outputs."""
+def run_search(
+    params: dict[str, Any], plan: dict[str, Any], root: Path, out: Path, verbose: bool = False
+) -> dict[str, Any]:
+    """Run (or resume) the search; return its summary after writing the outputs. Quiet but
+    for a line a finished trial, unless ``verbose`` (Tune's own status tables)."""
     import ray
     from ray import tune
 
@@ -387,13 +414,17 @@ def run_search(params: dict[str, Any], plan: dict[str, Any], root: Path, out: Pa
         resources = {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)}
         trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan, paths=paths), resources)
         callbacks = [mlflow_callback(uri, exp_id, parent_id, plan)]
+        if not verbose:
+            callbacks.append(_progress_callback(plan))
+            # Tune's newer output prints its tables even when silent; its older one, silent, does not.
+            os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
         if resuming:
             print(f"tune {plan['task']}: resuming {storage / name}")
             tuner = tune.Tuner.restore(
                 str(storage / name), trainable, resume_unfinished=True, resume_errored=True
             )
         else:
-            tuner = _new_tuner(plan, trainable, storage, name, callbacks)
+            tuner = _new_tuner(plan, trainable, storage, name, callbacks, verbose)
         results = tuner.fit()  # a restored search keeps the callbacks it was made with
     finally:
         ray.shutdown()
@@ -439,6 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         default="reports/tune",
         help="a folder for <name>.md and its figure, or the report's .md file",
     )
+    parser.add_argument("--verbose", action="store_true", help="Tune's own status tables and trial lines")
     args = parser.parse_args(argv)
     from pipeline.errors import run_guarded
 
@@ -467,7 +499,7 @@ def main(argv: list[str] | None = None) -> None:
             best_file=f"{shown}/best-params.yaml",
             method_flag=name != args.task,
         )
-        summary = run_search(params, plan, root, out)
+        summary = run_search(params, plan, root, out, args.verbose)
         path = write_report(plan, out, report_path(root / args.report, name))
         best = summary["best"]
         print(

@@ -567,3 +567,8 @@ def test_the_search_to_try_runs_as_the_readme_gives_it(tmp_path):
     assert len(frame) == 6 and frame["score"].notna().all() and frame["stopped_early"].any()
     assert "hyperopt search over 6 trials, ASHA" in (out / "gmm.md").read_text()
     assert not (root / "reports" / "tune").exists()  # nothing written where the committed reports live
+    # Quiet by default: a line a finished trial, and at most 40 others (--verbose: Tune's tables).
+    lines = (proc.stdout + proc.stderr).splitlines()
+    progress = [line for line in lines if " trials done" in line]
+    assert len(progress) == 6 and progress[-1].startswith("tune gmm: 6/6 trials done, best ")
+    assert len(lines) - len(progress) <= 40, "\n".join(lines)
