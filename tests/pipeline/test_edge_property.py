@@ -150,6 +150,7 @@ def test_generate_starts_cleanly_or_refuses_in_one_line(data, argv):
         outcome(["generate", "--out", str(data / "out.npz"), *argv])
 
 
+@pytest.mark.slow  # each example builds a trainer: 9 s on a loaded 2-core machine
 @SETTINGS
 @given(argv=TRAIN)
 def test_train_starts_cleanly_or_refuses_in_one_line(data, argv):
