@@ -179,18 +179,28 @@ def _side_by_side(
 
 
 def _curves_figure(members: list[tuple[Path, dict[str, Any], pd.DataFrame]], score: str, path: Path) -> None:
+    """Each run's held-out curve; beside it the same curves from a quarter of the longest run's
+    steps on, at the scale of the later scores (the first steps' scores, far below, would set
+    the scale and hide the differences the comparison is about)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    later = 0.25 * max(float(evals["iteration"].max()) for _, _, evals in members)
     colours: dict[str, str] = {}
     for _, run, evals in members:
         method = run["train"]["method"]
         label = None if method in colours else method  # one legend entry a method
         colour = colours.setdefault(method, f"C{len(colours)}")
-        ax.plot(evals["iteration"], evals[score], "o-", ms=2, lw=0.8, color=colour, label=label)
-    ax.set(xlabel="training step", ylabel=SCORES[score])
-    ax.legend(fontsize=7)
+        tail = evals[evals["iteration"] >= later]
+        axes[0].plot(evals["iteration"], evals[score], "o-", ms=2, lw=0.8, color=colour, label=label)
+        axes[1].plot(tail["iteration"], tail[score], "o-", ms=2, lw=0.8, color=colour, label=label)
+    for ax in axes:
+        ax.set(xlabel="training step", ylabel=SCORES[score])
+    axes[0].set_title("every step", fontsize=8)
+    axes[1].set_title(f"from step {later:,.0f}", fontsize=8)
+    axes[1].legend(fontsize=7)
     _save(
         fig,
         path,
-        f"Held-out {SCORES[score]} of each continuing run against its training steps (one line a seed).",
+        f"Held-out {SCORES[score]} of each continuing run against its training steps (one line a seed; "
+        "right: the later steps at their own scale).",
     )
