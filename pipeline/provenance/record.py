@@ -374,7 +374,14 @@ def refresh(root: Path, params_file: str = "params.yaml", reports: str = "report
     old_code = {k: v for k, v in recorded.get("code", {}).items() if k not in report_files}
     new_code = {k: v for k, v in now["code"].items() if k not in report_files}
     code_changed = sorted(k for k in set(old_code) | set(new_code) if old_code.get(k) != new_code.get(k))
-    numbers = numerics(params)
+    try:
+        numbers = numerics(params)
+    except Exception as err:  # noqa: BLE001 - any stage's refusal (no MNIST here, say): one line, nothing written
+        first = str(err).splitlines()[0] if str(err) else ""
+        return (
+            False,
+            f"the numerics could not be computed here ({type(err).__name__}: {first}); nothing changed",
+        )
     if code_changed:
         if "numerics" not in recorded:
             return False, "the record holds no numerics to compare with: `dvc repro` regenerates the results"

@@ -280,3 +280,22 @@ def test_numerics_differences_name_each_moved_number():
     moved = {"a": {"data": "d2", "train": {"c": "t1", "n": "t9"}, "evaluate": {"apg": "e1"}}}
     assert differences(NUMBERS, NUMBERS) == []
     assert differences(NUMBERS, moved) == ["a/data", "a/train/n"]
+
+
+def test_refresh_that_cannot_compute_the_numerics_is_one_line_and_changes_nothing(tmp_path, monkeypatch):
+    from pipeline.provenance import numerics
+
+    root = make_project(tmp_path)
+    path = provenance.write_record(PARAMS, root, root / "reports", NUMBERS)
+    before = path.read_bytes()
+    (root / "apg/core.py").write_text("CORE = 1  # moved\n")
+
+    def missing(params):
+        raise FileNotFoundError("MNIST files not found\nsecond line")
+
+    monkeypatch.setattr(numerics, "numerics", missing)
+    kept, message = provenance.refresh(root)
+    assert not kept and message.startswith(
+        "the numerics could not be computed here (FileNotFoundError: MNIST"
+    )
+    assert "second line" not in message and path.read_bytes() == before
