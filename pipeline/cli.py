@@ -256,20 +256,20 @@ def cmd_continue(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- train
 
 
-# Flags of `train` that set a field of the training config: unset, they take the value of
-# the default profile's cell (params.yaml), so the pipeline's defaults are the only ones.
-TRAIN_FIELDS = {
-    "sweeps": "sweeps",
-    "particles": "particles",
-    "batch_size": "batch_size",
-    "iterations": "iterations",
-    "lr": "lr",
-    "lr_schedule": "lr_schedule",
-    "lr_final_factor": "lr_final_factor",
-    "lr_hold_fraction": "lr_hold_fraction",
-    "resample_mode": "resample_mode",
-    "resampler": "resampler",
-}
+# Flags of `train` named as the training config's fields: unset, they take the value of the
+# params file's cell, so the pipeline's defaults are the only ones.
+TRAIN_FIELDS = (
+    "sweeps",
+    "particles",
+    "batch_size",
+    "iterations",
+    "lr",
+    "lr_schedule",
+    "lr_final_factor",
+    "lr_hold_fraction",
+    "resample_mode",
+    "resampler",
+)
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -292,9 +292,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
             f"--method {args.method!r}: {args.params} trains no such {args.task} cell (it trains {', '.join(methods)})"
         )
     base = cells[0].train.to_dict()
-    given = {
-        field: getattr(args, flag) for flag, field in TRAIN_FIELDS.items() if getattr(args, flag) is not None
-    }
+    given = {field: getattr(args, field) for field in TRAIN_FIELDS if getattr(args, field) is not None}
     base.update(given)
     base["model"] = {**base["model"], **_key_values(args.model, "--model")}
     base["network"] = {**base["network"], **_key_values(args.network, "--network")}

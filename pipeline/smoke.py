@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from apg.data.mnist import ENV_VAR as MNIST_ENV
+from pipeline.provenance.record import source_commit
 from pipeline.provenance.stages import package_root, stage_times
 
 COPIED = ("apg", "pipeline", "dvc.yaml", ".dvcignore", ".gitignore")
@@ -109,12 +110,9 @@ def sandbox_env() -> dict[str, str]:
     env.pop("APG_PROJECT_ROOT", None)  # the stages' root is the sandbox
     if env.get(MNIST_ENV):
         env[MNIST_ENV] = str(Path(env[MNIST_ENV]).resolve())
-    if not env.get("APG_COMMIT"):
-        proc = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=package_root(), capture_output=True, text=True
-        )
-        if proc.returncode == 0:
-            env["APG_COMMIT"] = proc.stdout.strip()
+    commit = source_commit(package_root(), short=False)
+    if commit != "unknown":
+        env["APG_COMMIT"] = commit
     return env
 
 

@@ -286,21 +286,17 @@ def source_tags(root: Path, stage: str, params: Mapping[str, Any]) -> dict[str, 
     the runs table), the stage or command that made it and a digest of its params."""
     import hashlib
     import json
-    import subprocess
 
-    # A sandbox (smoke, a recorded profile) or a copy without git history names the
-    # project's commit in APG_COMMIT; its own repo's commit would name nothing a reader has.
-    commit = os.environ.get("APG_COMMIT")
-    if not commit:
-        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-        commit = proc.stdout.strip() if proc.returncode == 0 else None
+    from pipeline.provenance.record import source_commit
+
+    commit = source_commit(root, short=False)
     tags = {
         "mlflow.source.name": stage,
         "mlflow.source.type": "PROJECT",
         TAG_STAGE: stage,
         TAG_PARAMS: hashlib.sha256(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:12],
     }
-    if commit:
+    if commit != "unknown":
         tags["mlflow.source.git.commit"] = commit
     return tags
 

@@ -401,7 +401,7 @@ def evaluate_task(
         )
     write_outputs(out_dir, metrics_frame, out)
     if frames is not None:
-        atomic_write(out_dir / ANIMATION, lambda tmp: _savez_compressed(tmp, {"frames": frames}))
+        atomic_write(out_dir / ANIMATION, lambda tmp: _savez(tmp, {"frames": frames}, compressed=True))
     else:  # no pictured cell, or a task without frames: no leftover of an earlier run
         (out_dir / ANIMATION).unlink(missing_ok=True)
     meta = {
@@ -456,11 +456,6 @@ def animation_frames(
     if f"truth__{entry['figure_set']}__z_where" in samples:
         z["true_where"] = torch.from_numpy(samples[f"truth__{entry['figure_set']}__z_where"][0])
     return np.asarray(spec.animate(model, x, z))
-
-
-def _savez_compressed(tmp: Path, arrays: dict[str, np.ndarray]) -> None:
-    with open(tmp, "wb") as f:  # a file object: numpy would append ".npz" to the temporary name
-        np.savez_compressed(f, **arrays)
 
 
 def impute_cell(
@@ -574,9 +569,9 @@ def cell_meta(
     }
 
 
-def _savez(tmp: Path, arrays: dict[str, np.ndarray]) -> None:
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
+def _savez(tmp: Path, arrays: dict[str, np.ndarray], compressed: bool = False) -> None:
+    with open(tmp, "wb") as f:  # a file object: numpy would append ".npz" to the temporary name
+        (np.savez_compressed if compressed else np.savez)(f, **arrays)
 
 
 def main(argv: list[str] | None = None) -> None:

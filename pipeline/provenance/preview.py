@@ -21,12 +21,9 @@ SAID = {"deleted": "absent", "not in cache": "absent", "modified": "changed"}  #
 
 def out_of_date(root: Path) -> dict[str, str]:
     """``{stage: why}`` for each stage of ``root/dvc.yaml`` that ``dvc repro`` would run."""
-    import logging
+    from pipeline.provenance.record import dvc_repo
 
-    from dvc.repo import Repo
-
-    logging.getLogger("dvc").setLevel(logging.WARNING)
-    repo = Repo(str(root))
+    repo = dvc_repo(root)
     try:
         status = repo.status(targets=[str(root / "dvc.yaml")])
     finally:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -189,11 +190,22 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def git_commit(root: Path) -> str:
+def git_commit(root: Path, short: bool = True) -> str:
+    """``root``'s HEAD (10 hex digits, or whole), "unknown" outside git."""
     proc = subprocess.run(
-        ["git", "rev-parse", "--short=10", "HEAD"], cwd=root, capture_output=True, text=True
+        ["git", "rev-parse", *(["--short=10"] if short else []), "HEAD"],
+        cwd=root,
+        capture_output=True,
+        text=True,
     )
     return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def source_commit(root: Path, short: bool = True) -> str:
+    """The project's commit the code running in ``root`` came from: ``APG_COMMIT`` where a
+    sandbox (smoke, a recorded profile) or a copy without git history (a GPU machine's)
+    names it, its own repo's commit naming nothing a reader has; else ``git_commit``."""
+    return os.environ.get("APG_COMMIT") or git_commit(root, short)
 
 
 def uncommitted(root: Path, paths: list[str]) -> list[str]:
@@ -298,6 +310,16 @@ def write_record(
     return path
 
 
+def dvc_repo(root: Path):
+    """DVC's repo at ``root``, its INFO lines (a line per lock file written) left out."""
+    import logging
+
+    from dvc.repo import Repo
+
+    logging.getLogger("dvc").setLevel(logging.WARNING)
+    return Repo(str(root))
+
+
 def lock_inputs(root: Path, only: str | None = None, paths: tuple[str, ...] = ()) -> int:
     """Write the hashes of the stages' code (and of ``paths``, where a stage lists them as
     inputs or outputs) as they are in ``root`` into ``dvc.lock`` (and every other lock file),
@@ -306,13 +328,8 @@ def lock_inputs(root: Path, only: str | None = None, paths: tuple[str, ...] = ()
     entries moved. Only for code whose numbers are checked unchanged (:func:`refresh`), and
     for a report rebuilt from its committed rows: a fresh clone's ``dvc status`` then lists
     the absent results and no changed stage."""
-    import logging
-
-    from dvc.repo import Repo
-
-    logging.getLogger("dvc").setLevel(logging.WARNING)  # not a line per lock file written
     moved = 0
-    repo = Repo(str(root))
+    repo = dvc_repo(root)
     try:
         with repo.lock:
             for stage in repo.index.stages:

@@ -40,7 +40,6 @@ stages in-process (``pipeline.recorded.direct``) and ``--minutes`` sizes the tra
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -159,7 +158,7 @@ def sandbox_for(
         "base": base_name(name, under),
         # A copy of the code whose git history is absent or stale (a remote GPU machine's copy of
         # the working tree) names its commit in APG_COMMIT.
-        "commit": os.environ.get("APG_COMMIT") or provenance.git_commit(code),
+        "commit": provenance.source_commit(code),
         "code_digest": {t: code_digest("sweep", t, code) for t in params["tasks"]},
         "params_sha": _digest(params),
     }

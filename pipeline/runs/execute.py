@@ -26,7 +26,6 @@ and random streams take over.
 from __future__ import annotations
 
 import csv
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline.config import checks
 from pipeline.evaluate.particles import final_particle, particle_scores, tracking_errors
-from pipeline.provenance.record import device_line, git_commit, utc_now
+from pipeline.provenance.record import device_line, source_commit, utc_now
 from pipeline.runs.compact import compact, expand
 from pipeline.runs.loop import Callback, drive, start, write_history
 from pipeline.runs.spec import (
@@ -69,6 +68,8 @@ def restore(
     """The run's trainer at its latest state (at step 0 before the first checkpoint), or at
     the checkpoint ``state_file`` (a committed state of an earlier step, say)."""
     cfg = TrainConfig.from_dict({**run["train"], "compile": compile}).validate()
+    # model keys the task knows, network sizes in range: one line, not torch's traceback
+    checks.networks(cfg, f"{run_dir / RUN}: train.model", f"{run_dir / RUN}: train.network")
     state = latest_state(run_dir) if state_file is None else expand(load_checkpoint(state_file)[1])
     return start(cfg, training_rows(run), device, run["seed"], state)
 
@@ -296,8 +297,7 @@ def advance(
         "seconds": 0.0,
         "device": sitting_device(trainer.device),
         "compiled": compile,
-        # a copy of the tree without its git history (a GPU machine's) names it in APG_COMMIT
-        "commit": os.environ.get("APG_COMMIT") or git_commit(root),
+        "commit": source_commit(root),
         "started": utc_now(),
         "ended": "",
     }

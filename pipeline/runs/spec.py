@@ -155,8 +155,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
 
 def check_run(run: Any, path: Path) -> None:
     """A ``run.json`` that a sitting can train from, or one line naming the file and the key
-    (``ValueError``): its sets, seed and cadences of the right kinds, and a training config
-    whose networks build (model keys the task knows, sizes in range)."""
+    (``ValueError``): its sets, seed and cadences of the right kinds and a valid training
+    config. Whether its networks build is checked where they are built (``execute.restore``)."""
     from apg.training import TrainConfig
 
     if not isinstance(run, dict):
@@ -176,10 +176,9 @@ def check_run(run: Any, path: Path) -> None:
             raise ValueError(f"{path}: {key} has no {err.args[0]}") from None
         checks.integer(count, f"{path}: {key}'s count", low=1)
     try:
-        cfg = TrainConfig.from_dict(run["train"]).validate()
+        TrainConfig.from_dict(run["train"]).validate()
     except (TypeError, ValueError, KeyError) as err:
         raise ValueError(f"{path}: train: {checks.first_line(err)}") from None
-    checks.networks(cfg, f"{path}: train.model", f"{path}: train.network")
 
 
 def write_run(run_dir: Path, run: dict[str, Any]) -> None:

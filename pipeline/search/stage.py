@@ -388,7 +388,7 @@ def run_search(
     import ray
     from ray import tune
 
-    from pipeline.sweep.ray_setup import start_ray
+    from pipeline.sweep.ray_setup import quiet_tune_output, start_ray
 
     # One snapshot per validation checkpoint is what resuming needs; Tune's warning about it is noise.
     os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
@@ -416,8 +416,7 @@ def run_search(
         callbacks = [mlflow_callback(uri, exp_id, parent_id, plan)]
         if not verbose:
             callbacks.append(_progress_callback(plan))
-            # Tune's newer output prints its tables even when silent; its older one, silent, does not.
-            os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+            quiet_tune_output()
         if resuming:
             print(f"tune {plan['task']}: resuming {storage / name}")
             tuner = tune.Tuner.restore(

@@ -97,6 +97,13 @@ def _loopback_only() -> None:
         pass
 
 
+def quiet_tune_output() -> None:
+    """Under a driver's own progress lines: Tune's newer output prints its experiment table,
+    results folder and a TensorBoard hint even when silent (``verbose=0``); its older one,
+    silent, prints nothing."""
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+
+
 def check_resources(params: dict[str, Any]) -> None:
     """Fail now, not after trials pend forever, if no node can fit one trial."""
     import ray

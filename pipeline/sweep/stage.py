@@ -65,7 +65,7 @@ from pipeline.diskfull import as_disk_full, disk_full_callback
 from pipeline.errors import SweepError
 from pipeline.provenance.stages import record_stage_time
 from pipeline.runs.loop import DONE, HISTORY, MODEL
-from pipeline.sweep.ray_setup import check_resources, start_ray
+from pipeline.sweep.ray_setup import check_resources, quiet_tune_output, start_ray
 from pipeline.sweep.trial import FAULT_ENV, tune_trainable
 
 LOCK = ".sweep.lock"
@@ -358,10 +358,7 @@ def run_tuner(
             ),
         )
     if progress is not None:
-        # Tune's newer output prints its experiment table, results folder and a TensorBoard
-        # hint even when silent; its older one, silent, prints nothing: the progress lines
-        # are this sweep's whole output.
-        os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+        quiet_tune_output()  # the progress lines are this sweep's whole output
     try:
         tuner.fit()
     except Exception as err:  # a trial's full disk (DiskFull) or the driver's own
