@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 from apg.data.mnist import ENV_VAR as MNIST_ENV
-from pipeline.provenance.record import source_commit
-from pipeline.provenance.stages import package_root, stage_times
+from pipeline.provenance.stages import package_root, source_commit, stage_times
 
 COPIED = ("apg", "pipeline", "dvc.yaml", ".dvcignore", ".gitignore")
 MARKER = ".apg-sandbox"  # in every sandbox: only a folder holding it is ever deleted

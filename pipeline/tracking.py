@@ -287,7 +287,7 @@ def source_tags(root: Path, stage: str, params: Mapping[str, Any]) -> dict[str, 
     import hashlib
     import json
 
-    from pipeline.provenance.record import source_commit
+    from pipeline.provenance.stages import source_commit
 
     commit = source_commit(root, short=False)
     tags = {

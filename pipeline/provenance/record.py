@@ -51,6 +51,7 @@ from pipeline.provenance.stages import (
     CODE_PREFIXES,
     code_files,
     file_digests,
+    git_commit,
     stage_code,
     stage_params,
     stage_specs,
@@ -144,7 +145,6 @@ def machine() -> dict[str, Any]:
     """The machine these results are being made on: CPU model, the vector extensions that
     change float arithmetic (the native kernels are built for the host), cores, and the
     versions of torch and Python. Results differ across CPUs, so every record names its own."""
-    import os
     import platform
 
     import torch
@@ -188,24 +188,6 @@ def device_line(device: str | Any) -> str:
 def utc_now() -> str:
     """Now, as the records of runs write it (``2026-11-27T09:30:00Z``)."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def git_commit(root: Path, short: bool = True) -> str:
-    """``root``'s HEAD (10 hex digits, or whole), "unknown" outside git."""
-    proc = subprocess.run(
-        ["git", "rev-parse", *(["--short=10"] if short else []), "HEAD"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-    )
-    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
-
-
-def source_commit(root: Path, short: bool = True) -> str:
-    """The project's commit the code running in ``root`` came from: ``APG_COMMIT`` where a
-    sandbox (smoke, a recorded profile) or a copy without git history (a GPU machine's)
-    names it, its own repo's commit naming nothing a reader has; else ``git_commit``."""
-    return os.environ.get("APG_COMMIT") or git_commit(root, short)
 
 
 def uncommitted(root: Path, paths: list[str]) -> list[str]:

@@ -1,4 +1,5 @@
-"""What ``dvc.yaml`` says each stage reads, the digest of that code, and each stage's time.
+"""What ``dvc.yaml`` says each stage reads, the digest of that code, each stage's time, and
+the commit the code came from.
 
 The digests say which source made a result (:mod:`pipeline.provenance.record`, the recorded runs'
 manifests); they are not part of any cell id, which holds what the training code computes
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +110,21 @@ def stage_times(root: Path) -> dict[str, float]:
     order = {"generate": 0, "sweep": 1, "evaluate": 2}
     times = {p.stem: checks.read_json(p)["seconds"] for p in folder.glob("*.json")}
     return dict(sorted(times.items(), key=lambda kv: (order.get(kv[0].split("@")[0], 3), kv[0])))
+
+
+def git_commit(root: Path, short: bool = True) -> str:
+    """``root``'s HEAD (10 hex digits, or whole), "unknown" outside git."""
+    proc = subprocess.run(
+        ["git", "rev-parse", *(["--short=10"] if short else []), "HEAD"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def source_commit(root: Path, short: bool = True) -> str:
+    """The project's commit the code running in ``root`` came from: ``APG_COMMIT`` where a
+    sandbox (smoke, a recorded profile) or a copy without git history (a GPU machine's)
+    names it, its own repo's commit naming nothing a reader has; else ``git_commit``."""
+    return os.environ.get("APG_COMMIT") or git_commit(root, short)

@@ -53,7 +53,7 @@ from pipeline.config import checks
 from pipeline.config.params import cell_key
 from pipeline.evaluate.stage import ANIMATION
 from pipeline.provenance import record as provenance
-from pipeline.provenance.stages import code_digest, package_root, stage_times
+from pipeline.provenance.stages import code_digest, package_root, source_commit, stage_times
 from pipeline.recorded.files import EVAL_FILES, GENERATIVE_ONLY, MANIFEST, RECORDED, compress_samples
 from pipeline.smoke import make_sandbox, refresh_code, sandbox_env
 
@@ -158,7 +158,7 @@ def sandbox_for(
         "base": base_name(name, under),
         # A copy of the code whose git history is absent or stale (a remote GPU machine's copy of
         # the working tree) names its commit in APG_COMMIT.
-        "commit": provenance.source_commit(code),
+        "commit": source_commit(code),
         "code_digest": {t: code_digest("sweep", t, code) for t in params["tasks"]},
         "params_sha": _digest(params),
     }

@@ -38,7 +38,8 @@ from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline.config import checks
 from pipeline.evaluate.particles import final_particle, particle_scores, tracking_errors
-from pipeline.provenance.record import device_line, source_commit, utc_now
+from pipeline.provenance.record import device_line, utc_now
+from pipeline.provenance.stages import source_commit
 from pipeline.runs.compact import compact, expand
 from pipeline.runs.loop import Callback, drive, start, write_history
 from pipeline.runs.spec import (
