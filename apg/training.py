@@ -54,17 +54,21 @@ class CompiledGradientsLost(RuntimeError):
     """The compiled step left a parameter without the gradient the eager step gives it."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TrainConfig:
-    """Everything that defines one training run (one cell of a sweep)."""
+    """Everything that defines one training run (one cell of a sweep).
 
-    task: str = "gmm"
-    method: str = "apg"
-    sweeps: int = 10  # K
-    particles: int = 10  # L
-    batch_size: int = 20  # B
-    iterations: int = 1000
-    lr: float = 1e-4
+    The cell's numbers have no defaults here: the pipeline takes every one from a cell of
+    params.yaml (the one home of defaults), and a library caller states them. What has a
+    default is the plain algorithm, which params.yaml may change per task."""
+
+    task: str
+    method: str
+    sweeps: int  # K
+    particles: int  # L
+    batch_size: int  # B
+    iterations: int
+    lr: float
     # "constant", or "cosine": lr decays along a half cosine to lr * lr_final_factor at the
     # last iteration. A decayed rate is what lets the stochastic objective settle on a plateau
     # within a CPU-sized budget (a constant rate keeps the weights jittering at its noise level).

@@ -105,11 +105,18 @@ def make_trainer(
             batch_size=10,
             lr=1e-4,
             network={"num_digits": 3},
+            iterations=1000,
         )
     else:
         data = task.simulate(task.build_model(), 400, g, num_points=POINTS[task_name])
         cfg = training.TrainConfig(
-            task=task_name, method="apg", sweeps=10, particles=10, batch_size=20, lr=1e-4
+            task=task_name,
+            method="apg",
+            sweeps=10,
+            particles=10,
+            batch_size=20,
+            lr=1e-4,
+            iterations=1000,
         )
     trainer = training.Trainer(cfg, data["x"].float())
     if weights is not None:

@@ -135,7 +135,14 @@ def main(argv: list[str] | None = None) -> dict:
 def step(args: argparse.Namespace) -> dict:
     x = videos(50, 10, 3, args.mnist_dir, seed=0)
     cfg = TrainConfig(
-        task="bmnist", method="apg", sweeps=5, particles=10, batch_size=10, lr=1e-4, network={"num_digits": 3}
+        task="bmnist",
+        method="apg",
+        sweeps=5,
+        particles=10,
+        batch_size=10,
+        lr=1e-4,
+        network={"num_digits": 3},
+        iterations=1000,
     )
     trainer = Trainer(cfg, x)
     rss_before = vm_hwm_mb()

@@ -41,7 +41,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     task = get_task("gmm")
     data = task.simulate(task.build_model(), 400, torch.Generator().manual_seed(0), num_points=60)
-    cfg = TrainConfig(task="gmm", method="apg", sweeps=10, particles=10, batch_size=20, lr=1e-4)
+    cfg = TrainConfig(
+        task="gmm", method="apg", sweeps=10, particles=10, batch_size=20, lr=1e-4, iterations=1000
+    )
     trainer = Trainer(cfg, data["x"].float())
     for _ in range(args.warmup):
         trainer.step()

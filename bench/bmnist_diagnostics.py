@@ -292,6 +292,9 @@ def modes(args) -> None:
         sweeps=args.eval_sweeps or 5,
         particles=args.eval_particles or 10,
         network={"num_digits": digits},
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
     )
     model, proposals = build(cfg)
     _, state = load_checkpoint(args.init)

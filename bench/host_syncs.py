@@ -70,7 +70,14 @@ def inventory(task: str, method: str) -> collections.Counter:
     x = torch.from_numpy(simulate_set(task, {}, 4, 0, SIZES[task])["x"])
     network = {"num_digits": 1} if task == "bmnist" else {}
     cfg = TrainConfig(
-        task=task, method=method, sweeps=3, particles=4, batch_size=2, iterations=2, network=network
+        task=task,
+        method=method,
+        sweeps=3,
+        particles=4,
+        batch_size=2,
+        iterations=2,
+        network=network,
+        lr=1e-4,
     )
     torch.manual_seed(0)
     trainer = Trainer(cfg.validate(), x)

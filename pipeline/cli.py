@@ -275,11 +275,13 @@ TRAIN_FIELDS = (
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """The training config of ``train``: the params' first cell of ``--task``/``--method``
     (its K, L, training settings, network and model), each flag given replacing its field."""
+    from apg.baselines import get_method
+    from apg.tasks import get_task
     from apg.training import TrainConfig
     from pipeline.config import profiles
     from pipeline.config.params import grid_cells
 
-    TrainConfig(task=args.task, method=args.method).validate()  # an unknown task or method, by name
+    get_method(args.method).check_task(get_task(args.task))  # an unknown task or method, by name
     params = profiles.load(args.params)
     if args.task not in params.get("tasks", []) or args.task not in params:
         raise ValueError(

@@ -43,6 +43,7 @@ from pipeline.config.schema import (
     GRID_KEYS,
     IMPUTATION_KEYS,
     REPORT_KEYS,
+    STATED_TRAIN_KEYS,
     SWEEP_KEYS,
     TASK_KEYS,
     TOP_KEYS,
@@ -401,6 +402,9 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
             overrides, f"{where}.train", {k: v for k, v in TRAIN_KEYS.items() if k != "method_options"}
         )
         entry_train = {**train, **overrides}
+        missing = [k for k in STATED_TRAIN_KEYS if k not in entry_train]
+        if missing:
+            raise ParamsError(f"{task}.train: set {', '.join(missing)} (a cell's numbers have no default)")
         # Its keys are checked where every cell's network is built (validate_params).
         entry_network = {**section.get("network", {}), **(entry.get("network") or {})}
         axes = check_axes(entry.get("axes") or {}, f"{where}.axes")

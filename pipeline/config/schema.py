@@ -69,6 +69,9 @@ TRAIN_KEYS: dict[str, Any] = {
     "resampler": str,
     "method_options": dict,  # {method name: {option: value}}, e.g. {hmc-rws: {step_size: 0.05}}
 }
+# The training settings a task's ``train`` must state: every one ``TrainConfig`` gives no
+# default (a cell's task, method, K and L come from the grid).
+STATED_TRAIN_KEYS = ("batch_size", "iterations", "lr")
 # ``train``: overrides of ``<task>.train`` for this entry's cells only (e.g. one iteration
 # for exact Gibbs, which has nothing to learn). ``network``: overrides of ``<task>.network``
 # for this entry's cells only (a baseline at the width its own search chose); the cells keep

@@ -41,7 +41,15 @@ def data(task: str) -> torch.Tensor:
 
 
 def config(task: str, method: str, **kw) -> TrainConfig:
-    sizes = {"sweeps": 2, "particles": 3, "batch_size": 2, "network": NETWORK.get(task, {}), **kw}
+    sizes = {
+        "sweeps": 2,
+        "particles": 3,
+        "batch_size": 2,
+        "iterations": 1000,
+        "lr": 1e-4,
+        "network": NETWORK.get(task, {}),
+        **kw,
+    }
     return TrainConfig(task=task, method=method, **sizes)
 
 
@@ -113,6 +121,7 @@ def test_a_compiled_step_trains_and_compiles_once():
         iterations=4,
         network={"hidden": 4},
         compile=True,
+        lr=1e-4,
     )
     trainer = Trainer(cfg, data("gmm"))
     before = [p.detach().clone() for p in trainer.proposals.parameters()]

@@ -36,6 +36,7 @@ def config_for(task: str, method: str) -> TrainConfig:
         batch_size=2,
         iterations=2,
         network=NETWORK.get(task, {}),
+        lr=1e-4,
     )
 
 

@@ -170,7 +170,16 @@ def test_pipeline_imputation_rows_for_both_tasks():
 
     torch.manual_seed(0)
     spec, _, arrays = _gmm(num_datasets=3, num_points=12)
-    cfg = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3, network={"hidden": 8}).validate()
+    cfg = TrainConfig(
+        task="gmm",
+        method="apg",
+        sweeps=2,
+        particles=3,
+        network={"hidden": 8},
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
+    ).validate()
     model, proposals = build(cfg)
     settings = {"methods": ["apg"], "num_datasets": 2, "fraction": 0.25, "iterations": 4, "burn_in": 1}
     numpy_arrays = {k: v.numpy() for k, v in arrays.items()}
@@ -199,7 +208,14 @@ def test_pipeline_imputation_rows_for_both_tasks():
 
     bm = get_task("bmnist")
     cfg = TrainConfig(
-        task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}
+        task="bmnist",
+        method="apg",
+        sweeps=2,
+        particles=2,
+        network={"num_digits": 1},
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
     ).validate()
     model, proposals = build(cfg)
     videos = {

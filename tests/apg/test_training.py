@@ -10,7 +10,16 @@ from apg.training import TrainConfig, learning_rate
 
 def rates(iterations=100, **changes):
     cfg = TrainConfig(
-        lr=0.02, lr_schedule="cosine", lr_final_factor=0.01, iterations=iterations, **changes
+        task="gmm",
+        method="apg",
+        sweeps=10,
+        particles=10,
+        batch_size=20,
+        lr=0.02,
+        lr_schedule="cosine",
+        lr_final_factor=0.01,
+        iterations=iterations,
+        **changes,
     ).validate()
     return [learning_rate(cfg, i) for i in range(cfg.iterations)]
 
@@ -34,4 +43,14 @@ def test_hold_fraction_reaches_the_floor_early_and_keeps_it():
 @pytest.mark.parametrize("bad", [-0.1, 1.0, "0.2"])
 def test_bad_hold_fraction_is_a_one_line_error(bad):
     with pytest.raises(ValueError, match="lr_hold_fraction must be in"):
-        TrainConfig(lr=0.02, lr_schedule="cosine", lr_hold_fraction=bad).validate()
+        TrainConfig(
+            lr=0.02,
+            lr_schedule="cosine",
+            lr_hold_fraction=bad,
+            task="gmm",
+            method="apg",
+            sweeps=10,
+            particles=10,
+            batch_size=20,
+            iterations=1000,
+        ).validate()

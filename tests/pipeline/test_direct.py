@@ -42,6 +42,7 @@ def gmm_job(tmp_path: Path, iterations: int, deadline: float | None) -> dict:
         batch_size=4,
         iterations=iterations,
         network={"hidden": 8},
+        lr=1e-4,
     )
     return {
         "cell_id": "c1",
@@ -81,7 +82,16 @@ def test_a_cell_past_its_deadline_stops_and_says_so(tmp_path):
 
 def saved_weights(path: Path, seed: int) -> tuple[Path, dict]:
     """A checkpoint of gmm_job's networks drawn afresh under ``seed``."""
-    cfg = TrainConfig(task="gmm", method="apg", network={"hidden": 8})
+    cfg = TrainConfig(
+        task="gmm",
+        method="apg",
+        network={"hidden": 8},
+        sweeps=10,
+        particles=10,
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
+    )
     seed_everything(seed)
     model, proposals = build(cfg)
     state = {"model": model.state_dict(), "proposals": proposals.state_dict(), "iteration": 9}
@@ -145,10 +155,14 @@ def test_a_curriculum_step_finds_the_earlier_runs_checkpoints_by_their_recorded_
 
     class Cell:  # what pipeline.sweep.stage.plan gives per cell
         name, seed = "gmm/apg", 0
-        train = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3)
+        train = TrainConfig(
+            task="gmm", method="apg", sweeps=2, particles=3, batch_size=20, iterations=1000, lr=1e-4
+        )
 
     assert direct._starting_checkpoints({"c": Cell()}, starts["cells"], "gmm") == {"c": found}
-    Cell.train = TrainConfig(task="gmm", method="rws-mlp", sweeps=2, particles=3)
+    Cell.train = TrainConfig(
+        task="gmm", method="rws-mlp", sweeps=2, particles=3, batch_size=20, iterations=1000, lr=1e-4
+    )
     with pytest.raises(ValueError, match="gmm/apg has no trained cell to start from"):
         direct._starting_checkpoints({"c": Cell()}, starts["cells"], "gmm")
     kept = tmp_path / "runs" / "base" / "results" / "sweeps" / "gmm" / "cells" / "apg-c1" / "model.pt"
@@ -193,7 +207,16 @@ def test_set_iterations_leaves_cells_that_train_nothing_alone():
 
 
 def test_a_large_checkpoint_is_kept_as_its_generative_model_alone(tmp_path, monkeypatch):
-    cfg = TrainConfig(task="gmm", method="apg", network={"hidden": 8})
+    cfg = TrainConfig(
+        task="gmm",
+        method="apg",
+        network={"hidden": 8},
+        sweeps=10,
+        particles=10,
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
+    )
     seed_everything(0)
     model, proposals = build(cfg)
     path = save_checkpoint(

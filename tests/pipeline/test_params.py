@@ -5,14 +5,17 @@ defaults, unreachable services.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import torch
 import yaml
 
+from apg.training import TrainConfig
 from pipeline import tracking
 from pipeline.config.params import ParamsError, grid_cells, validate_params
+from pipeline.config.schema import STATED_TRAIN_KEYS
 from pipeline.errors import SweepError
 from pipeline.sweep.ray_setup import check_ray_address
 from tests.pipeline.harness import TINY
@@ -23,6 +26,21 @@ def test_tiny_params_are_valid(tiny):
     validate_params(tiny())
     cells = grid_cells(tiny(), "gmm")
     assert [c.name for c in cells] == ["gmm/apg/K2/L3/seed0", "gmm/rws-mlp/K2/L3/seed0"]
+
+
+def test_a_cells_numbers_come_from_the_params_alone(tiny):
+    """params.yaml is the one home of defaults: TrainConfig defaults none of a cell's numbers,
+    and params that leave one out are refused in one line, naming it."""
+    undefaulted = {
+        f.name
+        for f in dataclasses.fields(TrainConfig)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    }
+    assert undefaulted == {"task", "method", "sweeps", "particles", *STATED_TRAIN_KEYS}
+    params = tiny()
+    del params["gmm"]["train"]["lr"]
+    with pytest.raises(ParamsError, match=r"^gmm.train: set lr \(a cell's numbers have no default\)$"):
+        validate_params(params)
 
 
 def test_budget_grid_expands_to_pairs(tiny):

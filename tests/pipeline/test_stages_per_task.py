@@ -127,7 +127,16 @@ def test_generate_is_byte_reproducible_and_stores_compact_x(tmp_path):
 def test_network_overrides_load_the_trained_weights():
     from apg.training import TrainConfig, build
 
-    cfg = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3, network={"hidden": 8}).validate()
+    cfg = TrainConfig(
+        task="gmm",
+        method="apg",
+        sweeps=2,
+        particles=3,
+        network={"hidden": 8},
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
+    ).validate()
     model, proposals = build(cfg)
     same_cfg, same = with_network(cfg, model, proposals, {"hidden": 8})
     assert same is proposals and same_cfg is cfg
@@ -230,7 +239,9 @@ def test_figure_samples_carry_reconstructions_only_for_small_data():
     from apg.training import TrainConfig, build
     from pipeline.evaluate.particles import best_particles
 
-    cfg = TrainConfig(task="dgmm", method="apg", sweeps=2, particles=3).validate()
+    cfg = TrainConfig(
+        task="dgmm", method="apg", sweeps=2, particles=3, batch_size=20, iterations=1000, lr=1e-4
+    ).validate()
     model, proposals = build(cfg)
     x = get_task("dgmm").simulate(model, 2, torch.Generator().manual_seed(0), num_points=20)["x"].float()
     best = best_particles(cfg, model, proposals, x, [1, 2], 3)
@@ -239,7 +250,14 @@ def test_figure_samples_carry_reconstructions_only_for_small_data():
     assert best[2]["mu"].shape[0] == 2
 
     cfg = TrainConfig(
-        task="bmnist", method="apg", sweeps=2, particles=2, network={"num_digits": 1}
+        task="bmnist",
+        method="apg",
+        sweeps=2,
+        particles=2,
+        network={"num_digits": 1},
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
     ).validate()
     model, proposals = build(cfg)
     video = torch.zeros(1, 3, 96, 96)  # 27,648 numbers: a short video keeps its reconstruction

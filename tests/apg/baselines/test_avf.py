@@ -304,4 +304,6 @@ def test_avf_options_and_tasks_are_checked():
     with pytest.raises(ValueError, match="iterations"):
         get_method("avf").configure(iterations=-1)
     with pytest.raises(ValueError, match="bmnist"):
-        TrainConfig(task="gmm", method="avf").validate()
+        TrainConfig(
+            task="gmm", method="avf", sweeps=10, particles=10, batch_size=20, iterations=1000, lr=1e-4
+        ).validate()

@@ -55,9 +55,13 @@ def test_exact_gibbs_trains_nothing_and_has_unit_weights(gmm_data):
 
 def test_gibbs_needs_exact_conditionals():
     with pytest.raises(ValueError, match="exact Gibbs conditionals"):
-        TrainConfig(task="dgmm", method="gibbs").validate()
+        TrainConfig(
+            task="dgmm", method="gibbs", sweeps=10, particles=10, batch_size=20, iterations=1000, lr=1e-4
+        ).validate()
     for name in ("hmc-rws", "reparam"):  # the rings have a continuous view
-        TrainConfig(task="dgmm", method=name).validate()
+        TrainConfig(
+            task="dgmm", method=name, sweeps=10, particles=10, batch_size=20, iterations=1000, lr=1e-4
+        ).validate()
 
 
 def test_bootstrap_proposes_globals_from_the_prior_and_learns_locals(gmm_data):
@@ -158,7 +162,16 @@ def test_hmc_rws_improves_the_log_joint_and_validates_options(gmm_data):
     with pytest.raises(ValueError, match="unknown option"):
         get_method("hmc-rws").configure(stepsize=0.1)
     with pytest.raises(ValueError, match="unknown option"):
-        TrainConfig(task="gmm", method="apg", method_options={"step_size": 0.1}).validate()
+        TrainConfig(
+            task="gmm",
+            method="apg",
+            method_options={"step_size": 0.1},
+            sweeps=10,
+            particles=10,
+            batch_size=20,
+            iterations=1000,
+            lr=1e-4,
+        ).validate()
 
 
 # --------------------------------------------------------------------------- continuous view

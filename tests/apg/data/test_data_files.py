@@ -77,7 +77,7 @@ def test_stored_rows_read_the_rows_asked_for(tmp_path):
 def test_training_from_disk_takes_the_same_steps_as_from_memory(tmp_path):
     x = simulate_set("gmm", {}, 12, 3, SIZES)["x"].astype(np.float16)
     path = save_reproducible(tmp_path / "train.npz", {"x": x})
-    cfg = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3, batch_size=5, iterations=4)
+    cfg = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3, batch_size=5, iterations=4, lr=1e-4)
     cfg.network = {"hidden": 8}
     runs = []
     for data in (torch.from_numpy(x), StoredRows(path)):

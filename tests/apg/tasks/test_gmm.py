@@ -165,7 +165,9 @@ def test_short_training_lowers_inclusive_kl_and_raises_ess():
     model = GMM()
     train = simulate(model.cfg, 1000, 60, seed=1)["x"].float()
     test = simulate(model.cfg, 20, 60, seed=2)["x"].float()
-    cfg = TrainConfig(sweeps=5, particles=10, batch_size=20, iterations=250, lr=1e-2)
+    cfg = TrainConfig(
+        sweeps=5, particles=10, batch_size=20, iterations=250, lr=1e-2, task="gmm", method="apg"
+    )
     trainer = Trainer(cfg, train)
     before = evaluate(cfg, trainer.model, trainer.proposals, test, 5, 10)
     for _ in trainer.run():

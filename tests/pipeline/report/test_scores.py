@@ -112,7 +112,16 @@ def test_final_particle_of_every_gmm_method(method):
     from pipeline.evaluate.particles import final_particle
 
     torch.manual_seed(0)
-    cfg = TrainConfig(task="gmm", method=method, sweeps=2, particles=3, network={"hidden": 8}).validate()
+    cfg = TrainConfig(
+        task="gmm",
+        method=method,
+        sweeps=2,
+        particles=3,
+        network={"hidden": 8},
+        batch_size=20,
+        iterations=1000,
+        lr=1e-4,
+    ).validate()
     model, proposals = build(cfg)
     x = get_task("gmm").simulate(model, 5, torch.Generator().manual_seed(0), num_points=12)["x"].float()
     particle = final_particle(cfg, model, proposals, x, 2, 3, batch_size=2, resample_mode="block")
