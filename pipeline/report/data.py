@@ -88,9 +88,12 @@ def scale_caption(meta: dict[str, Any], label: str) -> str:
         held_out = "held-out sets " + ", ".join(f"{s['name']} ({s['num_datasets']})" for s in sets)
     else:
         held_out = f"{meta['test_datasets']} held-out datasets"
+    # What the training sets hold (points, frames, digits), so that every number this caption
+    # heads says what it was trained on as well as what it was tested on.
+    sizes = "; ".join(f"{k} {v}" for k, v in (meta.get("train_sizes") or {}).items() if k != "split")
     return (
         f"{label}: {training_length(meta)} on {meta['train_datasets']} simulated datasets "
-        f"(batch {meta['batch_size']}), {held_out}, seeds {meta['seeds']}"
+        f"({sizes + '; ' if sizes else ''}batch {meta['batch_size']}), {held_out}, seeds {meta['seeds']}"
     )
 
 

@@ -267,7 +267,10 @@ def index_markdown(parts: list[dict[str, Any]], label: str, claims_md: str, reco
         f"## {CLAIMS_HEADING}",
         "",
         "Computed by the report stage from the evaluation metrics (claim definitions: "
-        "`pipeline/paper_numbers.yaml`, `claims`); ✓ holds, ✗ does not, – no verdict.",
+        "`pipeline/paper_numbers.yaml`, `claims`); ✓ holds, ✗ does not, – no verdict. Each row "
+        "names the held-out set and budget it was scored at; its cells were trained as follows:",
+        "",
+        *(f"- {part['task']}: {part['caption']}" for part in parts),
         "",
         claims_md,
         "",
