@@ -372,6 +372,11 @@ class Trainer:
         torch.set_rng_state(state["rng"])
 
 
+def network_device(model: Model, proposals: Proposals, x: Tensor) -> torch.device:
+    """Where the trained networks live (``x``'s device for a method without parameters)."""
+    return next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+
+
 @torch.no_grad()
 def evaluate(
     cfg: TrainConfig,
@@ -397,7 +402,7 @@ def evaluate(
     task = get_task(cfg.task)
     method = make_method(cfg)
     exact = task.exact_gibbs(model) if task.exact_gibbs is not None and method.kernels else None
-    device = next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+    device = network_device(model, proposals, x)
     chunks: dict[str, list[np.ndarray]] = {}
     for start in range(0, len(x), batch_size):
         xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
