@@ -358,8 +358,8 @@ def summarize(metrics: dict[str, np.ndarray]) -> dict[str, Any]:
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from apg.data import atomic_write
     from apg.loading import load_task_data, load_trained
-    from apg.training import evaluate
-    from pipeline.common import check_budget, seed_everything
+    from apg.training import check_budget, evaluate
+    from pipeline.common import seed_everything
 
     checks.device(args.device)
     checks.seed(args.seed, "--seed")
@@ -391,7 +391,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_impute(args: argparse.Namespace) -> None:
-    from pipeline.common import check_budget, seed_everything
+    from apg.training import check_budget
+    from pipeline.common import seed_everything
     from pipeline.evaluate.impute import impute_file
 
     check_budget(args.sweeps, args.particles)

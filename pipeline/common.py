@@ -32,13 +32,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-def check_budget(sweeps: int, particles: int) -> None:
-    if isinstance(sweeps, bool) or not isinstance(sweeps, int) or sweeps < 1:
-        raise ValueError(f"sweeps K must be an integer >= 1, got {sweeps!r}")
-    if isinstance(particles, bool) or not isinstance(particles, int) or particles < 2:
-        raise ValueError(f"particles L must be an integer >= 2, got {particles!r}")
-
-
 def file_digest(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -47,4 +40,4 @@ def file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["check_budget", "file_digest", "project_root", "seed_everything"]
+__all__ = ["file_digest", "project_root", "seed_everything"]
