@@ -95,8 +95,7 @@ class TrainConfig:
         if not isinstance(self.method_options, dict):
             raise ValueError(f"method_options must be a mapping, got {self.method_options!r}")
         make_method(self).check_task(task)
-        _check_int("sweeps (K)", self.sweeps, 1)
-        _check_int("particles (L)", self.particles, 2)
+        check_budget(self.sweeps, self.particles)
         _check_int("batch_size", self.batch_size, 1)
         _check_int("iterations", self.iterations, 0)
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
@@ -138,6 +137,13 @@ def _read(loss: Tensor, values: dict[str, Tensor]) -> dict[str, float]:
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_budget(sweeps: int, particles: int) -> None:
+    """Raise ``ValueError`` unless ``sweeps`` K >= 1 and ``particles`` L >= 2 are integers
+    (one particle has no weights to compare)."""
+    _check_int("sweeps (K)", sweeps, 1)
+    _check_int("particles (L)", particles, 2)
 
 
 def make_method(cfg: TrainConfig) -> Method:
@@ -376,6 +382,11 @@ class Trainer:
         torch.set_rng_state(state["rng"])
 
 
+def network_device(model: Model, proposals: Proposals, x: Tensor) -> torch.device:
+    """Where the trained networks live (``x``'s device for a method without parameters)."""
+    return next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+
+
 @torch.no_grad()
 def evaluate(
     cfg: TrainConfig,
@@ -398,10 +409,11 @@ def evaluate(
     initial proposal (encoder) with the same budget of ``sweeps * particles`` samples
     (Rezende et al. 2014, appendix E), and the method's own diagnostics (HMC-RWS: ``accept``).
     """
+    check_budget(sweeps, particles)
     task = get_task(cfg.task)
     method = make_method(cfg)
     exact = task.exact_gibbs(model) if task.exact_gibbs is not None and method.kernels else None
-    device = next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
+    device = network_device(model, proposals, x)
     chunks: dict[str, list[np.ndarray]] = {}
     for start in range(0, len(x), batch_size):
         xb = x[start : start + batch_size].to(device, torch.get_default_dtype())

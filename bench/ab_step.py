@@ -61,8 +61,8 @@ def export_old_package(rev: str, root: Path) -> Path:
 def default_cell(task_name: str, method: str) -> tuple[dict, torch.Tensor]:
     """The training config (as a dict) and training inputs of the first cell of ``method``
     in params.yaml's grid for ``task_name``: the default run's step."""
+    from apg.tasks.simulation import simulate_set
     from pipeline.config.params import grid_cells, load_params
-    from pipeline.generate import simulate_set
 
     params = load_params(Path("params.yaml"))
     cells = [c for c in grid_cells(params, task_name) if c.method == method]

@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from paper_scale import plan  # noqa: E402
 
 import apg.kernels  # noqa: E402
+from apg.tasks.simulation import simulate_set  # noqa: E402
 from apg.training import TrainConfig, Trainer  # noqa: E402
-from pipeline.generate import simulate_set  # noqa: E402
 
 
 class kernels_off:

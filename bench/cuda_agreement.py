@@ -25,8 +25,9 @@ import numpy as np
 def run(cell: Path, data: Path, pair: tuple[int, int], device: str, seeds: int, batch: int) -> dict:
     import torch
 
+    from apg.loading import load_task_data, load_trained
     from apg.training import evaluate
-    from pipeline.common import load_task_data, load_trained, seed_everything
+    from pipeline.common import seed_everything
 
     cfg, model, proposals = load_trained(cell, device)
     x = load_task_data(cfg.task, data, cfg.model)

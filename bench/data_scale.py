@@ -4,11 +4,11 @@ Two measurements, each in a fresh process so its peak resident memory (VmHWM) is
 
 1. ``generate``: simulate and write a training set at the paper's sizes (T=10, D=3,
    96 x 96 frames stored as float16) with the ``generate`` stage's own code
-   (``pipeline.generate.simulate_chunks`` + ``save_reproducible``: chunks of at most
+   (``apg.tasks.simulation.simulate_chunks`` + ``apg.data.save_dataset``: chunks of at most
    ``CHUNK_BYTES``);
 2. ``train``: one trial of each method of the ``paper`` profile's Bouncing MNIST grid built
    as the sweep builds it (paper batch size, K, L, networks), reading that file as a sweep
-   trial does (``pipeline.common.training_rows``: a file over ``IN_MEMORY_MAX_BYTES`` stays
+   trial does (``apg.data.training_rows``: a file over ``IN_MEMORY_MAX_BYTES`` stays
    on disk, a batch read per step), for a warm-up step and ``--steps`` steps; and, for
    contrast, the process that loads the whole file (what trials did before).
 
@@ -38,15 +38,16 @@ def generate(path: str, videos: int) -> dict:
     import numpy as np
     import torch
 
+    from apg.data import save_dataset
+    from apg.tasks.simulation import simulate_chunks
     from pipeline.config.profiles import resolve
-    from pipeline.generate import save_reproducible, simulate_chunks
 
     torch.set_num_threads(1)
     data = resolve("paper")["bmnist"]["data"]
     train, x_dtype = data["train"], np.dtype(data.get("x_dtype", "float32"))
     start = time.perf_counter()
     chunks = simulate_chunks("bmnist", {}, videos, train["seed"], train["sizes"])
-    save_reproducible(Path(path), ({**c, "x": c["x"].astype(x_dtype)} for c in chunks))
+    save_dataset(Path(path), ({**c, "x": c["x"].astype(x_dtype)} for c in chunks))
     return {
         "seconds": time.perf_counter() - start,
         "peak_rss_mb": vm_hwm_mb(),
@@ -57,10 +58,9 @@ def generate(path: str, videos: int) -> dict:
 def train(path: str, method: str, steps: int, whole: bool) -> dict:
     import torch
 
-    from apg.data import load_dataset
+    from apg.data import load_dataset, training_rows
     from apg.training import TrainConfig, Trainer
     from bench.paper_scale import plan
-    from pipeline.common import training_rows
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

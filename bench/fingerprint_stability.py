@@ -65,9 +65,9 @@ def measure(params_file: str, out: str) -> None:
     import torch
 
     from apg.fingerprint import BATCH, numbers
+    from apg.tasks.simulation import simulate_set
     from apg.training import TrainConfig
     from pipeline.config.profiles import load
-    from pipeline.generate import simulate_set
 
     params = load(params_file)
     rows = []

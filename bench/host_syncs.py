@@ -64,8 +64,8 @@ class SyncRecorder(TorchDispatchMode):
 
 
 def inventory(task: str, method: str) -> collections.Counter:
+    from apg.tasks.simulation import simulate_set
     from apg.training import TrainConfig, Trainer
-    from pipeline.generate import simulate_set
 
     x = torch.from_numpy(simulate_set(task, {}, 4, 0, SIZES[task])["x"])
     network = {"num_digits": 1} if task == "bmnist" else {}

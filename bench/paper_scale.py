@@ -105,8 +105,8 @@ def cell_trainer(row: dict, device: str = "cpu", compile_: bool = False) -> tupl
     import torch
 
     from apg.baselines import METHODS
+    from apg.tasks.simulation import simulate_set
     from apg.training import TrainConfig, Trainer
-    from pipeline.generate import simulate_set
 
     torch.manual_seed(0)
     compiled = compile_ and METHODS[row["method"]].not_compiled_because is None

@@ -25,10 +25,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from apg.tasks.simulation import simulate_set
 from apg.training import Trainer
 from pipeline.common import seed_everything
 from pipeline.config.params import grid_cells, load_params
-from pipeline.generate import simulate_set
 from pipeline.provenance.record import machine, machine_line
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -74,8 +74,8 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from apg.data import save_dataset
+    from apg.tasks.simulation import simulate_set
     from pipeline.config.schema import check_sizes
-    from pipeline.generate import simulate_set
 
     if args.num_datasets < 1:
         raise ValueError(f"--num-datasets must be >= 1, got {args.num_datasets}")
@@ -306,7 +306,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> None:
     import torch
 
-    from pipeline.common import load_training_rows
+    from apg.loading import load_training_rows
     from pipeline.runs import loop
 
     checks.device(args.device)
@@ -359,8 +359,9 @@ def summarize(metrics: dict[str, np.ndarray]) -> dict[str, Any]:
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     from apg.data import atomic_write
-    from apg.training import evaluate
-    from pipeline.common import check_budget, load_task_data, load_trained, seed_everything
+    from apg.loading import load_task_data, load_trained
+    from apg.training import check_budget, evaluate
+    from pipeline.common import seed_everything
 
     checks.device(args.device)
     checks.seed(args.seed, "--seed")
@@ -392,7 +393,8 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_impute(args: argparse.Namespace) -> None:
-    from pipeline.common import check_budget, seed_everything
+    from apg.training import check_budget
+    from pipeline.common import seed_everything
     from pipeline.evaluate.impute import impute_file
 
     check_budget(args.sweeps, args.particles)

@@ -3,10 +3,13 @@ when known, the true latents under the names the task uses (e.g. ``c``, ``mu``, 
 
 Users can bring their own files: only ``x`` is required. Writes are atomic (a temporary
 file in the same directory, then ``os.replace``), so an interrupted write never leaves a
-half-written file under the final name.
+half-written file under the final name, and byte-reproducible (:func:`save_dataset`: the
+same arrays give the same bytes), so a file's digest names its data. A set too large for
+memory is written from chunks, each spooled to disk as it comes.
 
 A training set too large to hold in memory (Bouncing MNIST at the paper's scale: 60,000
-videos, 11 GB as float16) is read a batch at a time with :class:`StoredRows`: the archive is
+videos, 11 GB as float16) is read a batch at a time with :class:`StoredRows` (what
+:func:`training_rows` gives for a file over ``IN_MEMORY_MAX_BYTES``): the archive is
 uncompressed, so each row of ``x`` is a fixed byte range of the file, read with ``os.pread``.
 Nothing is memory-mapped: mapped pages a trial has touched count in its resident memory,
 and random batches over 200,000 steps touch all of them.
@@ -15,12 +18,13 @@ and random batches over 200,000 steps touch all of them.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import tempfile
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
@@ -58,18 +62,71 @@ def atomic_write(path: str | os.PathLike, write: Callable[[Path], object]) -> Pa
     return path
 
 
-def save_dataset(path: str | os.PathLike, arrays: Mapping[str, np.ndarray]) -> Path:
-    """Write ``arrays`` (must include ``x``) to ``path`` as an uncompressed ``.npz``."""
-    if "x" not in arrays:
-        raise DatasetError("a dataset needs an array named 'x'")
+def save_dataset(
+    path: str | os.PathLike, arrays: Mapping[str, np.ndarray] | Iterator[Mapping[str, np.ndarray]]
+) -> Path:
+    """Write ``arrays`` (must include ``x``) to ``path`` as an uncompressed ``.npz``, atomically.
 
-    def write(tmp: Path) -> None:
-        with open(tmp, "wb") as f:
-            # numpy's stub (numpy/lib/_npyio_impl.pyi) puts a keyword-only ``allow_pickle: bool``
-            # beside savez's ``**kwds: ArrayLike``, so mypy matches a dict of arrays against both.
-            np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()})  # type: ignore[arg-type]
+    The bytes depend only on the arrays (``np.savez`` stamps each member with the write
+    time; here members come in sorted order with a fixed date), so the same data give the
+    same file digest.
 
-    return atomic_write(path, write)
+    ``arrays``: the arrays, or an iterator of chunks of them (mappings with the same names,
+    concatenated along the first axis), spooled to disk one at a time: memory stays one
+    chunk, whatever the file's size.
+    """
+    path = Path(path)
+    chunks = iter([arrays]) if isinstance(arrays, Mapping) else arrays
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as spool_dir:
+        spool, layout = _spool(chunks, Path(spool_dir))
+        if "x" not in layout:
+            raise DatasetError("a dataset needs an array named 'x'")
+
+        def write(tmp: Path) -> None:
+            with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+                for name in sorted(layout):
+                    info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
+                    with archive.open(info, "w", force_zip64=True) as member:
+                        _write_npy_header(member, layout[name])
+                        with open(spool[name], "rb") as body:
+                            shutil.copyfileobj(body, member, 16 * 2**20)
+
+        return atomic_write(path, write)
+
+
+def _spool(
+    chunks: Iterator[Mapping[str, np.ndarray]], spool_dir: Path
+) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
+    """Append each chunk's arrays (C order) to one file per name; return the files and each
+    array's ``.npy`` header fields for the whole."""
+    spool: dict[str, Path] = {}
+    layout: dict[str, dict[str, Any]] = {}
+    for chunk in chunks:
+        if layout and set(chunk) != set(layout):
+            raise ValueError(f"chunks hold different arrays: {sorted(chunk)} vs {sorted(layout)}")
+        for name, value in chunk.items():
+            array = np.ascontiguousarray(value)
+            header = np.lib.format.header_data_from_array_1_0(array)
+            if name not in layout:
+                layout[name], spool[name] = header, spool_dir / f"{name}.bin"
+            else:
+                rows, *rest = layout[name]["shape"]
+                if (header["descr"], tuple(rest)) != (layout[name]["descr"], array.shape[1:]):
+                    raise ValueError(f"chunks of {name!r} differ in dtype or trailing shape")
+                layout[name]["shape"] = (rows + array.shape[0], *rest)
+            with open(spool[name], "ab") as f:
+                f.write(array.data)
+    return spool, layout
+
+
+def _write_npy_header(member: IO[bytes], header: dict[str, Any]) -> None:
+    """The header ``np.lib.format.write_array`` would write for the whole array (version
+    1.0 unless the header needs 2.0)."""
+    try:
+        np.lib.format.write_array_header_1_0(member, header)
+    except ValueError:
+        np.lib.format.write_array_header_2_0(member, header)
 
 
 def load_dataset(
@@ -207,3 +264,17 @@ class StoredRows:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_fd": None}
+
+
+# A training set up to this size is held in memory (and travels with a sweep's trials
+# through Ray's object store); a larger one is read from disk a batch at a time.
+IN_MEMORY_MAX_BYTES = 256 * 2**20
+
+
+def training_rows(path: str | os.PathLike) -> torch.Tensor | StoredRows:
+    """A training set's ``x`` as a trainer reads it: in memory in its stored dtype when the
+    file is at most ``IN_MEMORY_MAX_BYTES``, else :class:`StoredRows` (Bouncing MNIST at the
+    paper's scale is 11 GB per trial otherwise)."""
+    if Path(path).is_file() and Path(path).stat().st_size > IN_MEMORY_MAX_BYTES:
+        return StoredRows(path)
+    return torch.from_numpy(load_dataset(path)["x"])

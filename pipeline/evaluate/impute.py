@@ -199,7 +199,7 @@ def impute_file(
     """Impute ``data``'s ``x`` where ``mask_file``'s ``mask`` (or its only array) is 1 and
     write ``out`` (``x`` imputed, ``mask``, ``history (iterations, n)``)."""
     from apg.data import atomic_write
-    from pipeline.common import load_task_data, load_trained, with_network
+    from apg.loading import load_task_data, load_trained, with_network
 
     cfg, model, proposals = load_trained(checkpoint)
     cfg, proposals = with_network(cfg, model, proposals, network)

@@ -64,16 +64,11 @@ import torch
 
 from apg.checkpoint import CheckpointError
 from apg.data import atomic_write, load_dataset
+from apg.loading import check_task_data, load_trained, with_network
+from apg.particles import best_particles, final_particle, latent_truth, particle_scores, tracking_errors
 from apg.tasks import get_task
 from apg.training import evaluate as evaluate_cell
-from pipeline.common import (
-    file_digest,
-    load_task_data,
-    load_trained,
-    project_root,
-    seed_everything,
-    with_network,
-)
+from pipeline.common import file_digest, project_root, seed_everything
 from pipeline.config import checks
 from pipeline.config.params import (
     axis_keys,
@@ -86,14 +81,6 @@ from pipeline.config.params import (
 from pipeline.evaluate.impute import check_settings as check_imputation
 from pipeline.evaluate.impute import imputation_frame
 from pipeline.evaluate.logged import log_evaluation, mlflow_run_ids
-from pipeline.evaluate.particles import (
-    best_particles,
-    final_particle,
-    latent_truth,
-    particle_scores,
-    position_truth,
-    tracking_errors,
-)
 from pipeline.provenance.stages import record_stage_time
 
 COLUMNS = [
@@ -194,12 +181,21 @@ def load_sets(task: str, section: dict[str, Any], data_dir: Path) -> list[dict[s
     and every figure set, with its data ``x``, its tracking ``truth`` and, for test sets, its
     true ``latents``: read once, before the cells."""
     model_hparams = section.get("model", {})
+    tracking = get_task(task).tracking
     sets = evaluation_sets(section)
     for entry in sets:
-        entry["x"] = load_task_data(task, data_dir / f"{entry['stem']}.npz", model_hparams)
-        entry["truth"] = position_truth(task, data_dir / f"{entry['stem']}.npz")
+        path = data_dir / f"{entry['stem']}.npz"
+        arrays = load_dataset(path)
+        entry["x"] = torch.from_numpy(arrays["x"]).to(torch.get_default_dtype())
+        check_task_data(task, entry["x"], path, model_hparams)
+        entry["truth"] = None
+        if tracking is not None:
+            try:
+                entry["truth"] = tracking.truth(arrays)
+            except ValueError as err:
+                raise ValueError(f"{path} {err}; run `dvc repro generate@{task}`") from None
         if entry["kind"] == "test":
-            entry["latents"] = latent_truth(task, data_dir / f"{entry['stem']}.npz")
+            entry["latents"] = latent_truth(task, arrays)
     return sets
 
 

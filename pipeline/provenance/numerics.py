@@ -72,8 +72,9 @@ def task_numerics(params: dict[str, Any], task: str) -> dict[str, Any]:
     ``task`` under ``params``, computed by this checkout's code on this machine."""
     import torch
 
+    from apg.data import training_rows
     from apg.fingerprint import SEED, STEPS, fingerprint, shrunk
-    from pipeline.common import seed_everything, training_rows
+    from pipeline.common import seed_everything
     from pipeline.config.params import evaluation_pairs, grid_cells
     from pipeline.evaluate.stage import cell_pairs, cell_roles, held_out_frames, load_sets, training_ids
     from pipeline.generate import generate

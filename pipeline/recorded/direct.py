@@ -33,9 +33,9 @@ import torch
 import yaml
 
 from apg.checkpoint import load_checkpoint
-from apg.data import atomic_write
+from apg.data import atomic_write, training_rows
 from apg.training import TrainConfig, Trainer
-from pipeline.common import file_digest, seed_everything, training_rows
+from pipeline.common import file_digest, seed_everything
 from pipeline.config.params import cell_key
 from pipeline.generate import generate
 from pipeline.provenance.stages import record_stage_time

@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
+from apg.particles import final_particle, particle_scores, tracking_errors
 from apg.tasks import get_task
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline.config import checks
-from pipeline.evaluate.particles import final_particle, particle_scores, tracking_errors
 from pipeline.provenance.record import device_line, utc_now
 from pipeline.provenance.stages import source_commit
 from pipeline.runs.compact import compact, expand

@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 from apg.data import atomic_write
+from apg.loading import with_network
 from apg.metrics import highest_weight_particle, reconstruction_mse
 from apg.tasks import get_task
 from apg.training import make_method
-from pipeline.common import with_network
 from pipeline.runs import spec
 from pipeline.runs.execute import EVAL_SEED, restore
 from pipeline.runs.loop import write_history

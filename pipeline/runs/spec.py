@@ -223,7 +223,7 @@ def simulate(
 ) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
     """``num`` datasets of ``task`` as the generate stage makes them (``spec``'s simulator
     ``model`` and ``x_dtype``), in the default dtype, and the simulator's other arrays."""
-    from pipeline.generate import simulate_set
+    from apg.tasks.simulation import simulate_set
 
     get_task(task)  # an unknown task is said before anything is simulated
     with torch.random.fork_rng(devices=[]):  # building the simulator's model draws its weights

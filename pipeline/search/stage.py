@@ -56,10 +56,10 @@ import numpy as np
 import torch
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
-from apg.data import atomic_write, load_dataset
+from apg.data import atomic_write, load_dataset, training_rows
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline import tracking
-from pipeline.common import project_root, training_rows
+from pipeline.common import project_root
 from pipeline.config.params import apply_setting, load_params
 from pipeline.provenance import record as provenance
 from pipeline.provenance import stages
@@ -212,7 +212,8 @@ def mlflow_callback(uri: str, exp_id: str, parent_id: str, plan: dict[str, Any])
 
 def prepare_validation(params: dict[str, Any], plan: dict[str, Any], out: Path) -> Path:
     """The search's validation set, simulated from its own seed (like ``generate``)."""
-    from pipeline.generate import save_reproducible, simulate_set
+    from apg.data import save_dataset
+    from apg.tasks.simulation import simulate_set
 
     section = params[plan["task"]]
     val = plan["validation"]
@@ -220,7 +221,7 @@ def prepare_validation(params: dict[str, Any], plan: dict[str, Any], out: Path) 
         plan["task"], section.get("model", {}), val["num_datasets"], val["seed"], val.get("sizes", {})
     )
     arrays["x"] = arrays["x"].astype(np.dtype(section["data"].get("x_dtype", "float32")))
-    return save_reproducible(out / "validation.npz", arrays)
+    return save_dataset(out / "validation.npz", arrays)
 
 
 def searcher(plan: dict[str, Any]):

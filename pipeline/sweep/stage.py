@@ -23,7 +23,7 @@ Ray is embedded and local by default, listening on loopback only; ``RAY_ADDRESS`
 ``sweep.ray_address`` attaches to a cluster. On a cluster, ``sweep.storage`` must be a
 filesystem every node sees (an absolute path, e.g. an NFS mount); the training data is
 shipped to the trials through Ray's object store (files up to
-``pipeline.common.IN_MEMORY_MAX_BYTES``; a larger one is read from its absolute path a
+``apg.data.IN_MEMORY_MAX_BYTES``; a larger one is read from its absolute path a
 batch at a time, and must then be on storage every node sees); each trial uses only
 the GPUs Ray assigned it, and records the node it ran on in ``cells/<id>/attempts.jsonl``.
 
@@ -53,12 +53,12 @@ from typing import Any
 
 import torch
 
-from apg.data import atomic_write, load_dataset
+from apg.data import IN_MEMORY_MAX_BYTES, atomic_write, load_dataset, training_rows
 from apg.fingerprint import BATCH as FINGERPRINT_BATCH
 from apg.fingerprint import fingerprint
 from apg.training import build, make_method
 from pipeline import tracking
-from pipeline.common import IN_MEMORY_MAX_BYTES, file_digest, project_root, seed_everything, training_rows
+from pipeline.common import file_digest, project_root, seed_everything
 from pipeline.config import checks
 from pipeline.config.params import Cell, grid_cells, load_params
 from pipeline.diskfull import as_disk_full, disk_full_callback

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from apg.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from apg.data import training_rows
 from apg.training import TrainConfig, Trainer
 from pipeline import tracking
-from pipeline.common import training_rows
 from pipeline.diskfull import report_disk_full
 from pipeline.errors import SweepError
 from pipeline.runs.loop import DONE, HISTORY, Callback, Outcome, drive, mark_done, start, write_cell

@@ -25,8 +25,8 @@ from apg.smc import sampler
 from apg.smc.sampler import block_update, update_in_window
 from apg.tasks import get_task
 from apg.tasks.bmnist import BMNISTConfig, frame_log_likelihood
+from apg.tasks.simulation import simulate_set
 from apg.training import CompiledGradientsLost, TrainConfig, Trainer, build
-from pipeline.generate import simulate_set
 from tests.pairs import accepted, runnable
 from tests.support import REPO
 

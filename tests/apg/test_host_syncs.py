@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
+from apg.tasks.simulation import simulate_set
 from apg.training import TrainConfig, Trainer, TrainingDiverged
-from pipeline.generate import simulate_set
 from tests.pairs import runnable
 
 SIZES = {"gmm": {"num_points": 12}, "dgmm": {"num_points": 24}}

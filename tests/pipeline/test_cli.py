@@ -193,8 +193,8 @@ def test_train_bad_input(files, bad_files, capsys, change, expected):
         ("missing.pt", "test.npz", "2", "3", "checkpoint file not found"),
         ("corrupt.pt", "test.npz", "2", "3", "corrupt or not a checkpoint"),
         ("ckpt.pt", "nan.npz", "2", "3", "NaN or infinite"),
-        ("ckpt.pt", "test.npz", "0", "3", "sweeps K"),
-        ("ckpt.pt", "test.npz", "2", "1", "particles L"),
+        ("ckpt.pt", "test.npz", "0", "3", "sweeps (K)"),
+        ("ckpt.pt", "test.npz", "2", "1", "particles (L)"),
     ],
 )
 def test_evaluate_bad_input(files, bad_files, capsys, checkpoint, data, sweeps, particles, expected):

@@ -29,7 +29,7 @@ def gmm_job(tmp_path: Path, iterations: int, deadline: float | None) -> dict:
     import numpy as np
 
     from apg.data import save_dataset
-    from pipeline.generate import simulate_set
+    from apg.tasks.simulation import simulate_set
 
     data = tmp_path / "train.npz"
     arrays = simulate_set("gmm", {}, 20, 1, {"num_points": 20})

@@ -241,7 +241,7 @@ def test_datasets_of_no_points_or_all_nan_are_refused(files, tmp_path, capsys):
 
 def test_a_file_read_in_batches_is_refused_when_its_first_dataset_is_nan(tmp_path):
     from apg.data import StoredRows
-    from pipeline.common import check_task_data
+    from apg.loading import check_task_data
 
     np.savez(tmp_path / "nan.npz", x=np.full((4, 10, 2), np.nan, dtype=np.float32))
     with pytest.raises(DatasetError, match="contains NaN or infinite values"):
@@ -337,7 +337,7 @@ def test_a_bad_key_value_flag_is_one_line(tmp_path, capsys):
 def test_valid_input_still_writes_the_same_dataset(tmp_path):
     """The checks come before the work and draw from their own generator: a valid set is
     the draws the simulator makes from the seed alone."""
-    from pipeline.generate import simulate_set
+    from apg.tasks.simulation import simulate_set
 
     out = tmp_path / "x.npz"
     main(["generate", "--out", str(out), "--num-datasets", "3", "--num-points", "7", "--seed", "5"])

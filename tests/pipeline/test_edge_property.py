@@ -16,7 +16,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pipeline.generate
+import apg.tasks.simulation
 from pipeline import cli
 from pipeline.config.params import ParamsError, validate_params
 from pipeline.runs import loop
@@ -138,7 +138,7 @@ def data(tmp_path_factory):
 @SETTINGS
 @given(argv=GENERATE)
 def test_generate_starts_cleanly_or_refuses_in_one_line(data, argv):
-    real = pipeline.generate.simulate_set
+    real = apg.tasks.simulation.simulate_set
 
     def simulate_set(task, model, num_datasets, seed, sizes):
         small = num_datasets <= 8 and all(not isinstance(v, int) or v <= 256 for v in sizes.values())
@@ -146,7 +146,7 @@ def test_generate_starts_cleanly_or_refuses_in_one_line(data, argv):
             raise Started
         return real(task, model, num_datasets, seed, sizes)
 
-    with mock.patch.object(pipeline.generate, "simulate_set", simulate_set):
+    with mock.patch.object(apg.tasks.simulation, "simulate_set", simulate_set):
         outcome(["generate", "--out", str(data / "out.npz"), *argv])
 
 

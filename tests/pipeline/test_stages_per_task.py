@@ -16,9 +16,8 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
-from pipeline.common import with_network
+from apg.loading import with_network
 from pipeline.config.params import ParamsError, evaluation_sets, validate_params
 from pipeline.generate import generate
 from tests.pipeline.harness import TINY, make_repo, run
@@ -234,45 +233,11 @@ def test_bmnist_dvc_repro_figure4(tmp_path, monkeypatch):
     assert any(k.startswith("truth__") and k.endswith("__z_where") for k in samples.files)
 
 
-def test_figure_samples_carry_reconstructions_only_for_small_data():
-    from apg.tasks import get_task
-    from apg.training import TrainConfig, build
-    from pipeline.evaluate.particles import best_particles
-
-    cfg = TrainConfig(
-        task="dgmm", method="apg", sweeps=2, particles=3, batch_size=20, iterations=1000, lr=1e-4
-    ).validate()
-    model, proposals = build(cfg)
-    x = get_task("dgmm").simulate(model, 2, torch.Generator().manual_seed(0), num_points=20)["x"].float()
-    best = best_particles(cfg, model, proposals, x, [1, 2], 3)
-    assert sorted(best) == [1, 2]
-    assert best[2]["recon"].shape == tuple(x.shape)  # the rings pictures draw the learned ring
-    assert best[2]["mu"].shape[0] == 2
-
-    cfg = TrainConfig(
-        task="bmnist",
-        method="apg",
-        sweeps=2,
-        particles=2,
-        network={"num_digits": 1},
-        batch_size=20,
-        iterations=1000,
-        lr=1e-4,
-    ).validate()
-    model, proposals = build(cfg)
-    video = torch.zeros(1, 3, 96, 96)  # 27,648 numbers: a short video keeps its reconstruction
-    video[0, :, 10:30, 10:30] = 1.0
-    best = best_particles(cfg, model, proposals, video, [2], 2)
-    assert best[2]["recon"].shape == tuple(video.shape) and best[2]["z_where_2"].shape == (1, 1, 2)
-    long_video = torch.zeros(1, 30, 96, 96)  # 276,480 numbers: above RECON_MAX_ELEMENTS
-    best = best_particles(cfg, model, proposals, long_video, [2], 2)
-    assert "recon" not in best[2] and best[2]["z_where_30"].shape == (1, 1, 2)
-
-
 def test_video_files_load_without_mnist(tmp_path, monkeypatch):
     # Evaluating a trained Bouncing MNIST model reads videos from files; only simulating
     # new ones needs the MNIST digits, so a file that fits must load without them.
-    from pipeline.common import DatasetError, load_task_data
+    from apg.data import DatasetError
+    from apg.loading import load_task_data
 
     monkeypatch.setenv("APG_MNIST_DIR", str(tmp_path / "no-mnist-here"))
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/apg/mnist either

@@ -3,18 +3,13 @@ training sets read from disk a batch at a time (``apg.data.StoredRows``)."""
 
 from __future__ import annotations
 
-import copy
-import zipfile
-
 import numpy as np
 import pytest
 import torch
 
-from apg.data import DatasetError, StoredRows, load_dataset
+from apg.data import IN_MEMORY_MAX_BYTES, DatasetError, StoredRows, load_dataset, save_dataset, training_rows
+from apg.tasks.simulation import simulate_chunks, simulate_set
 from apg.training import TrainConfig, Trainer
-from pipeline.common import IN_MEMORY_MAX_BYTES, training_rows
-from pipeline.generate import generate, save_reproducible, simulate_chunks, simulate_set
-from tests.pipeline.harness import TINY
 
 SIZES = {"num_points": 7}
 
@@ -26,31 +21,31 @@ def test_chunked_set_is_the_chunks_in_order_and_one_chunk_is_the_whole_set(tmp_p
     per_dataset = sum(a.nbytes for a in simulate_set("gmm", {}, 1, 5, SIZES).values())
     chunks = list(simulate_chunks("gmm", {}, 10, 5, SIZES, chunk_bytes=3 * per_dataset))
     assert [len(c["x"]) for c in chunks] == [3, 3, 3, 1]
-    path = save_reproducible(tmp_path / "set.npz", iter(chunks))
+    path = save_dataset(tmp_path / "set.npz", iter(chunks))
     stored = load_dataset(path)
     assert set(stored) == set(whole)
     for name in whole:  # the file holds the chunks concatenated, dtypes kept
         assert np.array_equal(stored[name], np.concatenate([c[name] for c in chunks]))
         assert stored[name].dtype == whole[name].dtype
     # the same bytes as writing the concatenation at once
-    at_once = save_reproducible(tmp_path / "at_once.npz", {k: stored[k] for k in stored})
+    at_once = save_dataset(tmp_path / "at_once.npz", {k: stored[k] for k in stored})
     assert path.read_bytes() == at_once.read_bytes()
 
 
 def test_chunks_must_agree(tmp_path):
     a = {"x": np.zeros((2, 3), np.float32)}
     with pytest.raises(ValueError, match="trailing shape"):
-        save_reproducible(tmp_path / "bad.npz", iter([a, {"x": np.zeros((2, 4), np.float32)}]))
+        save_dataset(tmp_path / "bad.npz", iter([a, {"x": np.zeros((2, 4), np.float32)}]))
     with pytest.raises(ValueError, match="different arrays"):
-        save_reproducible(tmp_path / "bad.npz", iter([a, {"x": a["x"], "c": a["x"]}]))
+        save_dataset(tmp_path / "bad.npz", iter([a, {"x": a["x"], "c": a["x"]}]))
     with pytest.raises(DatasetError, match="named 'x'"):
-        save_reproducible(tmp_path / "bad.npz", {"c": a["x"]})
+        save_dataset(tmp_path / "bad.npz", {"c": a["x"]})
     assert not list(tmp_path.iterdir())  # nothing half-written left behind
 
 
 def test_stored_rows_read_the_rows_asked_for(tmp_path):
     x = np.arange(6 * 4 * 3, dtype=np.float16).reshape(6, 4, 3)
-    path = save_reproducible(tmp_path / "d.npz", {"x": x, "c": np.arange(6)})
+    path = save_dataset(tmp_path / "d.npz", {"x": x, "c": np.arange(6)})
     rows = StoredRows(path, event_shape=(4, 3))
     assert len(rows) == 6 and rows.shape == (6, 4, 3) and rows.dtype == np.float16
     idx = torch.tensor([5, 0, 3, 3, -1])
@@ -76,7 +71,7 @@ def test_stored_rows_read_the_rows_asked_for(tmp_path):
 
 def test_training_from_disk_takes_the_same_steps_as_from_memory(tmp_path):
     x = simulate_set("gmm", {}, 12, 3, SIZES)["x"].astype(np.float16)
-    path = save_reproducible(tmp_path / "train.npz", {"x": x})
+    path = save_dataset(tmp_path / "train.npz", {"x": x})
     cfg = TrainConfig(task="gmm", method="apg", sweeps=2, particles=3, batch_size=5, iterations=4, lr=1e-4)
     cfg.network = {"hidden": 8}
     runs = []
@@ -88,23 +83,11 @@ def test_training_from_disk_takes_the_same_steps_as_from_memory(tmp_path):
 
 
 def test_large_training_sets_stay_on_disk(tmp_path, monkeypatch):
-    path = save_reproducible(tmp_path / "train.npz", {"x": np.zeros((4, 7, 2), np.float16)})
+    path = save_dataset(tmp_path / "train.npz", {"x": np.zeros((4, 7, 2), np.float16)})
     assert isinstance(training_rows(path), torch.Tensor)
-    monkeypatch.setattr("pipeline.common.IN_MEMORY_MAX_BYTES", path.stat().st_size - 1)
+    monkeypatch.setattr("apg.data.files.IN_MEMORY_MAX_BYTES", path.stat().st_size - 1)
     assert isinstance(training_rows(path), StoredRows)
     assert IN_MEMORY_MAX_BYTES == 256 * 2**20
-
-
-def test_generate_writes_large_sets_in_chunks(tmp_path, monkeypatch):
-    params = copy.deepcopy(TINY)
-    whole = {p.name: p.read_bytes() for p in generate("gmm", params, tmp_path / "a")}
-    monkeypatch.setattr("pipeline.generate.CHUNK_BYTES", 200)  # a few datasets per chunk
-    chunked = {p.name: p for p in generate("gmm", params, tmp_path / "b")}
-    assert {name: path.read_bytes() for name, path in chunked.items()} == whole  # the same bytes
-    with zipfile.ZipFile(chunked["train.npz"]) as archive:
-        assert all(i.compress_type == zipfile.ZIP_STORED for i in archive.infolist())
-    rows = StoredRows(chunked["train.npz"])
-    assert len(rows) == params["gmm"]["data"]["train"]["num_datasets"]
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

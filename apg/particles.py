@@ -1,95 +1,93 @@
-"""Evaluation runs that read each held-out dataset's highest-weight particle.
+"""Held-out scores of each dataset's highest-weight particle, run by a trained method.
 
-``apg.training.evaluate`` returns the sampler's own numbers (log-joint, ESS, evidence,
-model evaluations); the metrics here need the particles themselves, so each is a run of its
-own: the figure samples (``best_particles``), cluster recovery against the true
-assignments and centres (``final_particle``, ``particle_scores``) and tracking against the
-simulator's positions (``tracking_errors``). ``pipeline.evaluate.stage`` calls them per cell.
+:func:`apg.training.evaluate` returns the sampler's own numbers (log joint, ESS, evidence,
+model evaluations); the scores here need the particles themselves, so each is a run of its
+own: the particles after chosen sweeps (``best_particles``: sample pictures), cluster
+recovery against the true assignments and centres (``final_particle``,
+``particle_scores``) and tracking against the simulator's positions (``tracking_errors``).
 
-Shapes: M held-out datasets, N points, I clusters, D dimensions, K sweeps.
+Legend: M held-out datasets, N points, I clusters, D dimensions, K sweeps.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from apg.data import load_dataset
+from apg.blocks import Model, Proposals
 from apg.metrics import adjusted_rand_index, highest_weight_particle, matched_centre_error
 from apg.tasks import get_task
-from apg.training import make_method
+from apg.training import TrainConfig, make_method, network_device
 
-# Save a figure particle's reconstruction when one dataset has at most this many numbers:
-# the rings' points, and Bouncing MNIST figure videos up to ~27 frames of 96x96 (Figure 3's
-# reconstruction row); longer videos are reconstructed by the report from the model.
+# Keep a particle's reconstruction when one dataset has at most this many numbers: the
+# rings' points, and Bouncing MNIST videos up to ~27 frames of 96x96; a larger one is
+# redrawn from the model where it is needed, so that kept samples stay small.
 RECON_MAX_ELEMENTS = 250_000
 
 
+@torch.no_grad()
 def best_particles(
-    cfg, model, proposals, x: torch.Tensor, sweeps: list[int], particles: int
+    cfg: TrainConfig, model: Model, proposals: Proposals, x: torch.Tensor, sweeps: list[int], particles: int
 ) -> dict[int, dict[str, np.ndarray]]:
     """``{sweep: {latent: (M, ...)}}``: each dataset's highest-weight particle after each sweep.
 
     RWS methods run one step whatever K is, so they only have sweep 1. When the task can
-    reconstruct and a dataset is small (at most ``RECON_MAX_ELEMENTS`` numbers: the
-    rings' points, short videos), the particle's reconstruction is saved as ``recon``
-    (``(M, ...)``, like ``x``) for the pictures; larger data are reconstructed by the
-    report from the model instead (``animate``), so samples.npz stays small.
+    reconstruct and a dataset is small (at most ``RECON_MAX_ELEMENTS`` numbers), the
+    particle's reconstruction is kept as ``recon`` (``(M, ...)``, like ``x``).
     """
     reconstruct = get_task(cfg.task).reconstruct
-    keep_recon = reconstruct is not None and x[0].numel() <= RECON_MAX_ELEMENTS
+    if x[0].numel() > RECON_MAX_ELEMENTS:
+        reconstruct = None
     out: dict[int, dict[str, np.ndarray]] = {}
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         if k in sweeps:
             chosen = highest_weight_particle(z, log_w)
             out[k] = {name: t.cpu().numpy() for name, t in chosen.items()}
-            if keep_recon:
+            if reconstruct is not None:
                 recon = reconstruct(model, x, {name: t[None] for name, t in chosen.items()})[0]
                 out[k]["recon"] = recon.cpu().numpy()
 
-    x = x.to(_device(model, proposals, x), torch.get_default_dtype())
-    with torch.no_grad():
-        make_method(cfg).run(
-            model, proposals, x, max(sweeps), particles, "block", cfg.resampler, collectors=[collect]
-        )
+    x = x.to(network_device(model, proposals, x), torch.get_default_dtype())
+    make_method(cfg).run(
+        model, proposals, x, max(sweeps), particles, "block", cfg.resampler, collectors=[collect]
+    )
     return out
 
 
 # --------------------------------------------------------------------------- cluster recovery
 
 
-def _device(model, proposals, x: torch.Tensor) -> torch.device:
-    """Where the trained networks live (``x``'s device for a method without parameters)."""
-    return next(iter([*model.parameters(), *proposals.parameters()]), x.new_zeros(())).device
-
-
+@torch.no_grad()
 def final_particle(
-    cfg, model, proposals, x: torch.Tensor, sweeps: int, particles: int, batch_size: int, resample_mode: str
+    cfg: TrainConfig,
+    model: Model,
+    proposals: Proposals,
+    x: torch.Tensor,
+    sweeps: int,
+    particles: int,
+    batch_size: int,
+    resample_mode: str,
 ) -> dict[str, np.ndarray] | None:
     """Each dataset's highest-weight particle after the method's last sweep at budget
     ``(sweeps, particles)``: its assignments ``c (M, N)`` and, when the particles have them,
     its centres ``mu (M, I, D)``; ``None`` when the method's particles have no ``c``
-    (nothing to score).
-
-    A run of its own: ``apg.training.evaluate`` does not hand out its final particles.
-    """
+    (nothing to score)."""
     method = make_method(cfg)
-    device = _device(model, proposals, x)
+    device = network_device(model, proposals, x)
     chunks: dict[str, list[np.ndarray]] = {}
-    with torch.no_grad():
-        for start in range(0, len(x), batch_size):
-            xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
-            result = method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler)
-            if "c" not in result.z:
-                return None
-            chosen = highest_weight_particle(result.z, result.log_weights)
-            for name in ("c", "mu"):
-                if name in chosen:
-                    chunks.setdefault(name, []).append(chosen[name].cpu().numpy())
+    for start in range(0, len(x), batch_size):
+        xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
+        result = method.run(model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler)
+        if "c" not in result.z:
+            return None
+        chosen = highest_weight_particle(result.z, result.log_weights)
+        for name in ("c", "mu"):
+            if name in chosen:
+                chunks.setdefault(name, []).append(chosen[name].cpu().numpy())
     return {name: np.concatenate(parts) for name, parts in chunks.items()}
 
 
@@ -101,11 +99,11 @@ def ari_scores(true_c: np.ndarray, pred_c: np.ndarray | None) -> np.ndarray:
     return adjusted_rand_index(torch.from_numpy(true_c), torch.from_numpy(pred_c)).numpy()
 
 
-def latent_truth(task: str, path: Path) -> dict[str, Any] | None:
-    """What a held-out file holds of the truth for scoring a final particle: its arrays
-    (``x`` and the true ``c``, ``mu``) and the ceiling's per-dataset ARI ``ari_ceiling``
-    ``(M,)`` (None for tasks without a ceiling rule); None without true assignments."""
-    arrays = load_dataset(path)
+def latent_truth(task: str, arrays: Mapping[str, np.ndarray]) -> dict[str, Any] | None:
+    """What a held-out set's ``arrays`` hold of the truth for scoring a final particle: the
+    arrays (``x`` and the true ``c``, ``mu``), ``c`` as integers and the ceiling's
+    per-dataset ARI ``ari_ceiling (M,)`` (None for tasks without a ceiling rule); None
+    without true assignments."""
     if "c" not in arrays:
         return None
     true_c = arrays["c"].astype(np.int64)
@@ -148,23 +146,11 @@ def particle_scores(
 # --------------------------------------------------------------------------- tracking
 
 
-def position_truth(task: str, path: Path) -> dict[str, np.ndarray] | None:
-    """The simulator's positions in a held-out file, for tasks that track
-    (``TaskSpec.tracking``: Bouncing MNIST's digits); None otherwise."""
-    tracking = get_task(task).tracking
-    if tracking is None:
-        return None
-    data = load_dataset(path)
-    try:
-        return tracking.truth(data)
-    except ValueError as err:
-        raise ValueError(f"{path} {err}; run `dvc repro generate@{task}`") from None
-
-
+@torch.no_grad()
 def tracking_errors(
-    cfg,
-    model,
-    proposals,
+    cfg: TrainConfig,
+    model: Model,
+    proposals: Proposals,
     x: torch.Tensor,
     truth: dict[str, np.ndarray],
     sweeps: int,
@@ -175,10 +161,12 @@ def tracking_errors(
     """Curves ``(K, M)``: the task's position errors (``TaskSpec.tracking``; Bouncing MNIST:
     the position error in pixels at the digits' ink centres, the boxes' error, the motion
     error and the tracked-frame fraction) of each dataset's highest-weight particle after
-    each sweep, against the simulator's (``truth`` from ``position_truth``). A run of its
-    own, like ``final_particle``."""
+    each sweep, against the simulator's (``truth``: ``TrackingSpec.truth`` of the set's
+    arrays)."""
     tracking = get_task(cfg.task).tracking
-    device = _device(model, proposals, x)
+    if tracking is None:
+        raise ValueError(f"task {cfg.task} tracks no objects (its TaskSpec has no tracking)")
+    device = network_device(model, proposals, x)
     method = make_method(cfg)
     per_sweep: dict[int, list[dict[str, np.ndarray]]] = {}
 
@@ -186,16 +174,14 @@ def tracking_errors(
         chosen = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}  # (1, B, ...)
         per_sweep.setdefault(k, []).append(tracking.positions(model, x, chosen))
 
-    with torch.no_grad():
-        for start in range(0, len(x), batch_size):
-            xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
-            method.run(
-                model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect]
-            )
+    for start in range(0, len(x), batch_size):
+        xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
+        method.run(
+            model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect]
+        )
     curves: dict[str, list[np.ndarray]] = {}
     for k in sorted(per_sweep):
         found = {name: np.concatenate([part[name] for part in per_sweep[k]]) for name in per_sweep[k][0]}
-        errors = tracking.errors(truth, found)
-        for name, value in errors.items():
+        for name, value in tracking.errors(truth, found).items():
             curves.setdefault(name, []).append(value)
     return {name: np.stack(values) for name, values in curves.items()}
