@@ -152,27 +152,24 @@ def mlflow_callback(uri: str, exp_id: str, parent_id: str, plan: dict[str, Any])
         def __getstate__(self) -> dict[str, Any]:
             return {**self.__dict__, "_client": None}
 
-        def run_id(self, trial) -> str | None:
+        def end(self, trial, status: str) -> None:
             if self._client is None:
                 self._client = tracking.client(uri)
             found = tracking.find_run(
                 self._client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: trial.trial_id}
             )
-            return None if found is None else found.info.run_id
+            if found is None:  # failed before it made its run
+                return
+            if status == "FINISHED" and plan.get("pbt") is not None:  # settings its params no longer hold
+                for key in plan["space"]:
+                    self._client.set_tag(found.info.run_id, f"final.{key}", str(trial.config[key]))
+            tracking.finish(self._client, found.info.run_id, status)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            run_id = self.run_id(trial)
-            if run_id is None:
-                return
-            if plan.get("pbt") is not None:  # PBT changed the settings the run's params record
-                for key in plan["space"]:
-                    self._client.set_tag(run_id, f"final.{key}", str(trial.config[key]))
-            tracking.finish(self._client, run_id)
+            self.end(trial, "FINISHED")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            run_id = self.run_id(trial)
-            if run_id is not None:
-                tracking.finish(self._client, run_id, status="FAILED")
+            self.end(trial, "FAILED")
 
     return _EndRuns()
 
