@@ -306,6 +306,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 def cmd_train(args: argparse.Namespace) -> None:
     import torch
 
+    from apg.checkpoint import save_checkpoint
     from apg.loading import load_training_rows
     from pipeline.runs import loop
 
@@ -335,14 +336,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         total=cfg.iterations, desc=f"{cfg.task}/{cfg.method} K={cfg.sweeps} L={cfg.particles}", unit="it"
     ) as bar:
         loop.drive(trainer, log_every=1, callbacks=[ProgressBar()])
-    path = _save(args.out, cfg, trainer)
-    print(f"wrote {path}")
-
-
-def _save(out: str, cfg: TrainConfig, trainer: Trainer) -> Path:
-    from apg.checkpoint import save_checkpoint
-
-    return save_checkpoint(out, cfg.to_dict(), trainer.state_dict())
+    print(f"wrote {save_checkpoint(args.out, cfg.to_dict(), trainer.state_dict())}")
 
 
 # --------------------------------------------------------------------------- evaluate

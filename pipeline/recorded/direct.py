@@ -34,13 +34,13 @@ import yaml
 
 from apg.checkpoint import load_checkpoint
 from apg.data import atomic_write, training_rows
-from apg.training import TrainConfig, Trainer
+from apg.training import TrainConfig
 from pipeline.common import file_digest, seed_everything
 from pipeline.config.params import cell_key
 from pipeline.generate import generate
 from pipeline.provenance.stages import record_stage_time
-from pipeline.runs.loop import Callback, drive, mark_done, start, write_cell
-from pipeline.sweep.stage import plan, summarize
+from pipeline.runs.loop import PrintProgress, cell_identity, drive, mark_done, start, write_cell
+from pipeline.sweep.stage import cell_job, plan, summarize
 
 CALIBRATION_STEPS = 5  # timed one by one after two warm-up steps; their median plans the run
 
@@ -143,14 +143,7 @@ def _run_cells(
     procs = []
     for cell_id, cell in cells.items():
         job = {
-            "cell_id": cell_id,
-            "name": cell.name,
-            "config_key": cell.config_key,
-            "fingerprint": cell.fingerprint,
-            "train": cell.train.to_dict(),
-            "seed": cell.seed,
-            "data": str(data),
-            "cell_dir": str(sweep_dir / "cells" / cell_id),
+            **cell_job(cell_id, cell, data, sweep_dir),
             "device": device,
             "log_every": log_every,
             "deadline": deadline,
@@ -165,7 +158,7 @@ def _run_cells(
         for line in proc.stdout:
             last[name] = line
             if not calibrate:
-                print(f"  {name}: {line}", end="", flush=True)
+                print(f"  {line}", end="", flush=True)  # the cell's PrintProgress line
 
     threads = [threading.Thread(target=forward, args=item) for item in procs]
     for thread in threads:
@@ -212,10 +205,11 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - t0)
         return {"seconds_per_step": statistics.median(times)}
     cell_dir.mkdir(parents=True, exist_ok=True)
-    outcome = drive(trainer, log_every=job["log_every"], deadline=job["deadline"], callbacks=[_PrintLoss()])
-    identity = {key: job[key] for key in ("cell_id", "name", "config_key", "fingerprint")}
+    outcome = drive(
+        trainer, log_every=job["log_every"], deadline=job["deadline"], callbacks=[PrintProgress(job["name"])]
+    )
     attempts = [{"start_iteration": 0, "device": job["device"]}]
-    _, record = write_cell(cell_dir, cfg, trainer, outcome, identity, attempts)
+    _, record = write_cell(cell_dir, cfg, trainer, outcome, cell_identity(job), attempts)
     record.update(
         device=torch.cuda.get_device_name() if torch.device(job["device"]).type == "cuda" else "cpu",
         # The deadline came first: fewer steps than planned, the schedule cut short.
@@ -224,14 +218,6 @@ def train_one(job: dict[str, Any]) -> dict[str, Any]:
     )
     mark_done(cell_dir, record)
     return {"seconds_per_step": outcome.seconds / max(trainer.iteration, 1)}
-
-
-class _PrintLoss(Callback):
-    """Each row's iteration and loss as a JSON line, which the parent forwards."""
-
-    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
-        loss = round(float(row.get("loss", float("nan"))), 3)
-        print(json.dumps({"iteration": trainer.iteration, "loss": loss}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,7 +41,7 @@ from pipeline.config import checks
 from pipeline.provenance.record import device_line, utc_now
 from pipeline.provenance.stages import source_commit
 from pipeline.runs.compact import compact, expand
-from pipeline.runs.loop import Callback, drive, start, write_history
+from pipeline.runs.loop import Callback, PrintProgress, drive, start, write_history
 from pipeline.runs.spec import (
     EVALS,
     FULL_STATE,
@@ -185,7 +185,7 @@ def sitting_device(device: str | torch.device) -> str:
 
 
 class _Sitting(Callback):
-    """Scores, logs and checkpoints the run as it goes."""
+    """Scores and checkpoints the run as it goes."""
 
     def __init__(
         self,
@@ -217,12 +217,6 @@ class _Sitting(Callback):
 
     def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
         row["device"] = self.segment["device"]  # type: ignore[assignment]
-        total = self.run["train"]["iterations"]
-        print(
-            f"{self.dir.name} step {trainer.iteration}/{total}: loss {row.get('loss', float('nan')):.4g}, "
-            f"{1.0 / row['it_per_s']:.3g} s/step",
-            flush=True,
-        )
         if trainer.iteration % self.run["every"]["eval"] == 0:
             self.evaluate(trainer)
         if checkpoint or trainer.iteration % self.run["every"]["checkpoint"] == 0:
@@ -313,7 +307,7 @@ def advance(
         history=history,
         deadline=deadline,
         until=until,
-        callbacks=[sitting],
+        callbacks=[PrintProgress(run_dir.name), sitting],
     )
     if trainer.iteration == done:  # nothing trained: still record the sitting's first evaluation
         sitting.save(trainer, history)

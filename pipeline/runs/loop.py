@@ -11,7 +11,9 @@ are written by :func:`write_cell` and marked done by :func:`mark_done`.
 
 Callbacks see the trainer after each step (:meth:`Callback.after_step`: fault injection,
 progress bars) and each history row (:meth:`Callback.on_row`: Tune reports, MLflow,
-validation scores, printed progress), told whether the row is a checkpoint.
+validation scores, printed progress), told whether the row is a checkpoint. Those that more
+than one caller needs are the run layer's: :class:`PrintProgress` here, MLflow rows and Tune
+reports for trials in :mod:`pipeline.runs.trial`.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ class Callback:
         """After a logged step's row is appended to ``history``; ``checkpoint``: this row is
         one the caller should save a checkpoint with (every ``checkpoint_every`` iterations and
         the last)."""
+
+
+class PrintProgress(Callback):
+    """Each row as one line: ``<label> step <i>/<iterations>: loss <loss>, <seconds> s/step``."""
+
+    def __init__(self, label: str):
+        self.label = label
+
+    def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
+        print(
+            f"{self.label} step {trainer.iteration}/{trainer.cfg.iterations}: "
+            f"loss {row.get('loss', float('nan')):.4g}, {1.0 / row['it_per_s']:.3g} s/step",
+            flush=True,
+        )
 
 
 @dataclasses.dataclass
@@ -117,6 +133,12 @@ def drive(
     return Outcome(rows, time.perf_counter() - start, stopped)
 
 
+def cell_identity(job: dict[str, Any]) -> dict[str, Any]:
+    """A cell's identity in its ``done.json`` and MLflow model: its cell id, name, config key
+    and fingerprint (what the code that trained it computes)."""
+    return {key: job[key] for key in ("cell_id", "name", "config_key", "fingerprint")}
+
+
 def write_cell(
     cell_dir: Path,
     cfg: TrainConfig,
@@ -126,9 +148,9 @@ def write_cell(
     attempts: list[dict[str, Any]],
 ) -> tuple[Path, dict[str, Any]]:
     """Write a trained cell's ``model.pt`` (weights only) and ``history.csv``; return the
-    model's path and the cell's ``done.json`` record (``identity``: its cell id, name,
-    config key and fingerprint), for the caller to add to and to mark with :func:`mark_done`
-    once everything else it owes (uploads) is done."""
+    model's path and the cell's ``done.json`` record (``identity``: :func:`cell_identity`),
+    for the caller to add to and to mark with :func:`mark_done` once everything else it owes
+    (uploads) is done."""
     model_path = save_checkpoint(cell_dir / MODEL, cfg.to_dict(), trainer.weights())
     write_history(cell_dir / HISTORY, outcome.history)
     rates = [row["it_per_s"] for row in outcome.history]

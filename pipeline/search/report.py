@@ -15,6 +15,7 @@ from apg.data import atomic_write
 from pipeline import tracking
 from pipeline.config import checks
 from pipeline.provenance import record as provenance
+from pipeline.runs import trial
 from pipeline.search.plan import SECTIONS
 
 TAG_TRIAL = "apg.trial_id"
@@ -25,8 +26,12 @@ STARTS = "starts.jsonl"  # results/tune/<task>/starts.jsonl: the code of each ru
 
 def read_attempts(out: Path, trial_id: str) -> list[dict[str, Any]]:
     """Where each run of a trial started (``start_iteration`` > 0: resumed from a checkpoint)."""
-    path = out / ATTEMPTS / f"{trial_id}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return trial.read_attempts(out / ATTEMPTS / f"{trial_id}.jsonl")
+
+
+def score_key(metric: str) -> str:
+    """The validation score's name in a trial's rows (Tune's results, MLflow)."""
+    return f"val_{metric}"
 
 
 def trial_name(setting: dict[str, Any]) -> str:
@@ -43,12 +48,13 @@ def trials_frame(plan: dict[str, Any], results, out: Path):
 
     rows = []
     sign = 1 if plan["mode"] == "max" else -1
+    score = score_key(plan["metric"])
     for result in results:
         history = result.metrics_dataframe
         # the trial's own log names it; its last metrics may be a PBT donor's
         own = history is not None and "trial_id" in history and len(history)
         trial_id = history["trial_id"].iloc[-1] if own else result.metrics["trial_id"]
-        scores = history["score"].tolist() if history is not None and "score" in history else []
+        scores = history[score].tolist() if history is not None and score in history else []
         iterations = int(history["iteration"].max()) if scores else 0
         best = max(scores, key=lambda s: sign * s) if scores else float("nan")
         setting = {key: result.config[key] for key in plan["space"]}
@@ -64,7 +70,7 @@ def trials_frame(plan: dict[str, Any], results, out: Path):
                 "failed": result.error is not None,
                 "attempts": len(read_attempts(out, trial_id)),
                 "history": json.dumps(
-                    [[int(i), float(s)] for i, s in zip(history["iteration"], history["score"], strict=True)]
+                    [[int(i), float(s)] for i, s in zip(history["iteration"], history[score], strict=True)]
                 )
                 if scores
                 else "[]",

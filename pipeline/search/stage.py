@@ -35,9 +35,10 @@ last and best validation scores, how far it trained, whether ASHA stopped it ear
 The tuning report ``reports/tune/<task>.md`` has the trials table, the best settings, the
 validation score against each searched key (early-stopped trials marked) and the learning
 curves. MLflow: a parent run named ``tune <task>`` in the experiment ``<experiment>-tune``,
-one child run per trial (named after its settings; params are the searched keys), the best
-trial tagged ``apg.best``. The driver logs to MLflow (trials start at the search's
-pace, and one writer keeps a SQLite store safe).
+one child run per trial (named after its settings; params are the searched keys; metrics its
+rows with ``val_<metric>``), the best trial tagged ``apg.best``. The driver makes the parent
+and ends each trial's run; a trial makes its run and logs to it as a sweep's trial does
+(:mod:`pipeline.runs.trial`).
 """
 
 from __future__ import annotations
@@ -47,164 +48,130 @@ import json
 import os
 import random
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from apg.checkpoint import load_checkpoint, save_checkpoint
-from apg.data import atomic_write, load_dataset, training_rows
+from apg.data import atomic_write, load_dataset
 from apg.training import TrainConfig, Trainer, evaluate
 from pipeline import tracking
 from pipeline.common import project_root
 from pipeline.config.params import apply_setting, load_params
 from pipeline.provenance import record as provenance
 from pipeline.provenance import stages
-from pipeline.runs.loop import Callback, drive, start
+from pipeline.runs.loop import Callback, drive
+from pipeline.runs.trial import MlflowRows, TuneReports, begin, shipped_data, trial_rows
 from pipeline.search.plan import check_section, computed, load_section, plan_key, tune_space
 from pipeline.search.report import (
     ATTEMPTS,
     STARTS,
     TAG_TRIAL,
     report_path,
+    score_key,
     trial_name,
     write_outputs,
     write_report,
 )
-from pipeline.sweep.ray_setup import quiet_trial_process
-
-STATE = "trial.pt"
-
 
 # --------------------------------------------------------------------------- a trial
 
 
-def validation_score(cfg: TrainConfig, trainer: Trainer, x_val: torch.Tensor, metric: str) -> float:
-    """Mean over the validation datasets of ``metric`` after the last sweep."""
-    with (
-        torch.random.fork_rng()
-    ):  # the same particles for every trial and checkpoint; training's stream untouched
-        torch.manual_seed(0)
-        curves = evaluate(
-            cfg, trainer.model, trainer.proposals, x_val, cfg.sweeps, cfg.particles, cfg.batch_size
-        )
-    if metric not in curves:
-        raise ValueError(f"task {cfg.task} has no validation metric {metric!r}")
-    return float(np.mean(curves[metric][-1]))
-
-
-def run_trial(config: dict[str, Any], plan: dict[str, Any], paths: dict[str, str]) -> None:
-    """What Tune runs: train one setting, scoring it on the validation set every
-    ``eval_every`` iterations (a report and a checkpoint each: ASHA may stop it there, and a
-    resumed search continues from there)."""
+def run_trial(
+    config: dict[str, Any], plan: dict[str, Any], setup: dict[str, Any], data: dict[str, Any] | None = None
+) -> None:
+    """What Tune runs: train one setting (a run-layer trial, :mod:`pipeline.runs.trial`), its
+    rows every ``eval_every`` iterations with the validation score, each sent to the trial's
+    MLflow run and reported to Tune with a checkpoint (ASHA may stop it there, and a resumed
+    search continues from there)."""
     from ray import tune
 
-    quiet_trial_process()
-    torch.set_num_threads(1)
     setting = {key: config[key] for key in plan["space"]}
     cfg = TrainConfig.from_dict(apply_setting(plan["base"], setting)).validate()
-    x = training_rows(paths["train"])
-    x_val = torch.from_numpy(load_dataset(paths["validation"])["x"]).to(torch.get_default_dtype())
-    state, checkpoint = None, tune.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            state = load_checkpoint(Path(d) / STATE)[1]
-    trainer = start(cfg, x, "cpu", plan["seed"], state)
+    x = trial_rows(setup["train"], data)
+    x_val = torch.from_numpy(load_dataset(setup["validation"])["x"]).to(torch.get_default_dtype())
     # Our own log of attempts, outside Tune's trial folders (Tune re-creates those from the
     # last synced copy when a search resumes, so lines appended there can be lost).
     trial_id = tune.get_context().get_trial_id()
-    with open(Path(paths["attempts"]) / f"{trial_id}.jsonl", "a") as f:
-        f.write(json.dumps({"start_iteration": trainer.iteration, "time": time.time()}) + "\n")
+    attempts_file = Path(setup["attempts"]) / f"{trial_id}.jsonl"
+    trainer, history, attempts = begin(cfg, x, plan["seed"], setup["torch_threads"], attempts_file)
+    # The trial's child run, named after its setting (its params), found again when the trial
+    # resumes; the driver ends it (``mlflow_callback``).
+    client, ids = tracking.client(setup["tracking_uri"]), (setup["exp_id"], setup["parent_id"], trial_id)
+    run_id = tracking.retry(
+        lambda: tracking.open_child(client, *ids, trial_name(setting), setting, {TAG_TRIAL: trial_id}),
+        "opening the trial's run",
+    )
+    mlflow = MlflowRows(client, run_id, history, attempts)
     every = plan["eval_every"]
     drive(
-        trainer, log_every=every, checkpoint_every=every, callbacks=[_Validation(cfg, x_val, plan["metric"])]
+        trainer,
+        log_every=every,
+        checkpoint_every=every,
+        history=history,
+        callbacks=[_Validation(x_val, plan["metric"]), mlflow, TuneReports()],
     )
+    mlflow.logger.close()
 
 
 class _Validation(Callback):
-    """At each row (every ``eval_every`` iterations and the last): the validation score,
-    reported to Tune with a checkpoint (ASHA may stop the trial there, and a resumed search
-    continues from there)."""
+    """Each row's validation score (every ``eval_every`` iterations and the last): the mean
+    over the validation datasets of the metric after the last sweep, what the search ranks
+    trials by."""
 
-    def __init__(self, cfg: TrainConfig, x_val: torch.Tensor, metric: str):
-        self.cfg, self.x_val, self.metric = cfg, x_val, metric
+    def __init__(self, x_val: torch.Tensor, metric: str):
+        self.x_val, self.metric = x_val, metric
 
     def on_row(self, trainer: Trainer, row: dict[str, float], history: list[dict], checkpoint: bool) -> None:
-        from ray import tune
-
-        score = validation_score(self.cfg, trainer, self.x_val, self.metric)
-        with tempfile.TemporaryDirectory() as tmp:
-            save_checkpoint(Path(tmp) / STATE, self.cfg.to_dict(), trainer.state_dict())
-            tune.report(
-                {"score": score, "iteration": trainer.iteration},
-                checkpoint=tune.Checkpoint.from_directory(tmp),
+        cfg = trainer.cfg
+        # the same particles for every trial and checkpoint; training's stream untouched
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            curves = evaluate(
+                cfg, trainer.model, trainer.proposals, self.x_val, cfg.sweeps, cfg.particles, cfg.batch_size
             )
+        if self.metric not in curves:
+            raise ValueError(f"task {cfg.task} has no validation metric {self.metric!r}")
+        row[score_key(self.metric)] = float(np.mean(curves[self.metric][-1]))
 
 
 # --------------------------------------------------------------------------- MLflow
 
 
 def mlflow_callback(uri: str, exp_id: str, parent_id: str, plan: dict[str, Any]):
-    """A child run per trial, written from the driver: created when the trial starts (or
-    found again after a resume), its validation scores as metrics, ended with the trial.
-    Tune pickles it with the search's state, so the client is made on first use."""
+    """In the driver: ends each trial's child run (made by the trial) as Tune ends the trial,
+    FAILED on an error; after PBT, with the settings the trial ended with as ``final.<key>``
+    tags. Tune pickles it with the search's state, so the client is made on first use."""
     from ray.tune import Callback
 
-    class _MLflow(Callback):
+    class _EndRuns(Callback):
         def __init__(self) -> None:
-            self.runs: dict[str, str] = {}
             self._client = None
 
         def __getstate__(self) -> dict[str, Any]:
             return {**self.__dict__, "_client": None}
 
-        @property
-        def client(self):
+        def end(self, trial, status: str) -> None:
             if self._client is None:
                 self._client = tracking.client(uri)
-            return self._client
-
-        def run_id(self, trial) -> str:
-            client = self.client
-            if trial.trial_id not in self.runs:
-                found = tracking.find_run(
-                    client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: trial.trial_id}
-                )
-                if found is not None:
-                    self.runs[trial.trial_id] = found.info.run_id
-                else:
-                    setting = {k: trial.config[k] for k in plan["space"]}
-                    run = client.create_run(
-                        exp_id,
-                        run_name=trial_name(setting),
-                        tags={tracking.TAG_PARENT: parent_id, TAG_TRIAL: trial.trial_id},
-                    )
-                    tracking.log_params(client, run.info.run_id, setting)
-                    self.runs[trial.trial_id] = run.info.run_id
-            return self.runs[trial.trial_id]
-
-        def on_trial_start(self, iteration, trials, trial, **info):
-            self.run_id(trial)
-
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            step = int(result["iteration"])
-            tracking.log_metrics(
-                self.client, self.run_id(trial), [(step, {f"val_{plan['metric']}": result["score"]})]
+            found = tracking.find_run(
+                self._client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: trial.trial_id}
             )
+            if found is None:  # failed before it made its run
+                return
+            if status == "FINISHED" and plan.get("pbt") is not None:  # settings its params no longer hold
+                for key in plan["space"]:
+                    self._client.set_tag(found.info.run_id, f"final.{key}", str(trial.config[key]))
+            tracking.finish(self._client, found.info.run_id, status)
 
         def on_trial_complete(self, iteration, trials, trial, **info):
-            if plan.get("pbt") is not None:  # PBT changed the settings the run's params record
-                for key in plan["space"]:
-                    self.client.set_tag(self.run_id(trial), f"final.{key}", str(trial.config[key]))
-            tracking.finish(self.client, self.run_id(trial))
+            self.end(trial, "FINISHED")
 
         def on_trial_error(self, iteration, trials, trial, **info):
-            tracking.finish(self.client, self.run_id(trial), status="FAILED")
+            self.end(trial, "FAILED")
 
-    return _MLflow()
+    return _EndRuns()
 
 
 # --------------------------------------------------------------------------- the search
@@ -341,7 +308,7 @@ def _progress_callback(plan: dict[str, Any]):
 
         def on_trial_complete(self, iteration, trials, trial, **info):
             self.done += 1
-            score = (trial.last_result or {}).get("score")
+            score = (trial.last_result or {}).get(score_key(plan["metric"]))
             if score is not None:
                 self.best = score if self.best is None else better(self.best, score)
             best = f", best {plan['metric']} {self.best:.4g}" if self.best is not None else ""
@@ -360,7 +327,7 @@ def _new_tuner(
         trainable,
         param_space=tune_space(plan["space"]),
         tune_config=tune.TuneConfig(
-            metric="score",
+            metric=score_key(plan["metric"]),
             mode=plan["mode"],
             search_alg=searcher(plan),
             scheduler=scheduler(plan),
@@ -398,22 +365,28 @@ def run_search(
         raise FileNotFoundError(f"{train}: run `dvc repro generate@{plan['task']}` first")
     out.mkdir(parents=True, exist_ok=True)
     (out / ATTEMPTS).mkdir(exist_ok=True)
-    paths = {
-        "train": str(train),
-        "validation": str(prepare_validation(params, plan, out).resolve()),
-        "attempts": str((out / ATTEMPTS).resolve()),
-    }
     name = plan_key(plan)
     storage = (out / "ray").resolve()
     uri = tracking.tracking_uri(root)
     resuming = tune.Tuner.can_restore(str(storage / name))
     client, exp_id, parent_id = _open_parent(params, plan, root, out, uri, storage / name, resuming)
+    # Each trial takes what a sweep's trial takes (params.yaml's sweep section).
+    sweep = params.get("sweep", {})
+    setup = {
+        "train": str(train),
+        "validation": str(prepare_validation(params, plan, out).resolve()),
+        "attempts": str((out / ATTEMPTS).resolve()),
+        "tracking_uri": uri,
+        "exp_id": exp_id,
+        "parent_id": parent_id,
+        "torch_threads": sweep.get("torch_threads", 1),
+    }
     start_ray(params)
     try:
-        # Each trial takes what a sweep's trial takes (params.yaml's sweep section).
-        sweep = params.get("sweep", {})
         resources = {"cpu": sweep.get("cpus_per_trial", 1), "gpu": sweep.get("gpus_per_trial", 0)}
-        trainable = tune.with_resources(tune.with_parameters(run_trial, plan=plan, paths=paths), resources)
+        trainable = tune.with_resources(
+            tune.with_parameters(run_trial, plan=plan, setup=setup, data=shipped_data(train)), resources
+        )
         callbacks = [mlflow_callback(uri, exp_id, parent_id, plan)]
         if not verbose:
             callbacks.append(_progress_callback(plan))

@@ -114,29 +114,3 @@ def check_resources(params: dict[str, Any]) -> None:
         want = sweep.get(key, 1 if name == "CPU" else 0)
         if want and have.get(name, 0) < want:
             raise SweepError(f"sweep.{key}={want} but the Ray cluster has {have.get(name, 0):g} {name}s")
-
-
-def quiet_trial_process() -> None:
-    """In a trial's process: no line per checkpoint, and no traceback when the trial is stopped.
-
-    Ray Train logs "Checkpoint successfully created at ..." at INFO for every report with a
-    checkpoint (dozens per cell); the sweep's progress line and each cell's ``attempts.jsonl``
-    already say where it is. A trial that Tune stops (ASHA, the end of a search) gets SIGTERM,
-    and Ray's handler raises ``SystemExit`` in whatever runs then; inside a garbage-collector
-    callback Python cannot raise it and prints "Exception ignored in: ... SystemExit: 1" with
-    a traceback, though nothing went wrong. That one case is dropped; any other unraisable
-    exception is printed as before."""
-    import logging
-    import sys
-
-    for name in ("ray.train._internal.storage", "ray.train.v2._internal.execution.storage"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    sys.unraisablehook = _unraisable_unless_stopped
-
-
-def _unraisable_unless_stopped(unraisable: Any) -> None:
-    import sys
-
-    if isinstance(unraisable.exc_value, SystemExit):
-        return
-    sys.__unraisablehook__(unraisable)

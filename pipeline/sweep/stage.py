@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from apg.data import IN_MEMORY_MAX_BYTES, atomic_write, load_dataset, training_rows
+from apg.data import atomic_write, training_rows
 from apg.fingerprint import BATCH as FINGERPRINT_BATCH
 from apg.fingerprint import fingerprint
 from apg.training import build, make_method
@@ -65,6 +65,7 @@ from pipeline.diskfull import as_disk_full, disk_full_callback
 from pipeline.errors import SweepError
 from pipeline.provenance.stages import record_stage_time
 from pipeline.runs.loop import DONE, HISTORY, MODEL
+from pipeline.runs.trial import shipped_data
 from pipeline.sweep.ray_setup import check_resources, quiet_tune_output, start_ray
 from pipeline.sweep.trial import FAULT_ENV, tune_trainable
 
@@ -190,6 +191,21 @@ def short_hash(items: list[str]) -> str:
 # --------------------------------------------------------------------------- the driver
 
 
+def cell_job(cell_id: str, cell: Cell, data: Path, sweep_dir: Path) -> dict[str, Any]:
+    """What training a cell needs, wherever it runs (a Ray trial here, a process of its own
+    with ``record --direct``): its identity, seed, config, data and folder."""
+    return {
+        "cell_id": cell_id,
+        "name": cell.name,
+        "config_key": cell.config_key,
+        "fingerprint": cell.fingerprint,
+        "seed": cell.seed,
+        "train": cell.train.to_dict(),
+        "data": str(data),
+        "cell_dir": str(sweep_dir / "cells" / cell_id),
+    }
+
+
 def trial_configs(
     todo: dict[str, Cell],
     params: dict[str, Any],
@@ -201,14 +217,7 @@ def trial_configs(
     sweep = params["sweep"]
     return [
         {
-            "cell_id": cell_id,
-            "name": cell.name,
-            "config_key": cell.config_key,
-            "fingerprint": cell.fingerprint,
-            "seed": cell.seed,
-            "train": cell.train.to_dict(),
-            "data": str(data),
-            "cell_dir": str(sweep_dir / "cells" / cell_id),
+            **cell_job(cell_id, cell, data, sweep_dir),
             "tracking_uri": uri,
             "run_id": run_ids[cell_id],
             "log_every": sweep.get("log_every", 10),
@@ -218,14 +227,6 @@ def trial_configs(
         }
         for cell_id, cell in todo.items()
     ]
-
-
-def shipped_data(path: Path) -> dict[str, Any] | None:
-    """The training arrays, when small enough to travel with the trials (and so nodes
-    need no copy of the project)."""
-    if path.stat().st_size > IN_MEMORY_MAX_BYTES:
-        return None
-    return {"x": load_dataset(path)["x"]}
 
 
 class SweepProgress:

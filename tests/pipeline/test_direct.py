@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from apg.checkpoint import load_checkpoint, save_checkpoint
-from apg.training import TrainConfig, build
+from apg.training import TrainConfig, Trainer, build
 from pipeline.common import seed_everything
 from pipeline.provenance import record as provenance
 from pipeline.recorded import direct
@@ -185,7 +185,7 @@ def test_calibration_plans_by_the_median_step_not_a_slow_first_one(tmp_path, mon
     def step(self, log=True):
         clock[0] += next(costs)
 
-    monkeypatch.setattr(direct.Trainer, "step", step)
+    monkeypatch.setattr(Trainer, "step", step)
     monkeypatch.setattr(direct.time, "perf_counter", lambda: clock[0])
     assert direct.train_one({**gmm_job(tmp_path, 1000, None), "calibrate": True})["seconds_per_step"] == 1.0
 

@@ -1,4 +1,4 @@
-"""What a trial's process sets up (pipeline/sweep/ray_setup.py)."""
+"""What a trial's process sets up (pipeline/runs/trial.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.support import REPO
 # Objects whose finalizers raise: Python cannot raise from there and hands the exception to
 # sys.unraisablehook, as it does Ray's SystemExit when Tune stops a trial mid-collection.
 FINALIZERS = """
-from pipeline.sweep.ray_setup import quiet_trial_process
+from pipeline.runs.trial import quiet_trial_process
 {setup}
 class Raises:
     def __init__(self, error):

@@ -17,8 +17,8 @@ from pipeline.common import file_digest
 from pipeline.config.params import grid_cells
 from pipeline.errors import SweepError
 from pipeline.runs.loop import DONE, MODEL
+from pipeline.runs.trial import RESUME, resume_state
 from pipeline.sweep.stage import acquire_lock, check_finished, estimated_cost
-from pipeline.sweep.trial import RESUME, _resume_state
 from tests.pipeline.harness import tiny
 from tests.support import REPO
 
@@ -55,11 +55,11 @@ def test_a_damaged_finished_cell_is_trained_again(tmp_path):
 def test_a_damaged_resume_file_is_removed_and_the_cell_starts_over(tmp_path, capsys):
     resume = tmp_path / RESUME
     resume.write_bytes(b"PK\x03\x04 not a checkpoint")
-    assert _resume_state(None, resume) is None
+    assert resume_state(None, resume) is None
     assert not resume.exists()
     assert "is damaged" in capsys.readouterr().out
     good = save_checkpoint(tmp_path / RESUME, {"a": 1}, {"trainer": {"step": 3}})
-    assert _resume_state(None, good) == {"trainer": {"step": 3}}
+    assert resume_state(None, good) == {"trainer": {"step": 3}}
 
 
 def test_a_second_driver_on_the_same_cells_exits_at_once(tmp_path):

@@ -357,8 +357,8 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path, t
     assert any(status != "TERMINATED" for status in before.values()), before
     checkpointed = {}  # each trial's last validation checkpoint at the interruption
     for t in trials_before:
-        saved = sorted(Path(t.path).glob("checkpoint_*/trial.pt"))
-        checkpointed[t.trial_id] = load_checkpoint(saved[-1])[1]["iteration"] if saved else 0
+        saved = sorted(Path(t.path).glob("checkpoint_*/resume.pt"))
+        checkpointed[t.trial_id] = load_checkpoint(saved[-1])[1]["trainer"]["iteration"] if saved else 0
 
     proc = subprocess.run(cmd, cwd=root, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -417,6 +417,11 @@ def test_search_stops_trials_early_and_resumes_after_an_interruption(tmp_path, t
     assert kind == "custom_model_development"  # opens in the runs table, not the GenAI view
     assert sorted(r.data.tags[TAG_TRIAL] for r in children) == sorted(trials)
     assert all(set(r.data.params) == {"train.lr", "network.hidden"} for r in children)
+    # each trial logged its rows from the trial, as a sweep's cell does: training metrics and
+    # the validation score, and the nodes it ran on
+    assert all(
+        {"loss", "val_log_joint"} <= set(r.data.metrics) and "apg.nodes" in r.data.tags for r in children
+    )
     tagged = [r for r in children if r.data.tags.get(TAG_BEST) == "true"]
     assert [r.data.tags[TAG_TRIAL] for r in tagged] == [summary["best"]["trial"]]
     assert all(r.info.status == "FINISHED" for r in runs)
