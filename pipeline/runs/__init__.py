@@ -6,8 +6,8 @@ priority or on a GPU, then ``git add`` the folder. What a run is (``run.json``) 
 :mod:`pipeline.runs.spec`, the executor that advances one and the files it writes in
 :mod:`pipeline.runs.execute`, the compact form of its state in :mod:`pipeline.runs.compact`,
 the training loop every caller drives (sweep and search trials, ``train``, recorded
-profiles and runs) in :mod:`pipeline.runs.loop`, and the long Bouncing MNIST runs' grid
-evaluation in :mod:`pipeline.runs.grid`.
+profiles and runs) in :mod:`pipeline.runs.loop`, and a run's evaluation on its profile's
+held-out grid (``apg-pipeline grid``) in :mod:`pipeline.runs.grid`.
 
 Imports: :mod:`apg`, and the pipeline's config (profiles, grids), common helpers, training
 loop (:mod:`pipeline.runs.loop`), evaluation helpers and provenance lines. Never a planner (the
