@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from apg.data import load_dataset
-from apg.metrics import adjusted_rand_index, highest_weight_particle, matched_centre_error
+from apg.metrics import adjusted_rand_index, highest_weight_particle, matched_centre_error, reconstruction_mse
 from apg.tasks import get_task
 from apg.training import make_method
 
@@ -171,31 +171,42 @@ def tracking_errors(
     particles: int,
     batch_size: int,
     resample_mode: str,
+    mse: bool = False,
 ) -> dict[str, np.ndarray]:
     """Curves ``(K, M)``: the task's position errors (``TaskSpec.tracking``; Bouncing MNIST:
     the position error in pixels at the digits' ink centres, the boxes' error, the motion
     error and the tracked-frame fraction) of each dataset's highest-weight particle after
-    each sweep, against the simulator's (``truth`` from ``position_truth``). A run of its
-    own, like ``final_particle``."""
-    tracking = get_task(cfg.task).tracking
+    each sweep, against the simulator's (``truth`` from ``position_truth``); with ``mse``,
+    the reconstruction MSE weighted over particles after each sweep as well (``mse``), from
+    the same particles. A run of its own, like ``final_particle``."""
+    task = get_task(cfg.task)
     device = _device(model, proposals, x)
     method = make_method(cfg)
     per_sweep: dict[int, list[dict[str, np.ndarray]]] = {}
-
-    def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
-        chosen = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}  # (1, B, ...)
-        per_sweep.setdefault(k, []).append(tracking.positions(model, x, chosen))
-
+    mses: dict[int, list[np.ndarray]] = {}
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
             xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
+
+            def collect(
+                k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor, xb: torch.Tensor = xb
+            ) -> None:
+                # each dataset's highest-weight particle, (1, B, ...)
+                chosen = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}
+                per_sweep.setdefault(k, []).append(task.tracking.positions(model, xb, chosen))
+                if mse:
+                    recon = task.reconstruct(model, xb, z)
+                    mses.setdefault(k, []).append(reconstruction_mse(xb, recon, log_w).cpu().numpy())
+
             method.run(
                 model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect]
             )
-    curves: dict[str, list[np.ndarray]] = {}
+    curves: dict[str, list[np.ndarray]] = (
+        {"mse": [np.concatenate(mses[k]) for k in sorted(mses)]} if mse else {}
+    )
     for k in sorted(per_sweep):
         found = {name: np.concatenate([part[name] for part in per_sweep[k]]) for name in per_sweep[k][0]}
-        errors = tracking.errors(truth, found)
+        errors = task.tracking.errors(truth, found)
         for name, value in errors.items():
             curves.setdefault(name, []).append(value)
     return {name: np.stack(values) for name, values in curves.items()}

@@ -27,10 +27,11 @@ import numpy as np
 import torch
 
 from apg.data import atomic_write
-from apg.metrics import highest_weight_particle, reconstruction_mse
+from apg.metrics import highest_weight_particle
 from apg.tasks import get_task
 from apg.training import make_method
 from pipeline.common import with_network
+from pipeline.evaluate.particles import tracking_errors
 from pipeline.runs import spec
 from pipeline.runs.execute import EVAL_SEED, read_rows, restore
 from pipeline.runs.loop import write_history
@@ -84,7 +85,8 @@ def evaluate_grid(
         set_cfg, proposals = with_network(cfg, trainer.model, trainer.proposals, entry.get("network"), device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(EVAL_SEED)
-            curves = score_videos(set_cfg, trainer.model, proposals, x, truth, sweeps, particles, batch_size)
+            budget = (sweeps, particles, batch_size, set_cfg.resample_mode)
+            curves = tracking_errors(set_cfg, trainer.model, proposals, x, truth, *budget, mse=True)
         # a row per sweep the method reports (AVF: one, its last inference iteration's)
         for k, video in itertools.product(range(len(curves["pos_err"])), range(n)):
             rows.append(
@@ -130,49 +132,6 @@ def select_sets(profile_sets: list[dict[str, Any]], names: list[str] | None) -> 
 COLUMNS = ("mse", "pos_err", "tracked")  # grid.csv's values per set, video and sweep
 
 
-def score_videos(cfg, model, proposals, x: torch.Tensor, truth, sweeps: int, particles: int, batch_size: int):
-    """Curves ``(K, M)`` of one run of the method per batch of videos: the reconstruction MSE
-    weighted over particles, and the position error (px) and tracked-frame fraction of the
-    highest-weight particle (``TaskSpec.tracking``), after each sweep."""
-    task = get_task(cfg.task)
-    method = make_method(cfg)
-    mse: dict[int, list[np.ndarray]] = {}
-    found: dict[int, list[dict[str, np.ndarray]]] = {}
-    with torch.no_grad():
-        for start in range(0, len(x), batch_size):
-            xb = x[start : start + batch_size]
-
-            def collect(
-                k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor, xb: torch.Tensor = xb
-            ) -> None:
-                mse.setdefault(k, []).append(
-                    reconstruction_mse(xb, task.reconstruct(model, xb, z), log_w).numpy()
-                )
-                found.setdefault(k, []).append(task.tracking.positions(model, xb, best_particle(z, log_w)))
-
-            method.run(
-                model,
-                proposals,
-                xb,
-                sweeps,
-                particles,
-                cfg.resample_mode,
-                cfg.resampler,
-                collectors=[collect],
-            )
-    curves: dict[str, list[np.ndarray]] = {"mse": [np.concatenate(mse[k]) for k in sorted(mse)]}
-    for k in sorted(found):
-        per = {name: np.concatenate([part[name] for part in found[k]]) for name in found[k][0]}
-        for name, value in task.tracking.errors(truth, per).items():
-            curves.setdefault(name, []).append(value)
-    return {name: np.stack(values) for name, values in curves.items()}
-
-
-def best_particle(z: dict[str, torch.Tensor], log_w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each video's highest-weight particle, ``(1, B, ...)`` per variable."""
-    return {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}
-
-
 def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particles) -> None:
     """The first video's inferred positions (highest-weight particle after the last sweep) and
     its true ones, in pixels, ``(T, D, 2)`` each, with where the video comes from."""
@@ -181,7 +140,8 @@ def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particl
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         # each sweep the method reports replaces the last (AVF reports one)
-        found.update(tracking.positions(trainer.model, x, best_particle(z, log_w)))
+        best = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}  # (1, 1, ...)
+        found.update(tracking.positions(trainer.model, x, best))
 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(EVAL_SEED)
