@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from apg.blocks import Model, Proposals
-from apg.metrics import adjusted_rand_index, highest_weight_particle, matched_centre_error
+from apg.metrics import adjusted_rand_index, highest_weight_particle, matched_centre_error, reconstruction_mse
 from apg.tasks import get_task
 from apg.training import TrainConfig, make_method, network_device
 
@@ -157,29 +157,45 @@ def tracking_errors(
     particles: int,
     batch_size: int,
     resample_mode: str,
+    mse: bool = False,
 ) -> dict[str, np.ndarray]:
     """Curves ``(K, M)``: the task's position errors (``TaskSpec.tracking``; Bouncing MNIST:
     the position error in pixels at the digits' ink centres, the boxes' error, the motion
     error and the tracked-frame fraction) of each dataset's highest-weight particle after
     each sweep, against the simulator's (``truth``: ``TrackingSpec.truth`` of the set's
-    arrays)."""
-    tracking = get_task(cfg.task).tracking
+    arrays); with ``mse``, the reconstruction MSE weighted over particles after each sweep as
+    well (``mse``), from the same particles."""
+    task = get_task(cfg.task)
+    tracking = task.tracking
     if tracking is None:
         raise ValueError(f"task {cfg.task} tracks no objects (its TaskSpec has no tracking)")
+    reconstruct = task.reconstruct
+    if mse and reconstruct is None:
+        raise ValueError(f"task {cfg.task} reconstructs no data (its TaskSpec has no reconstruct)")
     device = network_device(model, proposals, x)
     method = make_method(cfg)
     per_sweep: dict[int, list[dict[str, np.ndarray]]] = {}
+    mses: dict[int, list[np.ndarray]] = {}
+    with torch.no_grad():
+        for start in range(0, len(x), batch_size):
+            xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
 
-    def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
-        chosen = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}  # (1, B, ...)
-        per_sweep.setdefault(k, []).append(tracking.positions(model, x, chosen))
+            def collect(
+                k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor, xb: torch.Tensor = xb
+            ) -> None:
+                # each dataset's highest-weight particle, (1, B, ...)
+                chosen = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}
+                per_sweep.setdefault(k, []).append(tracking.positions(model, xb, chosen))
+                if mse and reconstruct is not None:
+                    recon = reconstruct(model, xb, z)
+                    mses.setdefault(k, []).append(reconstruction_mse(xb, recon, log_w).cpu().numpy())
 
-    for start in range(0, len(x), batch_size):
-        xb = x[start : start + batch_size].to(device, torch.get_default_dtype())
-        method.run(
-            model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect]
-        )
-    curves: dict[str, list[np.ndarray]] = {}
+            method.run(
+                model, proposals, xb, sweeps, particles, resample_mode, cfg.resampler, collectors=[collect]
+            )
+    curves: dict[str, list[np.ndarray]] = (
+        {"mse": [np.concatenate(mses[k]) for k in sorted(mses)]} if mse else {}
+    )
     for k in sorted(per_sweep):
         found = {name: np.concatenate([part[name] for part in per_sweep[k]]) for name in per_sweep[k][0]}
         for name, value in tracking.errors(truth, found).items():

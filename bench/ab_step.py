@@ -16,8 +16,8 @@ median of the per-pair ratios.
 Paper training configs: B=20 datasets, K=10 sweeps, L=10 particles; N=60 (gmm) or 200
 (dgmm) points; Bouncing MNIST B=10 three-digit T=10 videos (of 50 simulated from MNIST
 in ``APG_MNIST_DIR``), K=5, L=10. ``--cell METHOD``: the default run's step instead, the
-first METHOD cell of params.yaml's grid for the task (its config and training data). ``--weights``: a long run's folder (``apg-pipeline
-long-run``), whose latest model and proposals weights both arms load (a trained model's particles, and so its cost, differ from a fresh
+first METHOD cell of params.yaml's grid for the task (its config and training data). ``--weights``: a continuing run's folder (``apg-pipeline
+continue``), whose latest model and proposals weights both arms load (a trained model's particles, and so its cost, differ from a fresh
 one's). Both arms then take the same steps; the script says whether their losses agreed
 exactly. ``--inference`` first checks that both arms' samplers, as loaded, return the same
 particles and says how far apart their log weights are. ``--flops`` then counts one more step's FLOPs in each arm and times a large float32
@@ -124,7 +124,7 @@ def make_trainer(
 
         state = latest_state(Path(weights))
         if state is None:
-            raise SystemExit(f"{weights}: no long-run state")
+            raise SystemExit(f"{weights}: no run state")
         trainer.model.load_state_dict(state["model"])
         trainer.proposals.load_state_dict(state["proposals"])
     return trainer

@@ -164,71 +164,31 @@ def cmd_record(args: argparse.Namespace) -> None:
     )
 
 
-def cmd_long_run(args: argparse.Namespace) -> None:
+def _run_dir(root: Path, folder: str) -> Path:
+    """A run's folder as given on the command line: absolute, or relative to the project."""
+    return Path(folder) if Path(folder).is_absolute() else root / folder
+
+
+def cmd_grid(args: argparse.Namespace) -> None:
     from pipeline.common import project_root
-    from pipeline.runs import spec
+    from pipeline.runs.grid import evaluate_grid
 
-    root = project_root()
-    method = args.method or spec.LONG_RUN_METHOD  # None: APG, unless the folder's run says otherwise
-    run_dir = Path(args.dir) if args.dir else root / spec.long_run_dir(method)
-    found = spec.run_method(run_dir)
-    if args.method and found and found != args.method:
-        raise ValueError(f"long-run: {run_dir} is a {found} run, not {args.method}")
-    for option, given in (("--state", args.state), ("--sets", args.sets), ("--videos", args.videos)):
-        if given is not None and not args.grid:
-            raise ValueError(f"long-run: {option} goes with --grid (a sitting trains on the run's own data)")
-    if args.grid:
-        from pipeline.runs.grid import evaluate_grid
-
-        sets = None if args.sets is None else [name for name in args.sets.split(",") if name]
-        path = evaluate_grid(
-            root, run_dir, videos=args.videos, device=args.device, state=args.state, sets=sets
-        )
-        print(f"long run: wrote {path}; commit it with the run's folder")
-        return
-    if args.minutes is None and args.steps is None:
-        raise ValueError("long-run: give --minutes or --steps (how long this sitting trains), or --grid")
-    _check_sitting(args)
-    from pipeline.runs.grid import new_run
-
-    new = new_run(args.start, method=method) if args.start else None
-    _advance(root, run_dir, args, new)
-
-
-def _check_sitting(args: argparse.Namespace) -> None:
-    from pipeline.runs.execute import check_sitting
-
-    check_sitting(args.minutes, args.steps, args.device)
-
-
-def _advance(root: Path, run_dir: Path, args: argparse.Namespace, new: dict[str, Any] | None) -> None:
-    from pipeline.runs.execute import advance
-
-    segment = advance(
-        root,
-        run_dir,
-        minutes=args.minutes,
-        steps=args.steps,
-        device=args.device,
-        compile=args.compile,
-        new=new,
-        full_state=not args.no_full_state,
-    )
-    print(
-        f"{run_dir.name}: steps {segment['from_iteration']} -> {segment['to_iteration']} on {segment['device']} "
-        f"in {segment['seconds'] / 60:.1f} min; commit its folder to keep them",
-        flush=True,
-    )
+    checks.device(args.device)
+    sets = None if args.sets is None else [name for name in args.sets.split(",") if name]
+    run_dir = _run_dir(project_root(), args.run)
+    path = evaluate_grid(run_dir, videos=args.videos, device=args.device, state=args.state, sets=sets)
+    print(f"{run_dir.name}: wrote {path}; commit it with the run's folder")
 
 
 def cmd_continue(args: argparse.Namespace) -> None:
     from pipeline.common import project_root
     from pipeline.runs import spec
+    from pipeline.runs.execute import advance, check_sitting
 
     root = project_root()
     if args.minutes is None and args.steps is None:
         raise ValueError("continue: give --minutes or --steps (how long each run trains this sitting)")
-    _check_sitting(args)
+    check_sitting(args.minutes, args.steps, args.device)
     if args.start:
         if args.runs:
             raise ValueError("continue: --start names its cells; give no run folders with it")
@@ -246,11 +206,25 @@ def cmd_continue(args: argparse.Namespace) -> None:
             raise ValueError(
                 "continue: name the runs' folders (recorded/...), or start new ones with --start"
             )
-        starts = [(Path(r) if Path(r).is_absolute() else root / r, None) for r in args.runs]
+        starts = [(_run_dir(root, r), None) for r in args.runs]
         for run_dir, _ in starts:
             spec.read_run(run_dir)  # every folder is a run, before any trains
     for run_dir, new in starts:
-        _advance(root, run_dir, args, new)
+        segment = advance(
+            root,
+            run_dir,
+            minutes=args.minutes,
+            steps=args.steps,
+            device=args.device,
+            compile=args.compile,
+            new=new,
+            full_state=not args.no_full_state,
+        )
+        print(
+            f"{run_dir.name}: steps {segment['from_iteration']} -> {segment['to_iteration']} on "
+            f"{segment['device']} in {segment['seconds'] / 60:.1f} min; commit its folder to keep them",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- train
@@ -588,52 +562,35 @@ def _add_record(sub) -> None:
     rec.set_defaults(func=cmd_record)
 
 
-def _add_long_run(sub) -> None:
-    """``long-run``: the paper's Bouncing MNIST training, continued from where it stopped."""
+def _add_grid(sub) -> None:
+    """``grid``: a run's state scored on its profile's held-out grid."""
     run = sub.add_parser(
-        "long-run",
-        help="continue the paper-configuration Bouncing MNIST training in recorded/bmnist-long/ "
-        "(three digits, 60,000 videos, K=5, L=10) for --minutes or --steps; commit the folder after",
+        "grid",
+        help="score a run's state on its profile's held-out T x D sets (a run that tracks objects: "
+        "Bouncing MNIST); writes grid.csv and trail.npz into its folder; commit them after",
     )
-    _add_sitting(run)
-    run.add_argument(
-        "--start",
-        metavar="PROFILE",
-        default=None,
-        help="no run yet: start one from this profile's Bouncing MNIST cell of --method (paper)",
-    )
-    run.add_argument(
-        "--method",
-        default=None,
-        help="apg (default) or a baseline trained the same way for the comparison (rws-mlp, avf): "
-        "its run is recorded/bmnist-long-<method>",
-    )
-    run.add_argument("--dir", default=None, help="the run's folder (default: the --method's, above)")
-    run.add_argument(
-        "--grid",
-        action="store_true",
-        help="train nothing: score the run's state on the profile's held-out T x D sets (grid.csv, trail.npz)",
-    )
+    run.add_argument("run", help="the run's folder, e.g. recorded/bmnist-long")
+    run.add_argument("--device", default="cpu", help="cpu or cuda")
     run.add_argument(
         "--videos",
         type=int,
         default=None,
-        help="with --grid: N videos of each set (the set's seed and N fix them: another N, other videos)",
+        help="N videos of each set (the set's seed and N fix them: another N, other videos)",
     )
     run.add_argument(
         "--sets",
         default=None,
-        help="with --grid: score only these sets, comma-separated (T20_D4,T20_D5); their rows of "
-        "the step are replaced, the other sets' kept",
+        help="score only these sets, comma-separated (T20_D4,T20_D5); their rows of the step are "
+        "replaced, the other sets' kept",
     )
     run.add_argument(
         "--state",
         type=Path,
         default=None,
-        help="with --grid: score this checkpoint of the run (an earlier step's state.pt, from git "
-        "history) instead of its latest state",
+        help="score this checkpoint of the run (an earlier step's state.pt, from git history) "
+        "instead of its latest state",
     )
-    run.set_defaults(func=cmd_long_run)
+    run.set_defaults(func=cmd_grid)
 
 
 def _add_sitting(run) -> None:
@@ -716,8 +673,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_smoke(sub)
     _add_config(sub)
     _add_record(sub)
-    _add_long_run(sub)
     _add_continue(sub)
+    _add_grid(sub)
     _add_stages(sub)
     return parser
 

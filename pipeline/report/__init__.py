@@ -41,7 +41,9 @@ figure shades the standard error instead, and says so).
 The package, one module per concern: ``data`` (the rows read and the selections shared),
 ``training`` (plateau test, marks, stalled seeds), ``tables``, ``claims`` (one rule per
 claim kind), ``headline`` (the claims' JSON, short and long, and their counts), ``figures``, ``axes`` (swept settings), ``sections`` (one task's part and the
-Markdown around it) and ``stage`` (``make_report``, recorded runs, the command line).
+Markdown around it), ``runs`` (the continuing runs under ``recorded/``, each read the same
+way), ``reach`` (when a run would meet its target), ``grid`` (a run's held-out grid and the
+claims decided on it) and ``stage`` (``make_report``, recorded runs, the command line).
 """
 
 import matplotlib

@@ -77,9 +77,10 @@ def headline_metrics(
     ``{claim id: 1 (holds), 0 (fails) or None (no verdict)}``. Kept to a few dozen numbers with
     the claim ids of ``paper_numbers.yaml`` as keys, so that ``dvc metrics diff`` between two
     commits lists the verdicts that flipped; DVC leaves null values out of its tables.
-    ``long_run`` (the long Bouncing MNIST run's claims and reach verdicts, not counted in the
-    tally) goes under its own key when given, as its count of claims holding and each target
-    set's reach: its claims one by one, a set and a baseline each, are in ``metrics-full.json``.
+    ``long_run`` (the claims decided on the continuing runs' held-out grids,
+    ``bmnist.long_run_claims``, and their reach verdicts: not counted in the tally) goes under
+    its own key when given, as its count of claims holding and each target set's reach: its
+    claims one by one, a set and a baseline each, are in ``metrics-full.json``.
     So ``dvc metrics show`` stays a table a terminal shows (at most ``HEADLINE_NUMBERS``)."""
     out: dict[str, Any] = {"claims": verdict_tally(claims, replication)}
     for c in claims:

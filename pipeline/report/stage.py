@@ -45,8 +45,7 @@ from pipeline.report.data import (
     load_results,
 )
 from pipeline.report.headline import claims_json, headline_metrics
-from pipeline.report.longrun import long_run_headline, long_run_markdown
-from pipeline.report.runs import runs_markdown
+from pipeline.report.runs import runs_headline, runs_markdown
 from pipeline.report.sections import (
     CLAIMS_HEADING,
     RESULTS_START,
@@ -121,9 +120,7 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
         parts,
         label,
         claims_md,
-        recorded_markdown(root, out, paper_all, fmt)
-        + long_run_markdown(root, out, fmt)
-        + runs_markdown(root, out, paper_all, fmt),
+        recorded_markdown(root, out, paper_all, fmt) + runs_markdown(root, out, paper_all, fmt),
     )
     if from_committed:
         times = json.loads((data / STAGE_TIMES).read_text()) if (data / STAGE_TIMES).is_file() else {}
@@ -156,7 +153,7 @@ def _write_report(params: dict[str, Any], root: Path, out: Path, final: Path, fr
     full["claims"] = claims_json(claims)
     if replication is not None:
         full["replication_claims"] = claims_json(list(replication.values()))
-    long_run = long_run_headline(root)
+    long_run = runs_headline(root, paper_all)
     if long_run:
         full["long_run"] = long_run
     for path, metrics in (

@@ -7,8 +7,8 @@ priority or on a GPU, then ``git add`` the folder. What a run is (``run.json``) 
 :mod:`pipeline.runs.execute`, the compact form of its state in :mod:`pipeline.runs.compact`,
 the training loop every caller drives (sweep and search trials, ``train``, recorded
 profiles and runs) in :mod:`pipeline.runs.loop`, a run as a Ray Tune trial (the sweep's and
-the search's: setup, resume, MLflow rows, Tune reports) in :mod:`pipeline.runs.trial`, and
-the long Bouncing MNIST runs' grid evaluation in :mod:`pipeline.runs.grid`.
+the search's: setup, resume, MLflow rows, Tune reports) in :mod:`pipeline.runs.trial`, and a run's evaluation on its profile's
+held-out grid (``apg-pipeline grid``) in :mod:`pipeline.runs.grid`.
 
 Imports: :mod:`apg`, and the pipeline's config (profiles, grids), common helpers, training
 loop (:mod:`pipeline.runs.loop`), evaluation helpers and provenance lines. Never a planner (the

@@ -152,8 +152,9 @@ def score(
     return found
 
 
-def read_rows(path: Path, upto: int, key: str = "iteration") -> list[dict[str, Any]]:
-    """A table's rows whose ``key`` is at most ``upto`` (numbers read as numbers, text kept)."""
+def read_rows(path: Path, upto: float = float("inf"), key: str = "iteration") -> list[dict[str, Any]]:
+    """A table's rows whose ``key`` is at most ``upto`` (numbers read as numbers, text kept;
+    none when there is no file)."""
     if not path.is_file():
         return []
     try:

@@ -1,12 +1,7 @@
-"""The paper's Bouncing MNIST runs and their evaluation on the paper's grid (Figures 3 and 4).
+"""A run's evaluation on its profile's held-out grid (the paper's Figures 3 and 4), for any
+run whose task tracks objects (``TaskSpec.tracking``: Bouncing MNIST).
 
-The paper trains APG on 60,000 three-digit videos (T=10, K=5, L=10, batch 10) for 200,000
-steps; its baselines (RWS-MLP, AVF) are trained the same way for the comparison. Each is a
-continuing run of the ``paper`` profile's Bouncing MNIST cell (:mod:`pipeline.runs`) in a
-folder of its own: APG's ``recorded/bmnist-long``, a baseline's ``recorded/bmnist-long-<method>``
-(``apg-pipeline long-run`` continues them; ``apg-pipeline continue`` does the same for any run).
-
-``apg-pipeline long-run --grid`` scores a run's state (or, with ``--state FILE``, an earlier
+``apg-pipeline grid RUN`` scores the run's state (or, with ``--state FILE``, an earlier
 checkpoint of the run, from git history) on the run's profile's held-out sets (the ``paper``
 profile: T in {10, 20, 100} x D in {3, 4, 5}, 100 test-split videos each; ``videos`` draws n
 of each instead: a set's seed and n fix its videos, so scores on different n are of different
@@ -23,7 +18,6 @@ digit in every frame and its frames (8 bits), which the report draws as Figure 3
 
 from __future__ import annotations
 
-import csv
 import itertools
 import json
 from pathlib import Path
@@ -34,49 +28,27 @@ import torch
 
 from apg.data import atomic_write
 from apg.loading import with_network
-from apg.metrics import highest_weight_particle, reconstruction_mse
+from apg.metrics import highest_weight_particle
+from apg.particles import tracking_errors
 from apg.tasks import get_task
 from apg.training import make_method
 from pipeline.runs import spec
-from pipeline.runs.execute import EVAL_SEED, restore
+from pipeline.runs.execute import EVAL_SEED, read_rows, restore
 from pipeline.runs.loop import write_history
-from pipeline.runs.spec import LONG_RUN_DIR, LONG_RUN_METHOD, STATE
+from pipeline.runs.spec import STATE
 
 GRID, TRAIL = "grid.csv", "trail.npz"
-PROFILE, PAIR, SEED = "paper", (5, 10), 0
-
-
-def new_run(
-    profile: str = PROFILE,
-    eval_videos: int = 100,
-    every: dict[str, int] | None = None,
-    method: str = LONG_RUN_METHOD,
-) -> dict[str, Any]:
-    """``run.json`` of a new run: ``profile``'s Bouncing MNIST cell of ``method`` (K=5, L=10,
-    seed 0), scored on the first ``eval_videos`` of its ``T10_D3`` set. A baseline's run
-    shares APG's videos, data order, seed and cadences, so their curves compare step for step."""
-    return spec.new_run(profile, "bmnist", method, *PAIR, SEED, eval_size=eval_videos, every=every)
-
-
-def simulate_videos(
-    run: dict[str, Any], num_videos: int, seed: int, sizes: dict[str, Any]
-) -> tuple[torch.Tensor, dict[str, np.ndarray]]:
-    """Held-out videos ``x`` (as the profile's files store them: cast to its ``x_dtype``) and
-    their true positions, from the run's simulator model."""
-    x, arrays = spec.simulate("bmnist", run["eval"], num_videos, seed, sizes)
-    return x, get_task("bmnist").tracking.truth(arrays)
 
 
 def grid_sets(run: dict[str, Any]) -> list[dict[str, Any]]:
     """The held-out sets of the run's profile (name, size, seed, sizes, network overrides)."""
     from pipeline.config import profiles
 
-    return list(profiles.resolve(run["profile"])["bmnist"]["data"].get("tests", []))
+    return list(profiles.resolve(run["profile"])[run["train"]["task"]]["data"].get("tests", []))
 
 
 def evaluate_grid(
-    root: Path,
-    run_dir: Path | None = None,
+    run_dir: Path,
     videos: int | None = None,
     device: str = "cpu",
     batch_size: int = 10,
@@ -88,8 +60,10 @@ def evaluate_grid(
     rows into ``grid.csv`` in the run's folder, replacing the rows of the same step and sets
     and keeping the others, and return the table's path. ``trail.npz`` is written for the
     run's latest state only, when the profile's last set is scored."""
-    run_dir = run_dir or root / LONG_RUN_DIR
     run = spec.read_run(run_dir)
+    tracking = get_task(run["train"]["task"]).tracking
+    if tracking is None:
+        raise ValueError(f"{run_dir}: a {run['train']['task']} run; the grid scores tasks that track objects")
     if state is None and not (run_dir / STATE).is_file():
         raise FileNotFoundError(f"{run_dir}: the run has no checkpoint yet; train it first")
     if state is not None and not state.is_file():
@@ -105,11 +79,14 @@ def evaluate_grid(
     for i, entry in enumerate(chosen):
         n = min(videos or entry["num_datasets"], entry["num_datasets"])
         sizes = entry.get("sizes", {})
-        x, truth = simulate_videos(run, n, entry["seed"], sizes)
+        # the set's videos as the profile's files store them (cast to its x_dtype), and their truth
+        x, arrays = spec.simulate(cfg.task, run["eval"], n, entry["seed"], sizes)
+        truth = tracking.truth(arrays)
         set_cfg, proposals = with_network(cfg, trainer.model, trainer.proposals, entry.get("network"), device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(EVAL_SEED)
-            curves = score_videos(set_cfg, trainer.model, proposals, x, truth, sweeps, particles, batch_size)
+            budget = (sweeps, particles, batch_size, set_cfg.resample_mode)
+            curves = tracking_errors(set_cfg, trainer.model, proposals, x, truth, *budget, mse=True)
         # a row per sweep the method reports (AVF: one, its last inference iteration's)
         for k, video in itertools.product(range(len(curves["pos_err"])), range(n)):
             rows.append(
@@ -132,9 +109,7 @@ def evaluate_grid(
             _write_trail(run_dir / TRAIL, trainer, set_cfg, proposals, x[:1], truth, entry, sweeps, particles)
     scored = {entry["name"] for entry in chosen}
     kept = [
-        r
-        for r in read_grid_rows(run_dir / GRID)
-        if int(r["iteration"]) != trainer.iteration or r["set"] not in scored
+        r for r in read_rows(run_dir / GRID) if r["iteration"] != trainer.iteration or r["set"] not in scored
     ]
     write_history(run_dir / GRID, sorted(kept + rows, key=lambda r: int(r["iteration"])))
     return run_dir / GRID
@@ -157,57 +132,6 @@ def select_sets(profile_sets: list[dict[str, Any]], names: list[str] | None) -> 
 COLUMNS = ("mse", "pos_err", "tracked")  # grid.csv's values per set, video and sweep
 
 
-def read_grid_rows(path: Path) -> list[dict[str, Any]]:
-    """``grid.csv``'s rows (none when there is no file)."""
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def score_videos(cfg, model, proposals, x: torch.Tensor, truth, sweeps: int, particles: int, batch_size: int):
-    """Curves ``(K, M)`` of one run of the method per batch of videos: the reconstruction MSE
-    weighted over particles, and the position error (px) and tracked-frame fraction of the
-    highest-weight particle (``TaskSpec.tracking``), after each sweep."""
-    task = get_task(cfg.task)
-    method = make_method(cfg)
-    mse: dict[int, list[np.ndarray]] = {}
-    found: dict[int, list[dict[str, np.ndarray]]] = {}
-    with torch.no_grad():
-        for start in range(0, len(x), batch_size):
-            xb = x[start : start + batch_size]
-
-            def collect(
-                k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor, xb: torch.Tensor = xb
-            ) -> None:
-                mse.setdefault(k, []).append(
-                    reconstruction_mse(xb, task.reconstruct(model, xb, z), log_w).numpy()
-                )
-                found.setdefault(k, []).append(task.tracking.positions(model, xb, best_particle(z, log_w)))
-
-            method.run(
-                model,
-                proposals,
-                xb,
-                sweeps,
-                particles,
-                cfg.resample_mode,
-                cfg.resampler,
-                collectors=[collect],
-            )
-    curves: dict[str, list[np.ndarray]] = {"mse": [np.concatenate(mse[k]) for k in sorted(mse)]}
-    for k in sorted(found):
-        per = {name: np.concatenate([part[name] for part in found[k]]) for name in found[k][0]}
-        for name, value in task.tracking.errors(truth, per).items():
-            curves.setdefault(name, []).append(value)
-    return {name: np.stack(values) for name, values in curves.items()}
-
-
-def best_particle(z: dict[str, torch.Tensor], log_w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Each video's highest-weight particle, ``(1, B, ...)`` per variable."""
-    return {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}
-
-
 def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particles) -> None:
     """The first video's inferred positions (highest-weight particle after the last sweep) and
     its true ones, in pixels, ``(T, D, 2)`` each, with where the video comes from."""
@@ -216,7 +140,8 @@ def _write_trail(path, trainer, cfg, proposals, x, truth, entry, sweeps, particl
 
     def collect(k: int, z: dict[str, torch.Tensor], log_w: torch.Tensor) -> None:
         # each sweep the method reports replaces the last (AVF reports one)
-        found.update(tracking.positions(trainer.model, x, best_particle(z, log_w)))
+        best = {name: t[None] for name, t in highest_weight_particle(z, log_w).items()}  # (1, 1, ...)
+        found.update(tracking.positions(trainer.model, x, best))
 
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(EVAL_SEED)

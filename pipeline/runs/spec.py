@@ -15,8 +15,9 @@ its cadences:
 - ``every``: the cadences, in steps, of a history row (``log``), a checkpoint and an
   evaluation.
 
-The long Bouncing MNIST runs started before this module wrote their rows as ``num_videos``,
-``num_frames`` ...; :func:`training_rows` and :func:`held_out` read both forms.
+The Bouncing MNIST runs started before this module (``recorded/bmnist-long*``, named before
+:func:`run_name`) wrote their rows as ``num_videos``, ``num_frames`` ...; :func:`training_rows`
+and :func:`held_out` read both forms.
 """
 
 from __future__ import annotations
@@ -37,9 +38,6 @@ RUN, STATE, HISTORY, EVALS, SEGMENTS = "run.json", "state.pt", "history.csv", "e
 FULL_STATE = "full-state.pt"  # the same state unquantized, for the machine that wrote it (not in git)
 EVERY = {"log": 25, "checkpoint": 50, "eval": 250}
 RUNS_DIR = Path("recorded")  # where runs live, relative to the project
-# The paper's Bouncing MNIST runs, started before runs were named by run_name: APG's, and
-# its baselines' (trained the same way, for the comparison) in long_run_dir(method).
-LONG_RUN_DIR, LONG_RUN_METHOD = RUNS_DIR / "bmnist-long", "apg"
 
 
 def _video_rows(num_datasets: int, seed: int, **sizes: Any):
@@ -55,14 +53,6 @@ PER_ROW = {"bmnist": _video_rows}
 def run_name(profile: str, task: str, method: str, sweeps: int, particles: int, seed: int) -> str:
     """A new run's folder name under ``recorded/``: ``paper-dgmm-apg-K10-L10-s0``."""
     return f"{profile}-{task}-{method}-K{sweeps}-L{particles}-s{seed}"
-
-
-def long_run_dir(method: str = LONG_RUN_METHOD) -> Path:
-    """The paper's Bouncing MNIST run of ``method``, relative to the project: APG's
-    ``recorded/bmnist-long``, a baseline's ``recorded/bmnist-long-<method>``."""
-    return (
-        LONG_RUN_DIR if method == LONG_RUN_METHOD else LONG_RUN_DIR.with_name(f"{LONG_RUN_DIR.name}-{method}")
-    )
 
 
 def parse_cell(text: str) -> tuple[str, str, int, int, int]:
@@ -185,11 +175,6 @@ def write_run(run_dir: Path, run: dict[str, Any]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     text = json.dumps(run, indent=2) + "\n"
     atomic_write(run_dir / RUN, lambda tmp: tmp.write_text(text))
-
-
-def run_method(run_dir: Path) -> str | None:
-    """The method the run in ``run_dir`` trains (``None``: no run there)."""
-    return read_run(run_dir)["train"]["method"] if (run_dir / RUN).is_file() else None
 
 
 def count_and_sizes(rows: dict[str, Any]) -> tuple[int, dict[str, Any]]:

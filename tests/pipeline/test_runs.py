@@ -151,11 +151,11 @@ def test_the_cli_says_what_a_sitting_needs(tmp_path, monkeypatch, capsys):
             "KEY=VALUE",
         ),
         (["continue", "--start", "gmm/apg/5/4", "--profile", "smoke", "--steps", "1"], "TASK/METHOD"),
-        (["long-run"], "give --minutes or --steps"),
-        (["long-run", "--steps", "-1"], "--steps: must be at least 1"),
-        (["long-run", "--minutes", "nan"], "--minutes: must be a finite number"),
+        (["continue", "recorded/x", "--steps", "-1"], "--steps: must be at least 1"),
+        (["continue", "recorded/x", "--minutes", "nan"], "--minutes: must be a finite number"),
         (["continue", "recorded/x", "--minutes", "-5"], "--minutes: must be positive"),
-        (["long-run", "--minutes", "1", "--device", "tpu9"], "--device tpu9: unknown device"),
+        (["continue", "recorded/x", "--minutes", "1", "--device", "tpu9"], "--device tpu9: unknown device"),
+        (["grid", "recorded/x", "--device", "tpu9"], "--device tpu9: unknown device"),
     ):
         with pytest.raises(SystemExit) as stop:
             main(args)
@@ -196,17 +196,24 @@ def test_the_report_shows_each_run_and_the_methods_at_the_step_they_share(tmp_pa
         (folder / spec.EVALS).write_text(
             "iteration,log_joint_true,log_joint_true_sem,ari,ess\n" + "\n".join(rows) + "\n"
         )
-        (folder / spec.SEGMENTS).write_text(f"from_iteration,to_iteration,seconds\n0,{steps[-1] + 20},3600\n")
+        (folder / spec.SEGMENTS).write_text(
+            f"from_iteration,to_iteration,seconds,device\n0,{steps[-1] + 20},3600,a CPU\n"
+        )
     paper = yaml.safe_load(PAPER_NUMBERS.read_text())
     text = runs_markdown(tmp_path, tmp_path / "out", paper, "png")
     assert "### dgmm, `paper` profile" in text
-    table = [
-        line
-        for line in text.splitlines()
-        if line.startswith("| ") and "paper-dgmm" in line or line.startswith("| run ")
-    ]
+    lines = text.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("| run | method ")))
+    table = [line for line in lines[start : lines.index("", start)] if not line.startswith("| ---")]
     assert len({line.count(" | ") for line in table}) == 1, table  # the header has a column for every cell
-    assert "| `paper-dgmm-apg-K10-L10-s1` | apg | 1 | 520 | 200,000 | 1 | 1.00 | 500 | -949 |" in text
+    assert (
+        "| `paper-dgmm-apg-K10-L10-s1` | apg | 1 | 520 | 200,000 | 1 | 1.00 | 500 | -949 ± 0.1 | 0.5 |"
+        in text
+    )
+    assert (
+        "| `paper-dgmm-apg-K10-L10-s1` | a CPU | 520 | 1.00 | 6.92 |" in text
+    )  # its rate: no target, no reach
+    assert "paper ESS/L" in text and "meets the target" not in text
     assert "At step 500, the latest every run" in text  # seed 1 of APG was scored at 500 last
     assert "| apg | 2 | -949.5 [" in text and "| rws-mlp | 1 | -950 (one seed) |" in text
     assert (tmp_path / "out" / "recorded" / "runs-paper-dgmm.png").is_file()

@@ -18,7 +18,7 @@ from PIL import Image
 from pipeline.present import write_gif
 from pipeline.report import exact
 from pipeline.report.figures import save_figure, write_picture
-from pipeline.report.longrun import curve_figure, power_law_fit
+from pipeline.report.reach import curves_reach_figure, power_law_fit
 
 
 def draw(path: Path, fmt: str = "png") -> bytes:
@@ -42,7 +42,7 @@ def test_a_png_names_no_matplotlib_version_or_date(tmp_path):
         assert not {"Software", "Creation Time", "date:create"} & set(image.info)
 
 
-def test_the_long_runs_curve_draws_to_the_same_bytes_twice(tmp_path):
+def test_the_runs_curves_draw_to_the_same_bytes_twice(tmp_path):
     steps = np.array([0, 250, 500, 1000, 2000, 4000, 8000])
     evals = pd.DataFrame(
         {
@@ -52,10 +52,10 @@ def test_the_long_runs_curve_draws_to_the_same_bytes_twice(tmp_path):
             "device": ["cpu"] * 4 + ["gpu"] * 3,
         }
     )
-    run = {"train": {"iterations": 200_000}, "eval": {"name": "T10_D3"}}
     fit = power_law_fit(evals["iteration"].to_numpy(float), evals["pos_err"].to_numpy(float))
-    curve_figure(evals, fit, run, tmp_path / "a.png")
-    curve_figure(evals, fit, run, tmp_path / "b.png")
+    curves = [("a run", evals, fit), ("another", evals.assign(pos_err=evals["pos_err"] * 2), None)]
+    for name in ("a.png", "b.png"):
+        curves_reach_figure(curves, "pos_err", "position error (px)", 3.0, 200_000, tmp_path / name)
     assert (tmp_path / "a.png").read_bytes() == (tmp_path / "b.png").read_bytes()
 
 

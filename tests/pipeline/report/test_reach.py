@@ -1,4 +1,5 @@
-"""The long run's reach: a power law per target set over the steps its grid was scored at."""
+"""A run's reach: its target from the paper numbers, and a power law per target set over the
+steps its grid was scored at."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import yaml
 
 from pipeline.report.data import PAPER_NUMBERS
-from pipeline.report.longrun_reach import reach, reach_markdown, trend_points
+from pipeline.report.reach import curve_target, reach, reach_markdown, trend_points
+from pipeline.runs.spec import new_run
 
 RULE = {"limit_steps": 200_000, "confidence": 0.95, "min_steps": 3}
 
@@ -33,6 +35,17 @@ def points(steps, errors):
 def test_the_rule_is_written_in_paper_numbers():
     rule = yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]["long_run_reach"]
     assert rule == RULE
+
+
+def test_a_runs_target_is_the_paper_numbers_threshold_on_its_held_out_score():
+    paper = yaml.safe_load(PAPER_NUMBERS.read_text())
+    bmnist = new_run("paper", "bmnist", "rws-mlp", 5, 10, 0)  # any method: the task's target
+    spec = curve_target(paper["bmnist"], bmnist, ["pos_err"])
+    assert spec is not None and (spec["test_set"], spec["target"], spec["pair"]) == ("T10_D3", 3, [5, 10])
+    assert curve_target(paper["bmnist"], bmnist, ["mse"]) is None  # no threshold on that score
+    # the rings: no threshold on a score its runs are scored on (ARI, log joints, ESS/L)
+    rings = new_run("paper", "dgmm", "apg", 10, 10, 0)
+    assert curve_target(paper["dgmm"], rings, ["log_joint_true", "ari", "log_joint", "ess"]) is None
 
 
 def test_an_exact_power_law_meets_the_target_where_it_should_and_its_band_is_tight():
@@ -94,7 +107,7 @@ def test_the_section_has_a_row_per_target_set_and_its_figure(tmp_path):
 
 
 def test_sets_scored_at_different_steps_are_each_claimed_at_their_own_latest_step():
-    from pipeline.report.longrun_grid import latest_per_set, long_run_claims
+    from pipeline.report.grid import grid_claims, latest_per_set
 
     def scored(step, name, errors):
         return grid_rows([step], [errors], name, sweeps=1).assign(mse=0.01, tracked=0.5)
@@ -144,7 +157,7 @@ def test_sets_scored_at_different_steps_are_each_claimed_at_their_own_latest_ste
     }
     got = {
         spec["id"]: (result, step)
-        for spec, result, step in long_run_claims({"apg": (apg, (1, 1)), "rws-mlp": (rws, (1, 1))}, paper)
+        for spec, result, step in grid_claims({"apg": (apg, (1, 1)), "rws-mlp": (rws, (1, 1))}, paper)
     }
     assert got["t_A"][1] == 2 and got["t_A"][0].passed is True  # A's latest step: 2.0 px on average
     assert got["t_B"][1] == 1 and got["t_B"][0].passed is False  # B's latest is step 1: 5.0 px

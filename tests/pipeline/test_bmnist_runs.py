@@ -1,5 +1,6 @@
-"""The long Bouncing MNIST run: its videos made when read, and a run continued in parts
-that is the run made in one."""
+"""Bouncing MNIST's continuing runs at the paper's configuration: videos made when read, a
+run continued in parts that is the run made in one, the compact state, the held-out grid
+(``apg-pipeline grid``) and the report's reading of them."""
 
 import csv
 import json
@@ -14,10 +15,23 @@ import yaml
 from apg.checkpoint import load_checkpoint
 from apg.tasks.bmnist.simulator import VideoRows, row_seed
 from pipeline.report.data import PAPER_NUMBERS
+from pipeline.runs import grid as run_grid
 from pipeline.runs.compact import compact, expand
 from pipeline.runs.execute import advance, score
-from pipeline.runs.grid import new_run
-from pipeline.runs.spec import EVALS, FULL_STATE, HISTORY, RUN, SEGMENTS, STATE, held_out, training_rows
+from pipeline.runs.spec import (
+    EVALS,
+    FULL_STATE,
+    HISTORY,
+    RUN,
+    RUNS_DIR,
+    SEGMENTS,
+    STATE,
+    held_out,
+    new_run,
+    run_name,
+    training_rows,
+    write_run,
+)
 from tests.support import needs_mnist
 
 
@@ -37,9 +51,14 @@ def test_video_rows_are_each_a_function_of_their_index(mnist_env):
         rows[torch.tensor([50])]
 
 
+def paper_run(method: str = "apg", **options) -> dict:
+    """The ``paper`` profile's Bouncing MNIST cell of ``method`` (K=5, L=10, seed 0) as a run."""
+    return new_run("paper", "bmnist", method, 5, 10, 0, **options)
+
+
 def tiny_run(method: str = "apg") -> dict:
     """The paper profile's run (of ``method``) at a few videos, frames and particles."""
-    run = new_run("paper", eval_videos=4, every={"log": 2, "checkpoint": 2, "eval": 4}, method=method)
+    run = paper_run(method, eval_size=4, every={"log": 2, "checkpoint": 2, "eval": 4})
     run["train"].update(sweeps=2, particles=2, batch_size=2, network={"num_digits": 1})
     run["rows"]["num_datasets"] = 20
     run["rows"]["sizes"].update(num_frames=3, num_digits=1)
@@ -85,7 +104,7 @@ def test_a_run_continued_in_parts_is_the_run_made_at_once(tmp_path, mnist_env):
 
 
 def test_the_run_is_the_papers_configuration():
-    run = new_run("paper")
+    run = paper_run()
     train = run["train"]
     assert (train["task"], train["method"], train["sweeps"], train["particles"]) == ("bmnist", "apg", 5, 10)
     assert (
@@ -95,15 +114,23 @@ def test_the_run_is_the_papers_configuration():
     assert (run["rows"]["sizes"]["num_frames"], run["rows"]["sizes"]["num_digits"]) == (10, 3)
     assert run["eval"]["name"] == "T10_D3" and run["eval"]["num_datasets"] == 100
     with pytest.raises(ValueError, match="not a multiple"):
-        new_run("paper", every={"log": 25, "eval": 30})
+        paper_run(every={"log": 25, "eval": 30})
 
 
-def test_long_run_says_what_is_missing(tmp_path, capsys):
+def test_the_grid_says_what_is_missing(tmp_path, monkeypatch, capsys):
     from pipeline.cli import main
 
-    with pytest.raises(SystemExit) as stop:
-        main(["long-run"])
-    assert stop.value.code == 2 and "--minutes or --steps" in capsys.readouterr().err
+    monkeypatch.setenv("APG_PROJECT_ROOT", str(tmp_path))
+    write_run(tmp_path / "rings", new_run("smoke", "dgmm", "apg", 3, 4, 0))
+    for args, said in (
+        (["grid", "none"], "no run there"),
+        (["grid", "rings"], "a dgmm run; the grid scores tasks that track objects"),
+        (["grid", "none", "--device", "tpu9"], "--device tpu9: unknown device"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            main(args)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and said in err, (args, err)
     with pytest.raises(FileNotFoundError, match="no run there"):
         advance(tmp_path, tmp_path / "none", steps=1)
     assert not (tmp_path / "none" / RUN).exists()
@@ -164,11 +191,31 @@ def test_float16_weights_score_as_the_float32_ones(tmp_path, mnist_env):
     assert abs(after["pos_err"] - before["pos_err"]) <= 0.5 * before["pos_err_sem"], (before, after)
 
 
-def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
-    import pandas as pd
+def write_scored_run(root: Path, method: str, steps, errors, device: str = "a CPU", seconds=None) -> Path:
+    """A Bouncing MNIST run of the paper profile under ``root/recorded/``, scored at ``steps``
+    with ``errors``, trained in one sitting on ``device``."""
+    run_dir = root / RUNS_DIR / run_name("paper", "bmnist", method, 5, 10, 0)
+    write_run(run_dir, paper_run(method))
+    steps = np.asarray(steps)
+    pd.DataFrame(
+        {
+            "iteration": steps,
+            "pos_err": errors,
+            "pos_err_sem": 0.1,
+            "tracked": 0.5,
+            "seconds": 1.0,
+            "device": device,
+        }
+    ).to_csv(run_dir / EVALS, index=False)
+    seconds = float(steps[-1]) * 4.0 if seconds is None else seconds
+    segment = {"from_iteration": 0, "to_iteration": int(steps[-1]), "seconds": seconds, "device": device}
+    pd.DataFrame([{**segment, "compiled": False, "commit": "abc"}]).to_csv(run_dir / SEGMENTS, index=False)
+    return run_dir
 
-    from pipeline.report.longrun import _hours, long_run_markdown, power_law_fit, steps_to_reach
-    from pipeline.runs.spec import LONG_RUN_DIR as RUN_DIR
+
+def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
+    from pipeline.report.reach import hours, power_law_fit, steps_to_reach
+    from pipeline.report.runs import runs_markdown
 
     steps = np.array([0, 250, 500, 1000, 2000, 4000])
     errors = 40.0 * np.maximum(steps, 1) ** -0.25  # 10 px at 256 steps, 3 px at ~31,600
@@ -177,49 +224,29 @@ def test_the_report_draws_the_curve_and_extrapolates_a_power_law(tmp_path):
     assert steps_to_reach(fit, 3.0) == pytest.approx((40 / 3) ** 4, rel=1e-6)
     assert power_law_fit(steps[:3], errors[:3]) is None  # two points after step 0: no trend
     assert steps_to_reach((1.0, 0.1), 3.0) == float("inf")
-    run_dir = tmp_path / RUN_DIR
-    run_dir.mkdir(parents=True)
-    run = new_run("paper")
-    (run_dir / RUN).write_text(__import__("json").dumps(run))
-    cpu = "a CPU"
-    pd.DataFrame(
-        {
-            "iteration": steps,
-            "pos_err": errors,
-            "pos_err_sem": 0.1,
-            "tracked": 0.5,
-            "seconds": steps * 4.0,
-            "device": cpu,
-        }
-    ).to_csv(run_dir / EVALS, index=False)
-    pd.DataFrame(
-        [
-            {
-                "from_iteration": 0,
-                "to_iteration": 4000,
-                "seconds": 16000.0,
-                "device": cpu,
-                "compiled": False,
-                "commit": "abc",
-            }
-        ]
-    ).to_csv(run_dir / SEGMENTS, index=False)
-    text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
-    assert (tmp_path / "reports" / "recorded" / "bmnist-long" / "curve.png").is_file()
-    assert "At step 4,000 of 200,000" in text and "| a CPU | 4,000 | 4.44 | 4.00 |" in text
-    assert "reaches 3 px at step 31,605, within the paper's 200,000 steps" in text
-    assert "31 more hours on a CPU" in text
+    run_dir = write_scored_run(tmp_path, "apg", steps, errors)
+    paper = yaml.safe_load(PAPER_NUMBERS.read_text())
+    text = runs_markdown(tmp_path, tmp_path / "reports", paper, "png")
+    assert (tmp_path / "reports" / "recorded" / "runs-paper-bmnist-reach.png").is_file()
+    name = f"`{run_dir.name}`"
+    assert f"| {name} | apg | 0 | 4,000 | 200,000 | 1 | 4.44 | 4,000 | 5.03 ± 0.1 |" in text
+    # the target is the paper numbers' threshold on T10_D3's position error at K=5, L=10
+    assert (
+        f"| {name} | 3 (`apg_tracks_paper`) | 4,000 | step^-0.250 | step 31,605, within the paper's 200,000 steps |"
+        in text
+    )
+    assert f"| {name} | a CPU | 4,000 | 4.44 | 4.00 | 31 |" in text  # hours to the target at 4 s a step
     # a GPU's remaining hours are fractions of one: not rounded to 0
-    assert (_hours(15.4), _hours(4.24), _hours(0.0897)) == ("15", "4.2", "0.09")
+    assert (hours(15.4), hours(4.24), hours(0.0897)) == ("15", "4.2", "0.09")
     # With the run's history the rate is the median window's: a paused window (a stopped
     # process) does not count as training time; the wall hours stay as they were.
     rates = [0.5] * 9 + [0.01]  # 2 s per step, and one window of 100 s per step
-    pd.DataFrame({"iteration": np.arange(1, 11) * 400, "it_per_s": rates, "device": cpu}).to_csv(
+    pd.DataFrame({"iteration": np.arange(1, 11) * 400, "it_per_s": rates, "device": "a CPU"}).to_csv(
         run_dir / HISTORY, index=False
     )
-    text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
-    assert "| a CPU | 4,000 | 4.44 | 2.00 |" in text and "15 more hours on a CPU" in text
-    assert long_run_markdown(tmp_path / "elsewhere", tmp_path / "reports", "png") == ""
+    text = runs_markdown(tmp_path, tmp_path / "reports", paper, "png")
+    assert f"| {name} | a CPU | 4,000 | 4.44 | 2.00 | 15 |" in text
+    assert runs_markdown(tmp_path / "elsewhere", tmp_path / "reports", paper, "png") == ""
 
 
 @pytest.mark.slow
@@ -229,8 +256,7 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
 ):
     import shutil
 
-    from pipeline.report.longrun_grid import grid_markdown
-    from pipeline.runs import grid as longrun_grid
+    from pipeline.report.grid import grid_claims, grid_markdown, grid_metrics, read_grid
 
     run = tiny_run()
     advance(tmp_path, tmp_path / "r", steps=1, new=run)
@@ -246,8 +272,8 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
         }
         for t, d in ((3, 1), (4, 2))
     ]
-    monkeypatch.setattr(longrun_grid, "grid_sets", lambda run: sets)
-    path = longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2)
+    monkeypatch.setattr(run_grid, "grid_sets", lambda run: sets)
+    path = run_grid.evaluate_grid(tmp_path / "r", videos=2)
     grid = table(path)
     # a row per set, sweep and video, of the state's step
     assert [(r["iteration"], r["set"], r["sweep"], r["video"]) for r in grid] == [
@@ -256,32 +282,32 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     assert all(
         float(r["pos_err"]) >= 0 and 0 <= float(r["tracked"]) <= 1 and float(r["mse"]) > 0 for r in grid
     )
-    again = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2))
+    again = table(run_grid.evaluate_grid(tmp_path / "r", videos=2))
     assert again == grid  # scoring draws from its own stream: the same state, the same table
-    trail = (tmp_path / "r" / longrun_grid.TRAIL).read_bytes()
-    with np.load(tmp_path / "r" / longrun_grid.TRAIL) as npz:
+    trail = (tmp_path / "r" / run_grid.TRAIL).read_bytes()
+    with np.load(tmp_path / "r" / run_grid.TRAIL) as npz:
         assert npz["frames"].shape == (4, 96, 96) and npz["frames"].dtype == np.uint8
         assert npz["found_z_where"].shape == npz["true_z_where"].shape == (1, 4, 2, 2)
         assert json.loads(str(npz["meta"]))["iteration"] == 2  # the step whose state drew it
     # an earlier state adds its step's rows and keeps the latest's (and Figure 3's trail)
-    both = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=2, state=tmp_path / "step1.pt"))
+    both = table(run_grid.evaluate_grid(tmp_path / "r", videos=2, state=tmp_path / "step1.pt"))
     assert [r for r in both if r["iteration"] == "2"] == grid
     assert len([r for r in both if r["iteration"] == "1"]) == len(grid)
-    assert (tmp_path / "r" / longrun_grid.TRAIL).read_bytes() == trail
+    assert (tmp_path / "r" / run_grid.TRAIL).read_bytes() == trail
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
-        longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", state=tmp_path / "missing.pt")
+        run_grid.evaluate_grid(tmp_path / "r", state=tmp_path / "missing.pt")
     # one set again on more videos: its rows of the step replaced, the other set's kept; the
     # profile's last set not scored, so Figure 3's trail stays
-    more = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", videos=3, sets=["T3_D1"]))
+    more = table(run_grid.evaluate_grid(tmp_path / "r", videos=3, sets=["T3_D1"]))
     assert [r for r in more if r["set"] == "T4_D2"] == [r for r in both if r["set"] == "T4_D2"]
     assert [r for r in more if r["set"] == "T3_D1" and r["iteration"] == "1"] == [
         r for r in both if r["set"] == "T3_D1" and r["iteration"] == "1"
     ]
     latest = [r for r in more if r["set"] == "T3_D1" and r["iteration"] == "2"]
     assert sorted({r["video"] for r in latest}) == ["0", "1", "2"]
-    assert (tmp_path / "r" / longrun_grid.TRAIL).read_bytes() == trail
+    assert (tmp_path / "r" / run_grid.TRAIL).read_bytes() == trail
     with pytest.raises(ValueError, match="unknown set.*T9_D9.*the profile has T3_D1, T4_D2"):
-        longrun_grid.evaluate_grid(tmp_path, tmp_path / "r", sets=["T9_D9"])
+        run_grid.evaluate_grid(tmp_path / "r", sets=["T9_D9"])
 
     # the report: APG's grid with its claims; a baseline compared at the step both scored
     baseline = tmp_path / "rws"
@@ -289,22 +315,17 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     rows = pd.DataFrame(both)
     # one row per video, as AVF reports only its last inference iteration, at the run's K
     rows = rows[(rows["iteration"] == "1") & (rows["sweep"] == "2")].assign(sweep=1)
-    rows.assign(pos_err=rows["pos_err"].astype(float) + 50).to_csv(baseline / longrun_grid.GRID, index=False)
+    rows.assign(pos_err=rows["pos_err"].astype(float) + 50).to_csv(baseline / run_grid.GRID, index=False)
     (baseline / RUN).write_text(json.dumps({**run, "train": {**run["train"], "method": "rws-mlp"}}))
     paper = yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
     for spec in paper["long_run_claims"] + paper["long_run_every_set"]:
         assert spec["pair"] == [5, 10]  # the paper's K and L; this tiny run's are 2 and 2
         spec["pair"] = [2, 2]
     paper["long_run_claims"][0]["test_set"] = "T3_D1"
-    text = grid_markdown(
-        tmp_path / "r",
-        tmp_path / "out",
-        "recorded/r",
-        "png",
-        others={"rws-mlp": baseline, "avf": tmp_path / "no"},
-        paper=paper,
-    )
-    assert "### The paper's held-out grid at step 2" in text and "| T4_D2 | 2 |" in text
+    grids = {"apg": (read_grid(tmp_path / "r"), (2, 2)), "rws-mlp": (read_grid(baseline), (2, 2))}
+    decided = grid_claims(grids, paper)
+    text = grid_markdown(tmp_path / "r", tmp_path / "out", "recorded/r", "png", decided, paper)
+    assert "#### The paper's held-out grid at step 2 (`r`, apg)" in text and "| T4_D2 | 2 |" in text
     assert "APG − rws-mlp (px)" in text and "(step 1: " in text and "APG − avf (px)" in text
     line = next(x for x in text.splitlines() if x.startswith("| T3_D1 |"))
     assert line.endswith("| – | – |")  # no avf grid: no comparison
@@ -312,36 +333,30 @@ def test_the_grid_scores_the_state_on_each_set_and_the_report_draws_figures_3_an
     assert "| ≤ 3 |" in line  # T3_D1 given the first claim's target
     assert (tmp_path / "out" / "figure4.png").is_file() and (tmp_path / "out" / "figure3.png").is_file()
     # reports/metrics.json's entry: the same verdicts by claim id, and the reach per target set
-    from pipeline.report.longrun_grid import long_run_metrics
-
-    metrics = long_run_metrics(tmp_path / "r", {"rws-mlp": baseline, "avf": tmp_path / "no"}, paper)
+    metrics = grid_metrics(grids, paper)
     assert metrics["claims"]["long_tracks_T10_D3"] == 0  # set to T3_D1 above: its table row's verdict
     assert set(metrics["claims"]) >= {"long_mse_falls_T4_D2", "long_below_rws_T4_D2", "long_below_avf_T4_D2"}
     assert metrics["reach"] == {"T3_D1": "too few steps"}
-    assert long_run_metrics(tmp_path / "no", {}, paper) == {}
+    assert grid_metrics({"rws-mlp": grids["rws-mlp"]}, paper) == {}  # no grid of the claims' method
     # a baseline's own section: its grid alone
     alone = grid_markdown(baseline, tmp_path / "out-rws", "recorded/rws", "png")
-    assert "### The paper's held-out grid at step 1 (rws-mlp)" in alone and "APG −" not in alone
+    assert "#### The paper's held-out grid at step 1 (`rws`, rws-mlp)" in alone and "APG −" not in alone
 
 
 @needs_mnist
 def test_the_grid_of_a_method_that_reports_one_sweep_has_a_row_per_video(tmp_path, mnist_env, monkeypatch):
-    from pipeline.runs import grid as longrun_grid
 
     advance(tmp_path, tmp_path / "avf", steps=1, new=tiny_run("avf"))
     sets = [{"name": "T3_D1", "num_datasets": 2, "seed": 9, "sizes": {"num_frames": 3, "num_digits": 1}}]
-    monkeypatch.setattr(longrun_grid, "grid_sets", lambda run: sets)
-    grid = table(longrun_grid.evaluate_grid(tmp_path, tmp_path / "avf"))
+    monkeypatch.setattr(run_grid, "grid_sets", lambda run: sets)
+    grid = table(run_grid.evaluate_grid(tmp_path / "avf"))
     assert [(r["sweep"], r["video"]) for r in grid] == [("1", "0"), ("1", "1")]  # AVF's last iteration
-    with np.load(tmp_path / "avf" / longrun_grid.TRAIL) as npz:  # its inferred paths as well
+    with np.load(tmp_path / "avf" / run_grid.TRAIL) as npz:  # its inferred paths as well
         assert npz["found_z_where"].shape == npz["true_z_where"].shape == (1, 3, 1, 2)
 
 
 def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
-    from pipeline.runs.spec import LONG_RUN_DIR as RUN_DIR
-    from pipeline.runs.spec import long_run_dir as run_dir_of
-
-    apg, rws = new_run("paper"), new_run("paper", method="rws-mlp")
+    apg, rws = paper_run(), paper_run("rws-mlp")
     assert rws["train"]["method"] == "rws-mlp" and apg["train"]["method"] == "apg"
     different = {k for k in apg["train"] if apg["train"][k] != rws["train"][k]}
     assert different <= {"method", "network", "method_options"}, different
@@ -351,62 +366,27 @@ def test_a_baseline_run_is_the_same_training_with_the_baselines_cell():
         apg["every"],
         apg["seed"],
     )
-    assert run_dir_of("apg") == RUN_DIR and run_dir_of("rws-mlp") == RUN_DIR.with_name("bmnist-long-rws-mlp")
     with pytest.raises(ValueError, match="trains no bmnist cell gibbs"):
-        new_run("paper", method="gibbs")
+        paper_run("gibbs")
 
 
-def test_the_cli_keeps_a_runs_method(tmp_path, monkeypatch, capsys):
-    from pipeline.cli import main
+def test_the_report_reads_the_baselines_runs_as_it_reads_apgs(tmp_path):
+    from pipeline.report.runs import runs_markdown
 
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("pipeline.common.project_root", lambda: tmp_path)
-    run_dir = tmp_path / "r"
-    run_dir.mkdir()
-    (run_dir / RUN).write_text(__import__("json").dumps(new_run("paper")))
-    with pytest.raises(SystemExit) as stop:
-        main(["long-run", "--dir", str(run_dir), "--method", "rws-mlp", "--steps", "1"])
-    assert stop.value.code == 2 and "is a apg run, not rws-mlp" in capsys.readouterr().err
-
-
-def test_the_report_sets_the_baselines_runs_beside_apgs_step_for_step(tmp_path):
-    import pandas as pd
-
-    from pipeline.report.longrun import long_run_markdown
-    from pipeline.runs.spec import long_run_dir as run_dir_of
-
-    scored = {"apg": [0, 250, 500, 750], "rws-mlp": [0, 250], "avf": [0, 500]}
+    scored = {"apg": [0, 250, 500, 750], "rws-mlp": [0, 250, 500], "avf": [0, 500]}
     for method, scale in (("apg", 1.0), ("rws-mlp", 2.0), ("avf", 3.0)):
-        run_dir = tmp_path / run_dir_of(method)
-        run_dir.mkdir(parents=True)
-        (run_dir / RUN).write_text(__import__("json").dumps(new_run("paper", method=method)))
         steps = scored[method]
-        pd.DataFrame(
-            {
-                "iteration": steps,
-                "pos_err": [scale * (10 - s / 100) for s in steps],
-                "pos_err_sem": 0.1,
-                "tracked": 0.5,
-                "seconds": 1.0,
-                "device": "a CPU",
-            }
-        ).to_csv(run_dir / EVALS, index=False)
-        pd.DataFrame(
-            [
-                {
-                    "from_iteration": 0,
-                    "to_iteration": steps[-1],
-                    "seconds": 10.0,
-                    "device": "a CPU",
-                    "compiled": False,
-                    "commit": "abc",
-                }
-            ]
-        ).to_csv(run_dir / SEGMENTS, index=False)
-    text = long_run_markdown(tmp_path, tmp_path / "reports", "png")
-    assert "### Baselines trained the same way" in text
-    assert "| step | apg (px) | rws-mlp (px) | avf (px) |" in text
-    # the steps APG and a baseline scored, "–" where a baseline did not
-    assert "| 250 | 7.50 ± 0.10 | 15.00 ± 0.10 | – |\n| 500 | 5.00 ± 0.10 | – | 15.00 ± 0.10 |\n\n" in text
-    assert "`rws-mlp`: step 250, 15.00 px" in text
-    assert (tmp_path / "reports" / "recorded" / "bmnist-long" / "methods.png").is_file()
+        write_scored_run(tmp_path, method, steps, [scale * (10 - s / 100) for s in steps], seconds=10.0)
+    paper = yaml.safe_load(PAPER_NUMBERS.read_text())
+    text = runs_markdown(tmp_path, tmp_path / "reports", paper, "png")
+    assert text.count("### bmnist, `paper` profile") == 1
+    # the methods side by side at the latest step all three runs scored
+    assert "At step 500, the latest every run of the task has been scored at:" in text
+    assert "| apg | 1 | 5 (one seed) |\n| avf | 1 | 15 (one seed) |\n| rws-mlp | 1 | 10 (one seed) |" in text
+    # every run read against the same target; a curve of two steps after step 0 has no fit
+    rows = {m: next(x for x in text.splitlines() if f"-{m}-K5-L10-s0` | 3 (" in x) for m in scored}
+    assert "step^-" in rows["apg"] and rows["avf"].endswith(
+        "too few scored steps after the first (a fit needs 3) |"
+    )
+    assert (tmp_path / "reports" / "recorded" / "runs-paper-bmnist.png").is_file()
+    assert (tmp_path / "reports" / "recorded" / "runs-paper-bmnist-reach.png").is_file()

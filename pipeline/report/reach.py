@@ -1,7 +1,16 @@
-"""When the long run would meet its targets at the rate measured: for each target set of
-``bmnist.long_run_claims``, a power law fitted to the set's position error over the steps
-its grid was scored at, with an inverse-regression interval, against the paper's training
-length (the rule: ``bmnist.long_run_reach`` in pipeline/paper_numbers.yaml)."""
+"""When a continuing run would meet its task's target at the rate measured.
+
+From its held-out curve (``evals.csv``): a power law fitted to the later half of the curve,
+the step where it meets the target and the hours that are at each device's rate. The target
+is the paper numbers' (``pipeline/paper_numbers.yaml``): the first threshold claim of the
+task that bounds one of the run's held-out scores from above on the set the run is scored on,
+at the run's K and L; a task without one (the rings) has no reach.
+
+From its held-out grid (``grid.csv``, :mod:`pipeline.report.grid`): for each target set of
+``bmnist.long_run_claims``, a power law fitted to the set's position error over the steps its
+grid was scored at, with an inverse-regression interval, against the paper's training length
+(the rule: ``bmnist.long_run_reach``).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +27,106 @@ from scipy import stats
 
 from pipeline.report import exact
 from pipeline.report.figures import _save, plain_numbers
+
+FIT_MIN_POINTS = 3  # a curve's fit needs this many scored steps after step 0
+CLAIM_LISTS = ("claims", "paper_scale_claims", "long_run_claims")  # where a task's targets are
+
+
+def curve_target(paper_task: dict[str, Any], run: dict[str, Any], scores: list[str]) -> dict[str, Any] | None:
+    """The claim (``paper_task``: the task's paper numbers) whose target the run's curve is
+    read against: the first threshold ``<=`` on one of ``scores`` (the run's held-out
+    scores) on the set the run is scored on (a claim that names no set: the first held-out
+    set, the run's) at the run's K and L; ``None`` without one."""
+    name, pair = run["eval"]["name"], [run["train"]["sweeps"], run["train"]["particles"]]
+    for key in CLAIM_LISTS:
+        for spec in paper_task.get(key) or []:
+            if (spec["kind"], spec.get("op"), spec.get("pair")) == ("threshold", "<=", pair) and (
+                spec["metric"] in scores and spec.get("test_set", name) == name
+            ):
+                return spec
+    return None
+
+
+def power_law_fit(steps: np.ndarray, errors: np.ndarray) -> tuple[float, float] | None:
+    """``(a, b)`` of ``log err = a + b log step`` by least squares over the later half of the
+    evaluations after step 0 (at least ``FIT_MIN_POINTS``); ``None`` with fewer points."""
+    keep = steps > 0
+    steps, errors = steps[keep], errors[keep]
+    if len(steps) < FIT_MIN_POINTS:
+        return None
+    later = max(FIT_MIN_POINTS, (len(steps) + 1) // 2)
+    return exact.line_fit(exact.log(steps[-later:]), exact.log(errors[-later:]))
+
+
+def steps_to_reach(fit: tuple[float, float], target: float) -> float:
+    """The step at which the fitted law reaches ``target``; ``inf`` when it does not fall."""
+    a, b = fit
+    return float(exact.exp((math.log(target) - a) / b)) if b < 0 else float("inf")
+
+
+def sitting_rates(segments: pd.DataFrame, history: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per device: steps, wall seconds and seconds per step. With the run's ``history`` (a
+    rate per logged window of steps), the median window's seconds per step: a sitting paused
+    for a while (a stopped process, a suspended machine) does not count its pause as
+    training; without it, wall seconds over steps (scoring included)."""
+    frame = segments.assign(steps=segments["to_iteration"] - segments["from_iteration"])
+    frame = frame[frame["steps"] > 0]
+    per = frame.groupby("device", sort=False)[["steps", "seconds"]].sum().reset_index()
+    per = per.assign(seconds_per_step=per["seconds"] / per["steps"])
+    if history is not None and {"it_per_s", "device"} <= set(history.columns):
+        median = (1.0 / history["it_per_s"]).groupby(history["device"]).median()
+        per["seconds_per_step"] = per["device"].map(median).fillna(per["seconds_per_step"])
+    return per
+
+
+def hours(value: float) -> str:
+    """Whole hours, or two significant figures below ten (a GPU's are fractions of one)."""
+    return f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
+
+
+def curve_reach_text(fit: tuple[float, float] | None, target: float, done: int, total: int) -> str:
+    """A table cell: where the fitted law meets ``target``, against the run's ``total`` steps."""
+    if fit is None:
+        return f"too few scored steps after the first (a fit needs {FIT_MIN_POINTS})"
+    reach = steps_to_reach(fit, target)
+    if not np.isfinite(reach):
+        return "does not fall: not reached at this rate of learning"
+    if reach <= done:
+        return "at or below the target already"
+    return f"step {_steps(reach)}, {'within' if reach <= total else 'beyond'} the paper's {total:,} steps"
+
+
+def curves_reach_figure(
+    curves: list[tuple[str, pd.DataFrame, tuple[float, float] | None]],
+    score: str,
+    label: str,
+    target: float,
+    total: int,
+    path: Path,
+) -> None:
+    """Each run's held-out curve (``(name, evals, fit)``) after step 0 on log axes, ± its
+    standard error, with its power-law fit drawn to the ``total`` steps and the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for i, (name, evals, fit) in enumerate(curves):
+        shown = evals[evals["iteration"] > 0]
+        sem = shown[f"{score}_sem"] if f"{score}_sem" in shown else None
+        ax.errorbar(shown["iteration"], shown[score], yerr=sem, fmt="o-", ms=3, color=f"C{i}", label=name)
+        if fit is not None and len(shown):
+            a, b = fit
+            steps = exact.geomspace(shown["iteration"].min(), total, 100)
+            ax.plot(steps, exact.exp(a + b * exact.log(steps)), "--", color=f"C{i}", lw=0.8)
+    ax.axhline(target, color="grey", lw=0.8, ls=":", label=f"target {target:g}")
+    ax.set(xscale="log", yscale="log", xlabel="training step", ylabel=label)
+    plain_numbers(ax)
+    ax.legend(fontsize=6)
+    _save(
+        fig,
+        path,
+        f"Held-out {label} of each run against its training steps, the power law fitted to the later "
+        "half of its curve (dashed) and the target (dotted).",
+    )
+
 
 HORIZON = 1e12  # steps: a band that has not met the target by then is read as never meeting it
 
@@ -128,7 +237,7 @@ def reach_markdown(grid: pd.DataFrame, paper: dict[str, Any], out_dir: Path, rel
     figure = out_dir / f"reach.{fmt}"
     reach_figure(found, limit, figure)
     lines = [
-        "#### When the targets would be met at the rate measured",
+        "##### When the targets would be met at the rate measured",
         "",
         f"Each target set's final-sweep position error at every step its grid was scored on the "
         f"same videos, a power law fitted to it, and the step where the fit meets the target, "
@@ -181,7 +290,7 @@ def reach_figure(found: list[Reach], limit: int, path: Path) -> None:
     _save(
         fig,
         path,
-        "Final-sweep position error of the long run's states (mean and 95% interval over videos), "
+        "Final-sweep position error of the run's states (mean and 95% interval over videos), "
         "the power law fitted to it (dashed) with its band (shaded), the target (dotted grey) "
         f"and the paper's {limit:,} steps (dotted red).",
     )

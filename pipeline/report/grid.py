@@ -1,8 +1,10 @@
-"""The long run's T x D evaluation (``apg-pipeline long-run --grid``, ``grid.csv`` and
-``trail.npz``) in the report: a row per held-out set with the claims on it (APG's run; the
-baselines' runs show their grids alone), Figure 4 (reconstruction MSE against sweeps, one
-panel per (T, D)) and Figure 3 (frames of one T=100, D=5 video with the inferred and true
-paths)."""
+"""A run's evaluation on its profile's held-out grid (``apg-pipeline grid``, ``grid.csv`` and
+``trail.npz`` in any run's folder) in the report: a row per held-out set, Figure 4
+(reconstruction MSE against sweeps, one panel per (T, D)) and Figure 3 (frames of one video
+of the last set with the inferred and true paths). The claims the paper numbers decide on
+the grids (``bmnist.long_run_claims`` and ``long_run_every_set``) go in the table of the run
+of the method they name, with the reach of its target sets (:mod:`pipeline.report.reach`);
+the other runs show their grids alone."""
 
 from __future__ import annotations
 
@@ -14,23 +16,20 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
-import yaml
 from matplotlib.ticker import MaxNLocator
 
 from apg.tasks.bmnist.config import BMNISTConfig
 from pipeline.report.claims import ClaimResult, check_claim, claims_not_run, verdict
-from pipeline.report.data import PAPER_NUMBERS, finals
+from pipeline.report.data import finals
 from pipeline.report.figures import _save
-from pipeline.report.longrun_reach import reach_markdown, reaches
+from pipeline.report.reach import reach_markdown, reaches
 from pipeline.runs.grid import COLUMNS, GRID, TRAIL
-from pipeline.runs.spec import LONG_RUN_METHOD as METHOD
-from pipeline.runs.spec import RUN
 from pipeline.statistics import seed_interval
 
 STRIP_FRAMES = 8
 # Each panel draws the paths over the frames up to it, at most this many (digits move ~8 px a frame).
 TRAIL_FRAMES = 4
-LONG_RUN_RULES = (
+GRID_RULES = (
     "One training run per method: each held-out video stands in for a seed in the claims "
     "table's rules (a 95% interval over the videos; two methods compared by Welch's interval, "
     "on the same videos when both scored the set on as many: a set's seed and number of videos "
@@ -40,6 +39,8 @@ LONG_RUN_RULES = (
     "before the grid was first scored. A comparison is made at the latest step both runs have "
     "scored ('–': no common step yet)."
 )
+Grids = dict[str, tuple[pd.DataFrame, tuple[int, int]]]  # {method: (its run's grid, (K, L))}
+Decided = list[tuple[dict[str, Any], ClaimResult, int | None]]  # (spec, result, step) per claim
 
 
 def read_grid(run_dir: Path) -> pd.DataFrame | None:
@@ -49,13 +50,8 @@ def read_grid(run_dir: Path) -> pd.DataFrame | None:
 
 def latest_per_set(grid: pd.DataFrame) -> pd.DataFrame:
     """Each set's rows of the latest step it was scored at (sets can be scored at different
-    steps: ``--grid --sets``)."""
+    steps: ``grid --sets``)."""
     return grid[grid["iteration"] == grid.groupby("set")["iteration"].transform("max")]
-
-
-def budget(run: dict[str, Any]) -> tuple[int, int]:
-    """A run's sweeps K and particles L (``run.json``)."""
-    return int(run["train"]["sweeps"]), int(run["train"]["particles"])
 
 
 def per_set(grid: pd.DataFrame) -> pd.DataFrame:
@@ -70,82 +66,70 @@ def per_set(grid: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def as_evaluation_rows(grid: pd.DataFrame, method: str, pair: tuple[int, int]) -> pd.DataFrame:
+def as_evaluation_rows(grid: pd.DataFrame, task: str, method: str, pair: tuple[int, int]) -> pd.DataFrame:
     """One step's grid of a run at ``pair`` (its K, L) in the evaluation's long form
     (``pipeline/evaluate/stage.py``), each video in place of a seed: what ``check_claim`` reads."""
     long = grid.melt(
         id_vars=["iteration", "set", "video", "sweep"], value_vars=list(COLUMNS), var_name="metric"
     )
     return long.assign(
-        task="bmnist",
+        task=task,
         method=method,
         K=pair[0],
         L=pair[1],
         seed=long["video"],
         dataset=long["video"],
-        cell_id=f"long-run/{method}/step{int(grid['iteration'].iloc[0])}",
+        cell_id=f"grid/{method}/step{int(grid['iteration'].iloc[0])}",
         test_set=long["set"],
     )
 
 
-def long_run_claims(
-    grids: dict[str, tuple[pd.DataFrame, tuple[int, int]]], paper: dict[str, Any]
-) -> list[tuple[dict[str, Any], ClaimResult, int | None]]:
-    """``(spec, result, step)`` for each claim of ``paper`` (the ``bmnist`` section of
-    pipeline/paper_numbers.yaml: ``long_run_claims`` and ``long_run_every_set`` over APG's grid
-    sets) on the runs' grids (``{method: (grid, (K, L))}``, APG's under ``METHOD``), each at
-    the latest step its set was scored at by the runs it reads; a comparison with a run that
-    has no step in common with APG's on the set is not run (step ``None``)."""
-    apg = grids[METHOD][0]
-    sets = list(dict.fromkeys(apg["set"]))
+def grid_claims(grids: Grids, paper: dict[str, Any], task: str = "bmnist") -> Decided:
+    """``(spec, result, step)`` for each claim of ``paper`` (the task's section of
+    pipeline/paper_numbers.yaml: ``long_run_claims``, and ``long_run_every_set`` on every set of
+    the grid of the method it names) whose method has a grid in ``grids``, each at the latest
+    step its set was scored at by the runs it reads; a comparison with a run that has no step in
+    common with the method's on the set is not run (step ``None``)."""
     specs = list(paper.get("long_run_claims") or [])
     specs += [
         {**spec, "id": f"{spec['id']}_{name}", "test_set": name}
-        for name in sets
+        for method, (grid, _) in grids.items()
+        for name in dict.fromkeys(grid["set"])
         for spec in paper.get("long_run_every_set") or []
+        if spec["method"] == method
     ]
     out = []
     for spec in specs:
-        other = spec.get("other")
-        runs = [METHOD] if other is None else [METHOD, other]
+        if spec["method"] not in grids:
+            continue
+        runs = [spec["method"]] + ([spec["other"]] if spec.get("other") else [])
         common = set.intersection(
             *(steps_of(grids[m][0], spec["test_set"]) if m in grids else set() for m in runs)
         )
-        step = max(common) if common else None  # APG's alone: its latest
+        step = max(common) if common else None  # the method's alone: its latest
         if step is None:
-            out.append((spec, claims_not_run("bmnist", [spec], "no step scored by both runs")[0], None))
+            out.append((spec, claims_not_run(task, [spec], "no step scored by both runs")[0], None))
             continue
         frame = pd.concat(
-            [as_evaluation_rows(at_step(grids[m][0], spec["test_set"], step), m, grids[m][1]) for m in runs]
+            [
+                as_evaluation_rows(at_step(grids[m][0], spec["test_set"], step), task, m, grids[m][1])
+                for m in runs
+            ]
         )
-        out.append((spec, check_claim(spec, "bmnist", finals(frame), frame.iloc[:0], frame), step))
+        out.append((spec, check_claim(spec, task, finals(frame), frame.iloc[:0], frame), step))
     return out
 
 
-def run_grids(run_dir: Path, others: dict[str, Path]) -> dict[str, tuple[pd.DataFrame, tuple[int, int]]]:
-    """``{method: (grid, (K, L))}`` of APG's run (under ``METHOD``) and of each baseline's run
-    in ``others`` that has a grid (APG's must have one)."""
-    grids = {}
-    for method, folder in {METHOD: run_dir, **others}.items():
-        if (found := read_grid(folder)) is not None:
-            grids[method] = (found, budget(json.loads((folder / RUN).read_text())))
-    return grids
-
-
-def long_run_metrics(
-    run_dir: Path, others: dict[str, Path], paper: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """``reports/metrics.json``'s ``long_run`` (empty without a grid): each long-run claim's
-    verdict (1, 0 or None, as the claims table's) and each target set's reach verdict."""
-    grids = run_grids(run_dir, others)
-    if METHOD not in grids:
+def grid_metrics(grids: Grids, paper: dict[str, Any], task: str = "bmnist") -> dict[str, Any]:
+    """``reports/metrics.json``'s ``long_run`` (empty without the claims' method's grid): each
+    grid claim's verdict (1, 0 or None, as the claims table's) and each target set's reach
+    verdict."""
+    decided = grid_claims(grids, paper, task)
+    if not decided:
         return {}
-    paper = paper or yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
-    claims = {
-        spec["id"]: None if r.passed is None else int(bool(r.passed))
-        for spec, r, _ in long_run_claims(grids, paper)
-    }
-    return {"claims": claims, "reach": {r.set: r.verdict for r in reaches(grids[METHOD][0], paper)}}
+    claims = {spec["id"]: None if r.passed is None else int(bool(r.passed)) for spec, r, _ in decided}
+    owner = grids[decided[0][0]["method"]][0]
+    return {"claims": claims, "reach": {r.set: r.verdict for r in reaches(owner, paper)}}
 
 
 def steps_of(grid: pd.DataFrame, name: str) -> set[int]:
@@ -162,17 +146,16 @@ def grid_markdown(
     out_dir: Path,
     rel: str,
     fmt: str,
-    others: dict[str, Path] | None = None,
+    decided: Decided | None = None,
     paper: dict[str, Any] | None = None,
 ) -> str:
-    """The section's lines (empty when the run has no ``grid.csv``): its latest step's grid,
-    Figures 3 and 4; with ``others`` (``{baseline: its run folder}``, for APG's run) the
-    long-run claims on each set as well (``paper``: the claims' section, by default
-    ``bmnist`` of pipeline/paper_numbers.yaml)."""
+    """The run's grid section (empty when the run has no ``grid.csv``): its latest step's grid,
+    Figures 3 and 4; with ``decided`` (the grid claims on this run's method, and ``paper``: the
+    task's paper numbers) each set's claims and the reach of its target sets as well."""
     grid = read_grid(run_dir)
     if grid is None:
         return ""
-    run = json.loads((run_dir / RUN).read_text())
+    run = json.loads((run_dir / "run.json").read_text())
     latest = latest_per_set(grid)
     steps = latest.groupby("set", sort=False)["iteration"].first()
     sets = per_set(latest)
@@ -186,20 +169,15 @@ def grid_markdown(
         at = f"at steps {int(steps.min()):,}–{int(steps.max()):,}"
         scored = "each set with the latest state it was scored at (the step column)"
     lines = [
-        f"### The paper's held-out grid {at}"
-        + ("" if run["train"]["method"] == METHOD else f" ({run['train']['method']})"),
+        f"#### The paper's held-out grid {at} (`{run_dir.name}`, {run['train']['method']})",
         "",
-        f"`apg-pipeline long-run --grid` scored {scored} on the profile's held-out "
-        f"sets at K = {budget(run)[0]} (position error of the highest-weight particle after "
+        f"`apg-pipeline grid` scored {scored} on the profile's held-out "
+        f"sets at K = {run['train']['sweeps']} (position error of the highest-weight particle after "
         "the last sweep and the reconstruction MSE weighted over particles"
-        + (
-            "; mean and 95% interval over videos)."
-            if others is not None
-            else "; mean ± standard error over videos)."
-        ),
+        + ("; mean and 95% interval over videos)." if decided else "; mean ± standard error over videos)."),
         "",
     ]
-    if others is None:
+    if not decided:
         lines += [
             "| set | videos | step | position error (px) | tracked frames | MSE, sweep 1 → last |",
             "|---|---|---|---|---|---|",
@@ -210,9 +188,8 @@ def grid_markdown(
             ),
         ]
     else:
-        paper = paper or yaml.safe_load(PAPER_NUMBERS.read_text())["bmnist"]
-        lines += claims_grid_markdown(latest, last, long_run_claims(run_grids(run_dir, others), paper))
-        lines += ["", *reach_markdown(grid, paper, out_dir, rel, fmt)]
+        lines += claims_grid_markdown(latest, last, decided)
+        lines += ["", *reach_markdown(grid, paper or {}, out_dir, rel, fmt)]
     lines += ["", f"![Figure 4]({rel}/{mse_figure.name})", ""]
     if (run_dir / TRAIL).is_file():
         trail_figure = out_dir / f"figure3.{fmt}"
@@ -277,7 +254,7 @@ def claims_grid_markdown(
                 _verdict(result),
             ]
         lines.append("| " + " | ".join(row) + " |")
-    return lines + ["", LONG_RUN_RULES]
+    return lines + ["", GRID_RULES]
 
 
 def _verdict(r: ClaimResult) -> str:
