@@ -12,6 +12,7 @@ Subcommands::
     apg-pipeline sweep    --task gmm          # the DVC stages, with params.yaml
     apg-pipeline eval-sweep --task gmm
     apg-pipeline report
+    apg-pipeline runs-url [--ui http://host:5000]   # the MLflow UI's runs table of the sweeps
 
 ``evaluate`` writes JSON with these keys (means over the held-out datasets):
 
@@ -110,6 +111,45 @@ def _add_preview(sub) -> None:
         "preview", help="what `dvc repro` would run now, and about how long it would take"
     )
     preview.set_defaults(func=cmd_preview)
+
+
+# --------------------------------------------------------------------------- MLflow
+
+
+def cmd_runs_url(args: argparse.Namespace) -> None:
+    from pipeline import tracking
+    from pipeline.common import project_root
+    from pipeline.config.params import load_params
+
+    params = load_params(args.params)
+    root = project_root()
+    uri = tracking.tracking_uri(root)
+    name = args.experiment or tracking.experiment_name(params)
+    print(tracking.runs_address(uri, name, args.ui))
+    if not uri.startswith(("http://", "https://")) and args.ui is None:
+        print(f"(serve it with: mlflow ui --backend-store-uri {uri})", file=sys.stderr)
+
+
+def _add_runs_url(sub) -> None:
+    """``runs-url``: the address of the runs table, headline columns shown."""
+    url = sub.add_parser(
+        "runs-url",
+        help="print the MLflow UI's address of the experiment's runs table, with the sweep's "
+        "headline params and metrics as columns",
+    )
+    url.add_argument("--params", default="params.yaml")
+    url.add_argument(
+        "--experiment",
+        default=None,
+        help="default: tracking.experiment of the params (a search: <that>-tune)",
+    )
+    url.add_argument(
+        "--ui",
+        default=None,
+        help="where the MLflow UI is served (default: the tracking server, or mlflow ui's "
+        "http://127.0.0.1:5000 for the project's mlflow.db)",
+    )
+    url.set_defaults(func=cmd_runs_url)
 
 
 # --------------------------------------------------------------------------- smoke
@@ -671,6 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_impute(sub)
     _add_preview(sub)
     _add_smoke(sub)
+    _add_runs_url(sub)
     _add_config(sub)
     _add_record(sub)
     _add_continue(sub)

@@ -19,6 +19,7 @@ recomputes steps after the checkpoint, and the ones already logged are skipped.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -242,34 +243,93 @@ def _forget_engine(uri: str) -> None:
         engine.dispose()
 
 
-# The experiment's kind: model training, as MLflow's experiments list shows it. (Which view
-# the UI opens is the address's choice, not the kind's: ui_url.)
-EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+DEFAULT_EXPERIMENT = "apg"
+
+
+def experiment_name(params: Mapping[str, Any]) -> str:
+    """The MLflow experiment of the sweeps and the report (``tracking.experiment``)."""
+    return params.get("tracking", {}).get("experiment", DEFAULT_EXPERIMENT)
+
+
+# The sweep's headline columns of the runs table: what a cell is (params every cell's run
+# logs, from its TrainConfig and seed) and how its training ended (the last logged step's
+# metrics, which a trial logs as final_<name>: apg.training's log joint, ESS/L, log evidence).
+HEADLINE_PARAMS = ("method", "sweeps", "particles", "seed")
+HEADLINE_METRICS = ("final_log_joint", "final_ess", "final_log_evidence")
+# ... as the UI names its columns
+HEADLINE_COLUMNS = [f"params.`{p}`" for p in HEADLINE_PARAMS] + [f"metrics.`{m}`" for m in HEADLINE_METRICS]
+
+# The runs table as a sweep is read, kept in the experiment as one of MLflow 3.17's saved views
+# (an experiment tag ``mlflow.sharedViewState.<id>``, listed under the runs page's "Views"):
+# the headline columns, and every run a row ordered by name, so a sweep's cells sit together
+# (the UI nests child runs under a collapsed parent only in its default order, by time).
+RUNS_VIEW = "apg-headline"
+_VIEW_STATE = {
+    "selectedColumns": HEADLINE_COLUMNS,
+    "orderByKey": "tags.`mlflow.runName`",
+    "orderByAsc": True,
+}
+_RUNS_VIEW_TAG = {
+    f"mlflow.sharedViewState.{RUNS_VIEW}": json.dumps(
+        {"name": "sweep: headline columns", "createdAt": 0, "state": json.dumps(_VIEW_STATE)}
+    )
+}
+# Set on every experiment the pipeline makes or reuses: its kind (model training, as MLflow's
+# experiments list shows it) and the saved view that ui_url opens.
+EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development", **_RUNS_VIEW_TAG}
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 
 
 def ui_url(base: str, exp_id: str) -> str:
-    """The MLflow UI's page of an experiment's runs table. MLflow 3.17's UI opens every
+    """The MLflow UI's runs table of an experiment, in its saved view :data:`RUNS_VIEW`.
+
+    The address names the view and the model-training workflow: MLflow 3.17's UI opens every
     experiment in its GenAI view (a traces overview saying "No data") unless the URL asks for
-    the model-training one: the view is the browser's setting, and the experiment's kind
-    alone does not switch it (seen in headless Chromium, tests/pipeline/test_cluster.py)."""
-    return f"{base.rstrip('/')}/#/experiments/{exp_id}?workflowType=machine_learning"
+    the other one, and the experiment's kind alone does not switch it; the bare address lands
+    on the GenAI welcome page, and no server option changes that (seen in headless Chromium,
+    tests/pipeline/test_cluster.py)."""
+    return (
+        f"{base.rstrip('/')}/#/experiments/{exp_id}/runs"
+        f"?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW}"
+    )
 
 
 def browse_hint(uri: str, exp_id: str) -> str:
     """One line telling where to look at the runs of ``exp_id`` in the store ``uri``."""
     if uri.startswith(("http://", "https://")):
         return f"browse the runs: {ui_url(redact(uri), exp_id)}"
-    return f"browse the runs: mlflow ui --backend-store-uri {uri}, then {ui_url('http://127.0.0.1:5000', exp_id)}"
+    return f"browse the runs: mlflow ui --backend-store-uri {uri}, then {ui_url(LOCAL_UI, exp_id)}"
+
+
+def runs_address(uri: str, experiment: str, ui: str | None = None) -> str:
+    """The address of ``experiment``'s runs table in the store ``uri`` (:func:`ui_url`), its
+    saved view added to an experiment made before there was one. ``ui``: where the MLflow UI
+    is served (default: the tracking server itself, or :data:`LOCAL_UI` for a local store)."""
+    path = _sqlite_path(uri)
+    if path is not None and not path.is_file():
+        raise TrackingError(f"no MLflow store at {path}: run a sweep first")
+    check_reachable(uri)
+    mlflow_client = client(uri)
+    found = mlflow_client.get_experiment_by_name(experiment)
+    if found is None:
+        raise TrackingError(f"MLflow store {redact(uri)} has no experiment {experiment!r}: run a sweep first")
+    _set_experiment_tags(mlflow_client, found)
+    remote = uri if uri.startswith(("http://", "https://")) else LOCAL_UI
+    return ui_url(redact(ui or remote), found.experiment_id)
 
 
 def experiment_id(mlflow_client, name: str, artifacts: str | None) -> str:
     found = mlflow_client.get_experiment_by_name(name)
     if found is None:
-        return mlflow_client.create_experiment(name, artifact_location=artifacts, tags=EXPERIMENT_KIND)
-    for key, value in EXPERIMENT_KIND.items():  # experiments made before the kind was set
-        if found.tags.get(key) != value:
-            mlflow_client.set_experiment_tag(found.experiment_id, key, value)
+        return mlflow_client.create_experiment(name, artifact_location=artifacts, tags=EXPERIMENT_TAGS)
+    _set_experiment_tags(mlflow_client, found)
     return found.experiment_id
+
+
+def _set_experiment_tags(mlflow_client, experiment) -> None:
+    for key, value in EXPERIMENT_TAGS.items():  # experiments made before a tag was set
+        if experiment.tags.get(key) != value:
+            mlflow_client.set_experiment_tag(experiment.experiment_id, key, value)
 
 
 def find_run(mlflow_client, exp_id: str, tags: Mapping[str, str]) -> Any | None:
@@ -285,7 +345,6 @@ def source_tags(root: Path, stage: str, params: Mapping[str, Any]) -> dict[str, 
     """Where a run comes from: the git commit of the project (MLflow's own tag, shown in
     the runs table), the stage or command that made it and a digest of its params."""
     import hashlib
-    import json
 
     from pipeline.provenance.stages import source_commit
 

@@ -438,7 +438,7 @@ def _run_sweep(
     uri = tracking.tracking_uri(root)
     tracking.check_reachable(uri)
     client = tracking.client(uri)
-    exp_name = params.get("tracking", {}).get("experiment", "apg")
+    exp_name = tracking.experiment_name(params)
     sweep_key = f"{task}-{short_hash(list(cells))}"
     if fetch:
         parent = fetch_cells(client, exp_name, sweep_key, todo, sweep_dir)

@@ -203,7 +203,8 @@ def server_runs(server: MlflowServer, experiment: str = "apg-cluster-test"):
 
 def check_child_runs(server: MlflowServer, root: Path) -> None:
     """Every cell of the sweep has one FINISHED child run under the sweep's parent, whose
-    metric history holds each logged step exactly once, equal to the cell's history.csv."""
+    metric history holds each logged step exactly once, equal to the cell's history.csv, and
+    which holds the headline params and metrics (``tracking.HEADLINE_COLUMNS``)."""
     import pandas as pd
 
     from pipeline import tracking
@@ -234,3 +235,6 @@ def check_child_runs(server: MlflowServer, root: Path) -> None:
                 list(history[key])
             )
         assert run.data.metrics["final_log_joint"] == pytest.approx(cell["final"]["log_joint"])
+        # the runs table's headline columns name what every cell's run holds
+        assert set(tracking.HEADLINE_PARAMS) <= set(run.data.params), cell["name"]
+        assert set(tracking.HEADLINE_METRICS) <= set(run.data.metrics), cell["name"]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline import tracking
 from tests.pipeline.cluster_support import (
     MlflowServer,
     cells_dir,
@@ -173,14 +174,16 @@ CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", 
 
 
 def browser_dom(url: str, screenshot: str | None = None) -> str:
-    """The page at ``url`` as headless Chromium renders it (20 s of the page's own time)."""
+    """The page at ``url`` as headless Chromium renders it (20 s of the page's own time), in a
+    window wide enough that the runs table's headline columns are all drawn (it draws only
+    the columns in sight)."""
     flags = [
         CHROMIUM,
         "--headless",
         "--no-sandbox",
         "--disable-gpu",
         "--disable-dev-shm-usage",
-        "--window-size=1400,700",
+        "--window-size=1800,700",
         "--virtual-time-budget=20000",
     ]
     if screenshot:
@@ -192,19 +195,31 @@ def browser_dom(url: str, screenshot: str | None = None) -> str:
     ).stdout
 
 
+def table_columns(dom: str) -> set[str]:
+    """The param and metric columns of the runs table in a rendered page."""
+    return set(re.findall(r'col-id="((?:params|metrics)\.`[^`]+`)"', dom))
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="needs a headless Chromium (apt-get install chromium)")
 def test_mlflow_ui_opens_the_sweep_in_its_runs_table(cluster_sweep, mlflow_server):
-    # The sweep prints where to look; a browser there sees the runs table with the sweep's
-    # parent run. APG_UI_SCREENSHOT=<png> also saves what it sees (the README's picture).
+    # The sweep prints where to look, and `apg-pipeline runs-url` prints the same address; a
+    # browser there sees every run of the sweep as a row (no child folded under its parent)
+    # with the headline params and metrics as columns, none picked by hand.
+    # APG_UI_SCREENSHOT=<png> also saves what it sees (the picture in docs/reproduce.md).
+    root = cluster_sweep["root"]
     (url,) = re.findall(r"browse the runs: (\S+)", cluster_sweep["proc"].stdout)
-    assert url.startswith(mlflow_server.uri) and url.endswith("?workflowType=machine_learning")
+    printed = run_cli(["runs-url"], root, {"MLFLOW_TRACKING_URI": mlflow_server.uri}).stdout
+    assert printed.splitlines() == [url] and url.startswith(mlflow_server.uri)
+    runs = [c["name"] for c in summary(root)["cells"]]
     dom = browser_dom(url, os.environ.get("APG_UI_SCREENSHOT"))
     (parent,) = set(re.findall(r"sweep/gmm-[0-9a-f]+", dom))
+    assert all(name in dom for name in runs), runs
+    assert table_columns(dom) == set(tracking.HEADLINE_COLUMNS)
     assert "No data available" not in dom
-    # Why the URL names the view: without it MLflow 3.17 opens the same experiment (its kind
-    # set to model training) on the GenAI overview, with no runs in sight.
-    plain = browser_dom(url.split("?")[0])
-    assert parent not in plain and "No data available" in plain
+    # Why the address is printed: the bare one lands on MLflow 3.17's GenAI welcome page,
+    # with no run and no column of the sweep in sight.
+    bare = browser_dom(mlflow_server.uri)
+    assert parent not in bare and not any(name in bare for name in runs) and not table_columns(bare)
 
 
 def test_raising_trial_restarts_from_its_checkpoint(cluster_sweep, mlflow_server):

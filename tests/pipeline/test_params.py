@@ -157,17 +157,15 @@ def test_the_evaluation_runs_on_its_own_thread_count(tmp_path, monkeypatch, tiny
 
 
 def test_the_printed_mlflow_address_opens_the_runs_table():
-    assert (
-        tracking.ui_url("http://host:5000/", "7")
-        == "http://host:5000/#/experiments/7?workflowType=machine_learning"
-    )
+    view = "runs?workflowType=machine_learning&viewStateShareKey=apg-headline"
+    assert tracking.ui_url("http://host:5000/", "7") == f"http://host:5000/#/experiments/7/{view}"
     assert tracking.browse_hint("http://u:secret@host:5000", "7").endswith(
-        "http://***@host:5000/#/experiments/7?workflowType=machine_learning"
+        f"http://***@host:5000/#/experiments/7/{view}"
     )
     local = tracking.browse_hint("sqlite:////tmp/x/mlflow.db", "1")
     assert (
         "mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db" in local
-        and "127.0.0.1:5000/#/experiments/1?" in local
+        and "127.0.0.1:5000/#/experiments/1/runs?" in local
     )
 
 

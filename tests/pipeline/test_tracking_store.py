@@ -138,3 +138,41 @@ def test_runs_made_in_a_sandbox_name_the_projects_commit(monkeypatch):
     assert env["APG_COMMIT"] == head and "MLFLOW_TRACKING_URI" not in env
     monkeypatch.setenv("APG_COMMIT", "abc123")
     assert tracking.source_tags(REPO, "smoke", {})["mlflow.source.git.commit"] == "abc123"
+
+
+def test_runs_url_prints_the_experiments_runs_table_and_adds_its_view(tmp_path, monkeypatch, capsys):
+    """``apg-pipeline runs-url``: the address of the experiment's saved view of its runs (the
+    headline columns), which an experiment made before there was one is given; no store or
+    no such experiment: one line."""
+    import json
+
+    from pipeline import cli
+    from tests.support import REPO
+
+    monkeypatch.setenv("APG_PROJECT_ROOT", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    args = ["runs-url", "--params", str(REPO / "params.yaml")]
+
+    def run(*extra: str) -> tuple[int, str, str]:
+        try:
+            cli.main([*args, *extra])
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, _, err = run()
+    assert code == 2 and f"no MLflow store at {tmp_path / 'mlflow.db'}" in err
+    client = tracking.client(tracking.tracking_uri(tmp_path))
+    exp_id = client.create_experiment("apg")  # as a sweep made it before the view
+    code, out, err = run()
+    assert (code, out) == (0, tracking.ui_url(tracking.LOCAL_UI, exp_id) + "\n")
+    assert "mlflow ui --backend-store-uri sqlite:///" in err
+    tags = client.get_experiment(exp_id).tags
+    assert {k: tags.get(k) for k in tracking.EXPERIMENT_TAGS} == tracking.EXPERIMENT_TAGS
+    view = json.loads(json.loads(tags[f"mlflow.sharedViewState.{tracking.RUNS_VIEW}"])["state"])
+    assert view["selectedColumns"] == tracking.HEADLINE_COLUMNS
+    assert run("--ui", "http://host:8080")[1] == tracking.ui_url("http://host:8080", exp_id) + "\n"
+    code, out, err = run("--experiment", "nope")
+    assert code == 2 and not out and "has no experiment 'nope'" in err
