@@ -38,6 +38,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -235,8 +236,64 @@ def record(params: dict[str, Any], root: Path, numbers: dict[str, Any] | None = 
         "machine": machine(),
     }
     if numbers is not None:
-        out["numerics"] = numbers
+        out["numerics"] = {numerics_key(machine_line(out["machine"])): numbers}
     return out
+
+
+def numerics_key(line: str) -> str:
+    """The part of a machine line (``machine_line``) that the numerics depend on: the CPU with
+    its vector extensions, and torch. Float results differ across CPU types in their last
+    bits, and some fingerprints keep those, so a record keeps the numerics of each CPU type
+    it was checked on; the count of cores and the Python version change none of them."""
+    found = re.match(r"(?P<cpu>.*), \d+ cores; torch (?P<torch>[^,]+)", line)
+    return f"{found['cpu']}; torch {found['torch']}" if found else line
+
+
+def numerics_by_cpu(recorded: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``recorded``'s numerics per CPU type; a record that kept one machine's numerics flat
+    (``numerics`` by task, ``numerics_machine`` its line) reads as that machine's."""
+    table = recorded.get("numerics") or {}
+    if "numerics_machine" in recorded:
+        return {numerics_key(recorded["numerics_machine"]): table}
+    return dict(table)
+
+
+def recorded_code_numerics(root: Path, recorded: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The numerics that the recorded code computes on this machine: the last commit that
+    wrote the record (whose stage code must be the recorded code) is exported to a temporary
+    folder and runs there. Raises ``ValueError`` with one line where it cannot."""
+    import tempfile
+
+    commit = subprocess.run(
+        ["git", "log", "-1", "--format=%H", "--", str(Path("reports") / RECORD)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not commit:
+        raise ValueError(f"no commit of reports/{RECORD} in git to take the recorded code from")
+    report_files = set(report_only_inputs(root, params["tasks"])[0])
+    with tempfile.TemporaryDirectory(prefix="apg-recorded-code-") as tmp:
+        archive = subprocess.run(["git", "archive", commit], cwd=root, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        then = {k: v for k, v in record(params, Path(tmp))["code"].items() if k not in report_files}
+        kept = {k: v for k, v in recorded.get("code", {}).items() if k not in report_files}
+        if then != kept:
+            raise ValueError(
+                f"the stage code of {commit[:10]} (the record's last commit) is not the recorded code"
+            )
+        script = (
+            "import json, sys, yaml; from pipeline.provenance.numerics import numerics; "
+            "print(json.dumps(numerics(yaml.safe_load(open('params.yaml')))))"
+        )
+        env = {**os.environ, "PYTHONPATH": tmp}
+        proc = subprocess.run(
+            [sys.executable, "-c", script], cwd=tmp, env=env, capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ValueError(f"the recorded code ({commit[:10]}) could not compute its numerics here: {last}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> str:
@@ -381,10 +438,21 @@ def refresh(root: Path, params_file: str = "params.yaml", reports: str = "report
             False,
             f"the numerics could not be computed here ({type(err).__name__}: {first}); nothing changed",
         )
+    table, here = numerics_by_cpu(recorded), numerics_key(machine_line(machine()))
     if code_changed:
         if "numerics" not in recorded:
             return False, "the record holds no numerics to compare with: `dvc repro` regenerates the results"
-        moved = differences(recorded["numerics"], numbers)
+        if here not in table:
+            # First check on this CPU type: what the recorded code computes here is the
+            # baseline (the numbers of another CPU type differ in their last bits).
+            try:
+                table[here] = recorded_code_numerics(root, recorded, params)
+            except (ValueError, subprocess.CalledProcessError) as err:
+                return (
+                    False,
+                    f"no numerics recorded for {here}, and {str(err).splitlines()[0]}; nothing changed",
+                )
+        moved = differences(table[here], numbers)
         if moved:
             shown = ", ".join(moved[:8]) + (f" and {len(moved) - 8} more" if len(moved) > 8 else "")
             return False, f"the code computes other numbers ({shown}): `dvc repro` regenerates the results"
@@ -392,20 +460,21 @@ def refresh(root: Path, params_file: str = "params.yaml", reports: str = "report
         **{k: v for k, v in recorded.get("code", {}).items() if k in report_files},
         **new_code,
     }
-    recorded["numerics"] = numbers
-    recorded.setdefault("numerics_machine", machine_line(machine()))
+    recorded["numerics"] = {**table, here: numbers}
+    recorded.pop("numerics_machine", None)
     text = json.dumps(recorded, indent=2, sort_keys=True)
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
     if (root / "dvc.yaml").is_file() and (root / ".dvc").is_dir():
         lock_inputs(root)
     count = sum(len(v["train"]) + len(v["evaluate"]) + 1 for v in numbers.values())
+    cpus = f" (checked on {len(recorded['numerics'])} CPU types)" if len(recorded["numerics"]) > 1 else ""
     if not code_changed:
         return (
             True,
             f"the code is the recorded code: its {count} numerics fingerprints written into {reports}/{RECORD}",
         )
     return True, (
-        f"{len(code_changed)} code files changed and all {count} numerics fingerprints are unchanged: "
+        f"{len(code_changed)} code files changed and all {count} numerics fingerprints are unchanged{cpus}: "
         f"their digests taken into {reports}/{RECORD}"
     )
 

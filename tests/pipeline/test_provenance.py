@@ -9,6 +9,7 @@ sections of README.md and reports/README.md must open with the stale line that
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 from pathlib import Path
 
@@ -272,6 +273,42 @@ def test_refresh_leaves_the_report_stages_own_code_to_a_rebuild_of_the_report(tm
     assert provenance.refresh(root)[0]
     current, message = provenance.check(root)
     assert not current and "`pipeline/report.py`" in message
+
+
+def test_refresh_on_a_new_cpu_type_checks_against_what_the_recorded_code_computes_there(
+    tmp_path, monkeypatch
+):
+    """The numerics of another CPU type differ in their last bits: on a CPU type the record
+    has not seen, the recorded code's own numbers here are the baseline, kept beside the
+    others'."""
+    from pipeline.provenance import numerics
+
+    root = make_project(tmp_path)
+    other = {"a": {**NUMBERS["a"], "evaluate": {"apg": "e-other-cpu"}}}
+    path = provenance.write_record(PARAMS, root, root / "reports", other)
+    recorded = json.loads(path.read_text())
+    recorded["numerics"] = {"Other CPU (avx2); torch 2.13": other}
+    path.write_text(json.dumps(recorded))
+    (root / "apg/core.py").write_text("CORE = 1  # moved, same numbers\n")
+    monkeypatch.setattr(numerics, "numerics", lambda params: NUMBERS)
+    monkeypatch.setattr(provenance, "recorded_code_numerics", lambda root, recorded, params: NUMBERS)
+    kept, message = provenance.refresh(root)
+    assert kept and "checked on 2 CPU types" in message, message
+    table = json.loads(path.read_text())["numerics"]
+    assert table["Other CPU (avx2); torch 2.13"] == other and NUMBERS in table.values()
+    # the same baseline against moved numbers: refused, nothing written
+    before = path.read_bytes()
+    (root / "apg/core.py").write_text("CORE = 2\n")
+    monkeypatch.setattr(numerics, "numerics", lambda params: other)
+    kept, message = provenance.refresh(root)
+    assert not kept and "a/evaluate/apg" in message and path.read_bytes() == before
+
+
+def test_numerics_keys_name_the_cpu_type_and_torch_alone():
+    key = provenance.numerics_key
+    line = "AMD EPYC (avx512f, avx2, fma), 2 cores; torch 2.13.0+cpu, Python 3.11.7"
+    assert key(line) == "AMD EPYC (avx512f, avx2, fma); torch 2.13.0+cpu"
+    assert key(line.replace("2 cores", "16 cores").replace("3.11.7", "3.12.1")) == key(line)
 
 
 def test_numerics_differences_name_each_moved_number():
