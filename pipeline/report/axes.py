@@ -15,12 +15,9 @@ from pipeline.present import number
 from pipeline.report.data import finals
 from pipeline.report.figures import _save
 from pipeline.report.tables import _label, write_table
-from pipeline.statistics import (
-    seed_interval,
-)
+from pipeline.statistics import seed_interval
 
 AXIS_METRICS = ("log_joint", "ess", "ari", "pos_err", "mse")
-
 
 AXIS_LABELS = {"pos_err": "position error (px)", "mse": "MSE per pixel"}
 

@@ -16,20 +16,11 @@ from pipeline.report.data import finals, load_results, main_rows, primary_test_s
 from pipeline.report.departures import FLAG, FLAG_RULE, claim_departure
 from pipeline.report.tables import METRIC_LABELS, _flagged
 from pipeline.report.training import flag_notes, row_flag
-from pipeline.statistics import (
-    MIN_SEEDS,
-    Estimate,
-    detectable,
-    difference,
-    equivalent,
-    seed_interval,
-)
+from pipeline.statistics import MIN_SEEDS, Estimate, detectable, difference, equivalent, seed_interval
 
 NOT_ENOUGH_SEEDS = "n/a ({n} seed{s})"
 
-
 AT_CEILING = "at ceiling: not testable here"
-
 
 VERDICT_RULES = (
     "Each number is a mean over seeds of the per-seed mean over the held-out datasets of the "

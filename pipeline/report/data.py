@@ -15,7 +15,6 @@ from pipeline.recorded.files import compress_samples
 
 PAPER_NUMBERS = Path(__file__).parents[1] / "paper_numbers.yaml"
 
-
 CURVE_METRICS = ("log_joint", "ess")
 
 
@@ -143,15 +142,11 @@ def retrained_rows(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
 # clone rebuilds every table, figure and verdict without retraining (``--from-committed``).
 COMMITTED_DATA = "data"
 
-
 ANIMATION = "animation.npz"  # the GIF's frames, drawn by the evaluation (pipeline.evaluate.stage)
-
 
 COMMITTED_FILES = ("meta.json", "metrics.parquet", "training.parquet", "imputation.parquet", ANIMATION)
 
-
 COMMITTED_ARRAYS = ("samples.npz", "imputation_examples.npz")  # deflated: most of a video is empty canvas
-
 
 STAGE_TIMES = "stage_times.json"
 

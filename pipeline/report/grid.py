@@ -270,7 +270,6 @@ def _interval(mean: float, lo: float, hi: float) -> str:
 
 def figure4(grid: pd.DataFrame, path: Path) -> None:
     """Reconstruction MSE against sweeps, one panel per (T, D), ± standard error (floored at 0)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     frames, digits = sorted(grid["T"].unique()), sorted(grid["D"].unique())
     fig, axes = plt.subplots(
         len(frames), len(digits), figsize=(2.4 * len(digits), 1.9 * len(frames)), squeeze=False, sharex=True

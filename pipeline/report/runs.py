@@ -328,7 +328,6 @@ def _curves_figure(members: list[Member], score: str, path: Path) -> None:
     """Each run's held-out curve; beside it the same curves from a quarter of the longest run's
     steps on, at the scale of the later scores (the first steps' scores, far below, would set
     the scale and hide the differences the comparison is about)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     later = 0.25 * max(float(evals["iteration"].max()) for _, _, evals in members)
     colours: dict[str, str] = {}

@@ -6,13 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from apg.data import atomic_write
 from pipeline.present import markdown_table, number, pm
 from pipeline.report.data import finals
-from pipeline.report.departures import FLAG, FLAG_RULE, flagged_cells, ratio_text, with_paper_ratios
+from pipeline.report.departures import (
+    FLAG,
+    FLAG_RULE,
+    flagged_cells,
+    paper_value,
+    ratio_text,
+    with_paper_ratios,
+)
 from pipeline.report.training import flag_notes, with_flags
 
 
@@ -63,7 +69,6 @@ def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | No
 # In the methods table (accept) and the compute figure (model_evals) instead.
 NOT_IN_TABLE1 = ("model_evals", "accept")
 
-
 INDEXED_BLOCK = r"^(ess|kl)_(.+)_(\d+)$"
 
 
@@ -95,15 +100,10 @@ def metric_order(metrics: list[str]) -> list[str]:
 
 
 def paper_column(paper: dict[str, Any] | None, index: pd.MultiIndex, metric: str) -> list[float] | None:
-    """The paper's value for each of our rows, matched by method and (if given) K."""
-    rows = (paper or {}).get("rows") or []
-    if not any(metric in row for row in rows):
+    """The paper's value for each of our rows (``departures.paper_value``); None when it reports none."""
+    if not any(metric in row for row in (paper or {}).get("rows") or []):
         return None
-    values = []
-    for method, k, _ in index:
-        match = [r for r in rows if r["method"] == method and r.get("K", k) == k]
-        values.append(match[0].get(metric, np.nan) if match else np.nan)
-    return values
+    return [paper_value(paper, method, k, metric) for method, k, _ in index]
 
 
 def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) -> str:

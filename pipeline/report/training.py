@@ -14,19 +14,11 @@ from pipeline.report import exact
 
 # A cell has plateaued when neither its training log joint nor its training ESS/L over the
 # last fifth of its iterations shows a trend larger than 3 standard errors; fewer than 5
-# logged points there cannot
-# tell a trend from noise.
+# logged points there cannot tell a trend from noise.
 PLATEAU_FRACTION = 0.2
-
-
 PLATEAU_MIN_POINTS = 5
-
-
 PLATEAU_Z = 3.0
-
-
 NOT_PLATEAUED, NOT_ASSESSABLE = "†", "‡"
-
 
 FLAG_NOTES = {
     NOT_PLATEAUED: "not plateaued: see the training table",
