@@ -164,36 +164,26 @@ def task_figures(
     meta = results["meta"]
     retrained = retrained_rows(primary_test_set(results["metrics"], meta), meta)
     figures = out / "figures"
-    made = {}
-    for name, ok in (
-        *(
-            (metric, set_curve_figure(all_sets, meta, caption, figures / f"{task}_{metric}.{fmt}", metric))
-            for metric in SET_CURVES
-        ),
-        ("compute", compute_figure(all_sets, meta, caption, figures / f"{task}_compute.{fmt}")),
-        (
-            "methods_sweeps",
-            methods_sweeps_figure(frame, meta, caption, figures / f"{task}_methods_sweeps.{fmt}"),
-        ),
-        (
-            "kl",
-            kl_figure(frame, meta, caption, figures / f"{task}_kl.{fmt}", (paper or {}).get("block_labels")),
-        ),
-        ("budget", budget_figure(frame, retrained, meta, caption, figures / f"{task}_budget.{fmt}")),
-        ("sweeps", sweeps_figure(frame, meta, caption, figures / f"{task}_sweeps.{fmt}")),
-        (
-            "training",
-            training_figure(results["training"], training, caption, figures / f"{task}_training.{fmt}"),
-        ),
-        (
-            "samples",
-            samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}"),
-        ),
-        ("animation", animation(results.get("animation"), figures / f"{task}_samples.gif")),
-    ):
-        if ok:
-            made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
-    return made
+
+    def at(name: str) -> Path:
+        return figures / f"{task}_{name}.{fmt}"
+
+    drawn = {
+        **{metric: set_curve_figure(all_sets, meta, caption, at(metric), metric) for metric in SET_CURVES},
+        "compute": compute_figure(all_sets, meta, caption, at("compute")),
+        "methods_sweeps": methods_sweeps_figure(frame, meta, caption, at("methods_sweeps")),
+        "kl": kl_figure(frame, meta, caption, at("kl"), (paper or {}).get("block_labels")),
+        "budget": budget_figure(frame, retrained, meta, caption, at("budget")),
+        "sweeps": sweeps_figure(frame, meta, caption, at("sweeps")),
+        "training": training_figure(results["training"], training, caption, at("training")),
+        "samples": samples_figure(task, results["samples"], meta, caption, at("samples")),
+        "animation": animation(results.get("animation"), figures / f"{task}_samples.gif"),
+    }
+    return {
+        name: f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
+        for name, ok in drawn.items()
+        if ok
+    }
 
 
 def headline_numbers(
