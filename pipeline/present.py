@@ -1,9 +1,8 @@
-"""How the report shows numbers and animations: one place for ``pipeline.report`` and the
-report part of ``pipeline.evaluate.impute``, so every table formats alike."""
+"""How the report shows numbers and animations, one place so every table formats alike."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,11 @@ def pm(mean: Any, std: Any) -> str:
     """``mean ± std`` (the mean alone when the spread is missing)."""
     text = number(mean)
     return f"{text} ± {number(std)}" if text and number(std) else text
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A Markdown table: the header, its rule, then one line per row of cells."""
+    return "\n".join("| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *rows])
 
 
 def write_gif(path: Path, frames: Sequence[np.ndarray], milliseconds: int) -> None:

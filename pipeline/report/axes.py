@@ -11,17 +11,13 @@ import matplotlib.ticker
 import numpy as np
 import pandas as pd
 
-from apg.data import atomic_write
 from pipeline.present import number
 from pipeline.report.data import finals
 from pipeline.report.figures import _save
-from pipeline.report.tables import _label
-from pipeline.statistics import (
-    seed_interval,
-)
+from pipeline.report.tables import _label, write_table
+from pipeline.statistics import seed_interval
 
 AXIS_METRICS = ("log_joint", "ess", "ari", "pos_err", "mse")
-
 
 AXIS_LABELS = {"pos_err": "position error (px)", "mse": "MSE per pixel"}
 
@@ -104,7 +100,7 @@ def axes_markdown(
             continue
         stem = f"{task}_axis_{key.replace('.', '_')}"
         axis_figure(est, key, caption, out / "figures" / f"{stem}.{fmt}")
-        atomic_write(out / "tables" / f"{stem}.csv", lambda tmp, est=est: est.to_csv(tmp, index=False))
+        write_table(out / "tables" / stem, est)
         metrics = [m for m in AXIS_METRICS if m in set(est["metric"])]
         wide = est.pivot_table(
             index=["method", "K", "L", "value"], columns="metric", values="mean", aggfunc="first"

@@ -11,25 +11,16 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from pipeline.present import number
+from pipeline.present import markdown_table, number
 from pipeline.report.data import finals, load_results, main_rows, primary_test_set, retrained_rows
 from pipeline.report.departures import FLAG, FLAG_RULE, claim_departure
 from pipeline.report.tables import METRIC_LABELS, _flagged
 from pipeline.report.training import flag_notes, row_flag
-from pipeline.statistics import (
-    MIN_SEEDS,
-    Estimate,
-    detectable,
-    difference,
-    equivalent,
-    seed_interval,
-)
+from pipeline.statistics import MIN_SEEDS, Estimate, detectable, difference, equivalent, seed_interval
 
 NOT_ENOUGH_SEEDS = "n/a ({n} seed{s})"
 
-
 AT_CEILING = "at ceiling: not testable here"
-
 
 VERDICT_RULES = (
     "Each number is a mean over seeds of the per-seed mean over the held-out datasets of the "
@@ -530,7 +521,7 @@ def claims_markdown(
     ]
     if replication is not None:
         header.append(f"✓/✗ [`{REPLICATION}`](recorded/{REPLICATION}/README.md)")
-    rows = [header, ["---"] * len(header)]
+    rows = []
     marks, far = "", []
     for r in results:
         flag = row_flag(r.cells, flags)
@@ -546,7 +537,7 @@ def claims_markdown(
             other = replication.get(f"{r.task}/{r.id}")
             row.append(verdict(other) if other is not None else "not run")
         rows.append(row)
-    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines = [markdown_table(header, rows)]
     lines += ["", f"Verdict rules: {VERDICT_RULES}"]
     if replication is not None:
         lines += ["", replication_text or replication_note()]

@@ -11,11 +11,9 @@ import numpy as np
 import pandas as pd
 
 from apg.data import atomic_write
-from pipeline.evaluate.impute import load_imputation
 from pipeline.recorded.files import compress_samples
 
 PAPER_NUMBERS = Path(__file__).parents[1] / "paper_numbers.yaml"
-
 
 CURVE_METRICS = ("log_joint", "ess")
 
@@ -24,8 +22,7 @@ def load_results(eval_dir: Path) -> dict[str, Any]:
     for name in ("meta.json", "metrics.parquet", "training.parquet", "samples.npz"):
         if not (eval_dir / name).is_file():
             raise ValueError(f"{eval_dir / name} not found; run the evaluate stage first")
-    with np.load(eval_dir / "samples.npz") as archive:
-        samples = {k: archive[k] for k in archive.files}
+    samples = read_arrays(eval_dir / "samples.npz")
     meta = json.loads((eval_dir / "meta.json").read_text())
     metrics = pd.read_parquet(eval_dir / "metrics.parquet")
     training = pd.read_parquet(eval_dir / "training.parquet")
@@ -36,18 +33,29 @@ def load_results(eval_dir: Path) -> dict[str, Any]:
         cell["base_method"], cell["method"] = cell["method"], labels[cell["cell_id"]]
     for frame in (metrics, training):
         frame["method"] = frame["cell_id"].map(labels).fillna(frame["method"])
-    frames = None
-    if (eval_dir / ANIMATION).is_file():
-        with np.load(eval_dir / ANIMATION) as archive:
-            frames = archive["frames"]
+    imputation = None
+    if (eval_dir / "imputation.parquet").is_file():
+        examples = eval_dir / "imputation_examples.npz"
+        imputation = (
+            pd.read_parquet(eval_dir / "imputation.parquet"),
+            read_arrays(examples) if examples.is_file() else {},
+        )
     return {
         "meta": meta,
         "metrics": metrics,
         "training": training,
         "samples": samples,
-        "imputation": load_imputation(eval_dir),
-        "animation": frames,
+        "imputation": imputation,
+        "animation": read_arrays(eval_dir / ANIMATION)["frames"]
+        if (eval_dir / ANIMATION).is_file()
+        else None,
     }
+
+
+def read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz`` file, read into memory."""
+    with np.load(path) as archive:
+        return {k: archive[k] for k in archive.files}
 
 
 def method_label(cell: dict[str, Any]) -> str:
@@ -134,15 +142,11 @@ def retrained_rows(frame: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame:
 # clone rebuilds every table, figure and verdict without retraining (``--from-committed``).
 COMMITTED_DATA = "data"
 
-
 ANIMATION = "animation.npz"  # the GIF's frames, drawn by the evaluation (pipeline.evaluate.stage)
-
 
 COMMITTED_FILES = ("meta.json", "metrics.parquet", "training.parquet", "imputation.parquet", ANIMATION)
 
-
 COMMITTED_ARRAYS = ("samples.npz", "imputation_examples.npz")  # deflated: most of a video is empty canvas
-
 
 STAGE_TIMES = "stage_times.json"
 

@@ -201,10 +201,9 @@ def grid_markdown(
 def claims_grid_markdown(
     grid: pd.DataFrame, last: pd.DataFrame, results: list[tuple[dict[str, Any], ClaimResult, int | None]]
 ) -> list[str]:
-    """The grid's table (``grid``: each set's rows of its latest step; ``last``: its sets
-    after the last sweep)
-    with each set's claims: the position error against its target, the MSE's change over
-    sweeps, APG minus each baseline (95% intervals over videos)."""
+    """The grid's table (``grid``: each set's rows of its latest step; ``last``: its sets after
+    the last sweep) with each set's claims: the position error against its target, the MSE's
+    change over sweeps, APG minus each baseline (95% intervals over videos)."""
     final = grid[grid["sweep"] == grid["sweep"].max()]
     steps = final.groupby("set")["iteration"].first()
     errors = {name: seed_interval(rows["pos_err"].to_numpy()) for name, rows in final.groupby("set")}
@@ -270,7 +269,6 @@ def _interval(mean: float, lo: float, hi: float) -> str:
 
 def figure4(grid: pd.DataFrame, path: Path) -> None:
     """Reconstruction MSE against sweeps, one panel per (T, D), ± standard error (floored at 0)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     frames, digits = sorted(grid["T"].unique()), sorted(grid["D"].unique())
     fig, axes = plt.subplots(
         len(frames), len(digits), figsize=(2.4 * len(digits), 1.9 * len(frames)), squeeze=False, sharex=True

@@ -106,7 +106,6 @@ def curves_reach_figure(
 ) -> None:
     """Each run's held-out curve (``(name, evals, fit)``) after step 0 on log axes, ± its
     standard error, with its power-law fit drawn to the ``total`` steps and the target."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for i, (name, evals, fit) in enumerate(curves):
         shown = evals[evals["iteration"] > 0]
@@ -269,7 +268,6 @@ def reach_markdown(grid: pd.DataFrame, paper: dict[str, Any], out_dir: Path, rel
 
 
 def reach_figure(found: list[Reach], limit: int, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, len(found), figsize=(3.0 * len(found), 2.8), sharey=True, squeeze=False)
     for ax, r in zip(axes[0], found, strict=True):
         p = r.points

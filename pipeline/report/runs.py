@@ -21,6 +21,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from pipeline.present import markdown_table
 from pipeline.report.departures import FLAG, FLAG_RULE, departure_note, is_far, paper_ratio, ratio_text
 from pipeline.report.figures import _save
 from pipeline.report.grid import Grids, grid_claims, grid_markdown, grid_metrics, read_grid
@@ -154,17 +155,15 @@ def _task_markdown(
         f"{_set_text(first['rows'], 'training datasets')}; held-out set `{first['eval']['name']}`: "
         f"{_set_text(first['eval'], 'datasets')}, scored every {first['every']['eval']} steps.",
         "",
-        "| run | method | seed | steps trained | of | sittings | hours | scored at | "
-        + " | ".join(SCORES[n] for n in shown)
-        + " |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in shown) + " |",
     ]
-    for r in table.to_dict("records"):
-        values = " | ".join(_with_sem(r[n], r[f"{n}_sem"]) for n in shown)
-        lines.append(
-            f"| `{r['run']}` | {r['method']} | {r['seed']} | {r['trained']:,} | {r['of']:,} | {r['sittings']} "
-            f"| {r['hours']:.2f} | {r['step']:,} | {values} |"
-        )
+    header = ["run", "method", "seed", "steps trained", "of", "sittings", "hours", "scored at"]
+    rows = [
+        [f"`{r['run']}`", f"{r['method']}", f"{r['seed']}", f"{r['trained']:,}", f"{r['of']:,}"]
+        + [f"{r['sittings']}", f"{r['hours']:.2f}", f"{r['step']:,}"]
+        + [_with_sem(r[n], r[f"{n}_sem"]) for n in shown]
+        for r in table.to_dict("records")
+    ]
+    lines.append(markdown_table(header + [SCORES[n] for n in shown], rows))
     shared = _shared_step(members)
     lines += ["", *_side_by_side(paper_task, members, shared, shown), ""]
     figure = out / "recorded" / f"runs-{profile}-{task}.{fmt}"
@@ -297,19 +296,12 @@ def _side_by_side(
         if paper
         else ""
     )
-    lines = [
-        f"At step {step:,}, the latest every run of the task has been scored at{beside}:",
-        "",
-        "| method | seeds | "
-        + " | ".join(SCORES[n] for n in shown)
-        + (" | paper ESS/L |" if paper else " |"),
-        "| --- | --- | " + " | ".join("---" for _ in shown) + (" | --- |" if paper else " |"),
-    ]
-    notes = []
-    for method, rows in table.groupby("method", sort=False):
+    header = ["method", "seeds", *(SCORES[n] for n in shown), *(["paper ESS/L"] if paper else [])]
+    rows, notes = [], []
+    for method, scored in table.groupby("method", sort=False):
         paper_ess = paper.get(method, {}).get("sweep_ess")
-        cells = [_score_text(rows, n) for n in shown]
-        ratio = paper_ratio(rows["ess"].mean(), paper_ess) if "ess" in rows else float("nan")
+        cells = [_score_text(scored, n) for n in shown]
+        ratio = paper_ratio(scored["ess"].mean(), paper_ess) if "ess" in scored else float("nan")
         if is_far(ratio):
             notes.append(
                 f"{FLAG}{len(notes) + 1} ESS/L: ratio {ratio_text(ratio)} ({method}) to the paper: "
@@ -318,7 +310,9 @@ def _side_by_side(
             cells[shown.index("ess")] += f" {FLAG}{len(notes)}"
         if paper:
             cells.append("" if paper_ess is None else f"{paper_ess:g}")
-        lines.append(f"| {method} | {len(rows)} | {' | '.join(cells)} |")
+        rows.append([method, str(len(scored)), *cells])
+    lines = [f"At step {step:,}, the latest every run of the task has been scored at{beside}:", ""]
+    lines.append(markdown_table(header, rows))
     if notes:
         lines += ["", FLAG_RULE, "", *(f"- {n}" for n in notes)]
     return lines
@@ -328,7 +322,6 @@ def _curves_figure(members: list[Member], score: str, path: Path) -> None:
     """Each run's held-out curve; beside it the same curves from a quarter of the longest run's
     steps on, at the scale of the later scores (the first steps' scores, far below, would set
     the scale and hide the differences the comparison is about)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     later = 0.25 * max(float(evals["iteration"].max()) for _, _, evals in members)
     colours: dict[str, str] = {}

@@ -12,16 +12,13 @@ import pandas as pd
 
 from apg.data import atomic_write
 from apg.tasks import get_task
-from pipeline.evaluate.impute import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
-from pipeline.evaluate.impute import report_imputation
-from pipeline.present import pm
+from pipeline.present import markdown_table, pm
 from pipeline.provenance import record as provenance
 from pipeline.report.axes import axes_markdown
 from pipeline.report.claims import REPLICATION, ClaimResult, task_claims
 from pipeline.report.data import main_rows, primary_test_set, retrained_rows, scale_caption
 from pipeline.report.figures import (
     SET_CURVES,
-    _save,
     animation,
     budget_figure,
     compute_figure,
@@ -33,6 +30,8 @@ from pipeline.report.figures import (
     training_figure,
 )
 from pipeline.report.headline import verdict_count, verdict_tally
+from pipeline.report.imputation import FIGURE_TEXT as IMPUTATION_FIGURE_TEXT
+from pipeline.report.imputation import report_imputation
 from pipeline.report.tables import (
     MSE_KEYS,
     _flagged,
@@ -43,6 +42,7 @@ from pipeline.report.tables import (
     table1,
     table_markdown,
     tracking_markdown,
+    write_table,
 )
 from pipeline.report.training import (
     NOT_ASSESSABLE,
@@ -76,24 +76,20 @@ def report_task(
     training, training_md = training_tables(task, results, meta, paper, tables)
     flags = cell_flags(training)
     table = with_flags(table1(frame, meta, paper), frame, ["method", "K", "L"], flags)
-    atomic_write(tables / f"{task}_table1.csv", lambda tmp: table.to_csv(tmp, index=False))
     md = table_markdown(
         table, {**(paper or {}).get("block_labels", {}), **(paper or {}).get("metric_labels", {})}
     )
-    atomic_write(tables / f"{task}_table1.md", lambda tmp: tmp.write_text(md + "\n"))
+    write_table(tables / f"{task}_table1", table, md)
     methods = comparison_table(frame, meta)
     methods = methods.assign(flag=[row_flag(ids.split(), flags) for ids in methods["cells"]])
-    atomic_write(tables / f"{task}_methods.csv", lambda tmp: methods.to_csv(tmp, index=False))
     methods_md = comparison_markdown(methods)
-    atomic_write(tables / f"{task}_methods.md", lambda tmp: tmp.write_text(methods_md + "\n"))
+    write_table(tables / f"{task}_methods", methods, methods_md)
     mse, mse_md = mse_tables(task, all_sets, meta, flags, tables)
-    tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking.csv")
+    tracking_md = tracking_markdown(all_sets, meta, flags, tables / f"{task}_tracking")
     axes_md = axes_markdown(frame, meta, caption, out, task, fmt)
     claims = task_claims(task, results, paper)
     made = task_figures(task, results, all_sets, frame, training, paper, out, caption, fmt)
-    imputation = report_imputation(
-        task, results.get("imputation"), out, fmt, lambda fig, path: _save(fig, path, caption)
-    )
+    imputation = report_imputation(task, results.get("imputation"), out, fmt, caption)
     if imputation is not None:
         made.update(imputation["figures"])
     sets = meta.get("test_sets") or []
@@ -124,14 +120,13 @@ def training_tables(
     """The training table (has every cell plateaued?) and the stalled seeds, written; the table
     and its Markdown."""
     training = training_table(results["training"], meta)
-    atomic_write(tables / f"{task}_training.csv", lambda tmp: training.to_csv(tmp, index=False))
     training_md = training_markdown(training)
     if (paper or {}).get("stalled_margin") is not None:
         stalled = stalled_seeds(training, paper["stalled_margin"])
-        atomic_write(tables / f"{task}_stalled.csv", lambda tmp: stalled.to_csv(tmp, index=False))
+        write_table(tables / f"{task}_stalled", stalled)
         if not stalled.empty:
             training_md += "\n\n" + stalled_markdown(stalled, paper["stalled_margin"])
-    atomic_write(tables / f"{task}_training.md", lambda tmp: tmp.write_text(training_md + "\n"))
+    write_table(tables / f"{task}_training", training, training_md)
     return training, training_md
 
 
@@ -144,14 +139,12 @@ def mse_tables(
     if mse.empty:
         return mse, ""
     mse = with_flags(mse, all_sets.assign(test_set=all_sets.get("test_set", "test")), MSE_KEYS, flags)
-    atomic_write(tables / f"{task}_mse.csv", lambda tmp: mse.to_csv(tmp, index=False))
-    mse_md = "\n".join(
-        ["| test set | method | K | L | MSE |", "| --- | --- | --- | --- | --- |"]
-        + [
-            f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | {pm(r.mean, r.std)} |"
-            for r in mse.itertuples(index=False)
-        ]
-    ) + _footnote(mse)
+    write_table(tables / f"{task}_mse", mse)
+    rows = [
+        [r.test_set, _flagged(r.method, r.flag), f"{r.K}", f"{r.L}", pm(r.mean, r.std)]
+        for r in mse.itertuples(index=False)
+    ]
+    mse_md = markdown_table(["test set", "method", "K", "L", "MSE"], rows) + _footnote(mse)
     return mse, mse_md
 
 
@@ -171,36 +164,26 @@ def task_figures(
     meta = results["meta"]
     retrained = retrained_rows(primary_test_set(results["metrics"], meta), meta)
     figures = out / "figures"
-    made = {}
-    for name, ok in (
-        *(
-            (metric, set_curve_figure(all_sets, meta, caption, figures / f"{task}_{metric}.{fmt}", metric))
-            for metric in SET_CURVES
-        ),
-        ("compute", compute_figure(all_sets, meta, caption, figures / f"{task}_compute.{fmt}")),
-        (
-            "methods_sweeps",
-            methods_sweeps_figure(frame, meta, caption, figures / f"{task}_methods_sweeps.{fmt}"),
-        ),
-        (
-            "kl",
-            kl_figure(frame, meta, caption, figures / f"{task}_kl.{fmt}", (paper or {}).get("block_labels")),
-        ),
-        ("budget", budget_figure(frame, retrained, meta, caption, figures / f"{task}_budget.{fmt}")),
-        ("sweeps", sweeps_figure(frame, meta, caption, figures / f"{task}_sweeps.{fmt}")),
-        (
-            "training",
-            training_figure(results["training"], training, caption, figures / f"{task}_training.{fmt}"),
-        ),
-        (
-            "samples",
-            samples_figure(task, results["samples"], meta, caption, figures / f"{task}_samples.{fmt}"),
-        ),
-        ("animation", animation(results.get("animation"), figures / f"{task}_samples.gif")),
-    ):
-        if ok:
-            made[name] = f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
-    return made
+
+    def at(name: str) -> Path:
+        return figures / f"{task}_{name}.{fmt}"
+
+    drawn = {
+        **{metric: set_curve_figure(all_sets, meta, caption, at(metric), metric) for metric in SET_CURVES},
+        "compute": compute_figure(all_sets, meta, caption, at("compute")),
+        "methods_sweeps": methods_sweeps_figure(frame, meta, caption, at("methods_sweeps")),
+        "kl": kl_figure(frame, meta, caption, at("kl"), (paper or {}).get("block_labels")),
+        "budget": budget_figure(frame, retrained, meta, caption, at("budget")),
+        "sweeps": sweeps_figure(frame, meta, caption, at("sweeps")),
+        "training": training_figure(results["training"], training, caption, at("training")),
+        "samples": samples_figure(task, results["samples"], meta, caption, at("samples")),
+        "animation": animation(results.get("animation"), figures / f"{task}_samples.gif"),
+    }
+    return {
+        name: f"figures/{task}_{'samples.gif' if name == 'animation' else f'{name}.{fmt}'}"
+        for name, ok in drawn.items()
+        if ok
+    }
 
 
 def headline_numbers(

@@ -59,9 +59,7 @@ from pipeline.report.sections import (
     write_readme_results,
 )
 from pipeline.report.tracked import log_claims
-from pipeline.statistics import (
-    MIN_SEEDS,
-)
+from pipeline.statistics import MIN_SEEDS
 
 
 def trials_at_once(sweep: dict[str, Any]) -> int:

@@ -6,14 +6,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from apg.data import atomic_write
-from pipeline.present import number, pm
+from pipeline.present import markdown_table, number, pm
 from pipeline.report.data import finals
-from pipeline.report.departures import FLAG, FLAG_RULE, flagged_cells, ratio_text, with_paper_ratios
+from pipeline.report.departures import (
+    FLAG,
+    FLAG_RULE,
+    flagged_cells,
+    paper_value,
+    ratio_text,
+    with_paper_ratios,
+)
 from pipeline.report.training import flag_notes, with_flags
+
+
+def write_table(stem: Path, table: pd.DataFrame, md: str | None = None) -> None:
+    """``table`` to ``<stem>.csv`` (every column unrounded) and, given its Markdown, ``<stem>.md``."""
+    atomic_write(stem.with_name(f"{stem.name}.csv"), lambda tmp: table.to_csv(tmp, index=False))
+    if md is not None:
+        atomic_write(stem.with_name(f"{stem.name}.md"), lambda tmp: tmp.write_text(md + "\n"))
 
 
 def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | None) -> pd.DataFrame:
@@ -56,7 +69,6 @@ def table1(frame: pd.DataFrame, meta: dict[str, Any], paper: dict[str, Any] | No
 # In the methods table (accept) and the compute figure (model_evals) instead.
 NOT_IN_TABLE1 = ("model_evals", "accept")
 
-
 INDEXED_BLOCK = r"^(ess|kl)_(.+)_(\d+)$"
 
 
@@ -88,15 +100,10 @@ def metric_order(metrics: list[str]) -> list[str]:
 
 
 def paper_column(paper: dict[str, Any] | None, index: pd.MultiIndex, metric: str) -> list[float] | None:
-    """The paper's value for each of our rows, matched by method and (if given) K."""
-    rows = (paper or {}).get("rows") or []
-    if not any(metric in row for row in rows):
+    """The paper's value for each of our rows (``departures.paper_value``); None when it reports none."""
+    if not any(metric in row for row in (paper or {}).get("rows") or []):
         return None
-    values = []
-    for method, k, _ in index:
-        match = [r for r in rows if r["method"] == method and r.get("K", k) == k]
-        values.append(match[0].get(metric, np.nan) if match else np.nan)
-    return values
+    return [paper_value(paper, method, k, metric) for method, k, _ in index]
 
 
 def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) -> str:
@@ -124,8 +131,7 @@ def table_markdown(table: pd.DataFrame, labels: dict[str, str] | None = None) ->
             if f"paper_{m}" in table:
                 line.append(number(row[f"paper_{m}"]))
         cells.append(line)
-    rows = ["| " + " | ".join(r) + " |" for r in [header, ["---"] * len(header), *cells]]
-    return "\n".join(rows) + _footnote(table) + notes
+    return markdown_table(header, cells) + _footnote(table) + notes
 
 
 def _departure_marks(
@@ -247,7 +253,7 @@ def comparison_markdown(table: pd.DataFrame) -> str:
     }
     metrics = [m for m in COMPARISON_METRICS if m in table]
     header = ["K×L", "method", "K", "L", *(labels[m] for m in metrics), "seeds", "cells (MLflow runs)"]
-    rows = [header, ["---"] * len(header)]
+    rows = []
     for row in table.to_dict("records"):
         trace = ", ".join(
             f"`{c}` ({r[:8]})" if r else f"`{c}`"
@@ -264,7 +270,7 @@ def comparison_markdown(table: pd.DataFrame) -> str:
                 trace,
             ]
         )
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows) + _footnote(table)
+    return markdown_table(header, rows) + _footnote(table)
 
 
 def set_table(frame: pd.DataFrame, meta: dict[str, Any], metric: str = "mse") -> pd.DataFrame:
@@ -304,10 +310,10 @@ TRACKING_NOTES = {
 }
 
 
-def tracking_markdown(frame: pd.DataFrame, meta: dict[str, Any], flags: dict[str, str], csv: Path) -> str:
+def tracking_markdown(frame: pd.DataFrame, meta: dict[str, Any], flags: dict[str, str], stem: Path) -> str:
     """The tracking table (Bouncing MNIST): final-sweep position error (at the digits' ink
     centres), tracked-frame fraction, the boxes' error and the motion error per (test
-    set, method, K, L), written to ``csv``; "" when the task has no position truth."""
+    set, method, K, L), written to ``<stem>.csv``; "" when the task has no position truth."""
     table = set_table(frame, meta, "pos_err")
     if table.empty:
         return ""
@@ -320,16 +326,12 @@ def tracking_markdown(frame: pd.DataFrame, meta: dict[str, Any], flags: dict[str
             table = table.merge(part, on=MSE_KEYS, how="left")
             columns[metric] = header
     table = with_flags(table, frame.assign(test_set=frame.get("test_set", "test")), MSE_KEYS, flags)
-    atomic_write(csv, lambda tmp: table.to_csv(tmp, index=False))
+    write_table(stem, table)
     rows = [
-        f"| {r.test_set} | {_flagged(r.method, r.flag)} | {r.K} | {r.L} | "
-        + " | ".join(pm(getattr(r, f"mean_{m}"), getattr(r, f"std_{m}")) for m in columns)
-        + " |"
+        [r.test_set, _flagged(r.method, r.flag), f"{r.K}", f"{r.L}"]
+        + [pm(getattr(r, f"mean_{m}"), getattr(r, f"std_{m}")) for m in columns]
         for r in table.itertuples(index=False)
     ]
-    head = [
-        "| test set | method | K | L | " + " | ".join(columns.values()) + " |",
-        "| --- | --- | --- | --- | " + " | ".join("---" for _ in columns) + " |",
-    ]
+    header = ["test set", "method", "K", "L", *columns.values()]
     notes = " ".join(TRACKING_NOTES[m] for m in columns if m in TRACKING_NOTES)
-    return "\n".join(head + rows) + _footnote(table) + (f"\n\n{notes}" if notes else "")
+    return markdown_table(header, rows) + _footnote(table) + (f"\n\n{notes}" if notes else "")

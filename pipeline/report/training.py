@@ -9,24 +9,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from pipeline.present import number
+from pipeline.present import markdown_table, number
 from pipeline.report import exact
 
 # A cell has plateaued when neither its training log joint nor its training ESS/L over the
 # last fifth of its iterations shows a trend larger than 3 standard errors; fewer than 5
-# logged points there cannot
-# tell a trend from noise.
+# logged points there cannot tell a trend from noise.
 PLATEAU_FRACTION = 0.2
-
-
 PLATEAU_MIN_POINTS = 5
-
-
 PLATEAU_Z = 3.0
-
-
 NOT_PLATEAUED, NOT_ASSESSABLE = "†", "‡"
-
 
 FLAG_NOTES = {
     NOT_PLATEAUED: "not plateaued: see the training table",
@@ -192,7 +184,7 @@ def training_markdown(table: pd.DataFrame) -> str:
         "z (ESS/L)",
         "plateaued",
     ]
-    rows = [header, ["---"] * len(header)]
+    rows = []
     for r in table.itertuples(index=False):
         rows.append(
             [
@@ -210,7 +202,7 @@ def training_markdown(table: pd.DataFrame) -> str:
                 + {"no": f" {NOT_PLATEAUED}", "not assessable": f" {NOT_ASSESSABLE}"}.get(r.plateaued, ""),
             ]
         )
-    return "\n".join("| " + " | ".join(r) + " |" for r in rows)
+    return markdown_table(header, rows)
 
 
 def stalled_seeds(table: pd.DataFrame, margin: float) -> pd.DataFrame:

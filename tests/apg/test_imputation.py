@@ -166,7 +166,8 @@ def test_gmm_masks_are_seeded():
 def test_pipeline_imputation_rows_for_both_tasks():
     """``imputation_frame`` on untrained cells: the rows, metrics and examples the report reads."""
     from apg.training import TrainConfig, build
-    from pipeline.evaluate.impute import imputation_frame, imputation_markdown, imputation_table
+    from pipeline.evaluate.impute import imputation_frame
+    from pipeline.report.imputation import imputation_markdown, imputation_table
 
     torch.manual_seed(0)
     spec, _, arrays = _gmm(num_datasets=3, num_points=12)
