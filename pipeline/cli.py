@@ -40,13 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from pipeline.config import checks
+from pipeline.config.schema import TRAIN_KEYS
 
 # torch, the library and the stages load inside the commands that use them: `--help` and a
 # refused flag answer at once.
@@ -76,15 +76,12 @@ def _key_values(items: list[str], flag: str) -> dict[str, Any]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from apg.data import save_dataset
     from apg.tasks.simulation import simulate_set
-    from pipeline.config.schema import check_sizes
 
-    if args.num_datasets < 1:
-        raise ValueError(f"--num-datasets must be >= 1, got {args.num_datasets}")
+    checks.integer(args.num_datasets, "--num-datasets", low=1)
     checks.seed(args.seed, "--seed")
     sizes = _key_values(args.size, "--size")
     if args.num_points is not None:
         sizes["num_points"] = args.num_points
-    check_sizes(sizes, "--size")
     checks.size_values(args.task, sizes, "--size")
     model = _key_values(args.model, "--model")
     # Held in memory whole, then written: refuse what this machine cannot hold, before any of it.
@@ -270,20 +267,13 @@ def cmd_continue(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- train
 
 
-# Flags of `train` named as the training config's fields: unset, they take the value of the
-# params file's cell, so the pipeline's defaults are the only ones.
-TRAIN_FIELDS = (
-    "sweeps",
-    "particles",
-    "batch_size",
-    "iterations",
-    "lr",
-    "lr_schedule",
-    "lr_final_factor",
-    "lr_hold_fraction",
-    "resample_mode",
-    "resampler",
-)
+# Flags of `train` named as the training config's fields (its scalar ``train`` keys): unset,
+# they take the value of the params file's cell, so the pipeline's defaults are the only ones.
+TRAIN_FIELDS = ("sweeps", "particles", *(k for k, kind in TRAIN_KEYS.items() if kind not in (bool, dict)))
+TRAIN_HELP = {
+    "lr_schedule": "constant or cosine (decay to lr * --lr-final-factor)",
+    "lr_hold_fraction": "cosine: the last fraction of steps at the floor rate",
+}
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
@@ -422,16 +412,19 @@ def cmd_impute(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
-# --------------------------------------------------------------------------- stages
+# --------------------------------------------------------------------------- parsers
 
 
-def cmd_stage(module: str) -> Callable[[argparse.Namespace], None]:
-    def run(args: argparse.Namespace) -> None:
-        import importlib
+def _key_value_flag(parser: argparse.ArgumentParser, flag: str, help: str | None = None) -> None:
+    """A repeatable ``flag KEY=VALUE`` (read by ``_key_values``)."""
+    parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help)
 
-        importlib.import_module(f"pipeline.{module}").main(args.rest)
 
-    return run
+def _budget_flags(
+    parser: argparse.ArgumentParser, sweeps: int | None = None, particles: int | None = None
+) -> None:
+    parser.add_argument("--sweeps", "-K", type=int, default=sweeps)
+    parser.add_argument("--particles", "-L", type=int, default=particles)
 
 
 def _add_generate(sub) -> None:
@@ -442,10 +435,8 @@ def _add_generate(sub) -> None:
     gen.add_argument("--num-datasets", type=int, required=True)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--num-points", type=int, default=None, help="shorthand for --size num_points=N")
-    gen.add_argument("--size", action="append", default=[], metavar="KEY=VALUE", help="task size option")
-    gen.add_argument(
-        "--model", action="append", default=[], metavar="KEY=VALUE", help="task model hyperparameter"
-    )
+    _key_value_flag(gen, "--size", "task size option")
+    _key_value_flag(gen, "--model", "task model hyperparameter")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -462,27 +453,14 @@ def _add_train(sub) -> None:
     )
     train.add_argument("--task", default="gmm")
     train.add_argument("--method", default="apg")
-    train.add_argument("--sweeps", "-K", type=int)
-    train.add_argument("--particles", "-L", type=int)
-    train.add_argument("--batch-size", type=int)
-    train.add_argument("--iterations", type=int)
-    train.add_argument("--lr", type=float)
-    train.add_argument("--lr-schedule", help="constant or cosine (decay to lr * --lr-final-factor)")
-    train.add_argument("--lr-final-factor", type=float)
-    train.add_argument(
-        "--lr-hold-fraction", type=float, help="cosine: the last fraction of steps at the floor rate"
-    )
-    train.add_argument("--resample-mode")
-    train.add_argument("--resampler")
-    train.add_argument("--model", action="append", default=[], metavar="KEY=VALUE")
-    train.add_argument("--network", action="append", default=[], metavar="KEY=VALUE")
-    train.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="the method's own option (e.g. step_size=0.05 for hmc-rws)",
-    )
+    _budget_flags(train)
+    for field in TRAIN_FIELDS[2:]:
+        kind = TRAIN_KEYS[field]  # int, str, or (int, float): a float
+        flag = "--" + field.replace("_", "-")
+        train.add_argument(flag, type=float if isinstance(kind, tuple) else kind, help=TRAIN_HELP.get(field))
+    _key_value_flag(train, "--model")
+    _key_value_flag(train, "--network")
+    _key_value_flag(train, "--option", "the method's own option (e.g. step_size=0.05 for hmc-rws)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     train.add_argument("--device", default="cpu")
@@ -496,8 +474,7 @@ def _add_evaluate(sub) -> None:
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on held-out datasets, write JSON")
     ev.add_argument("--checkpoint", required=True)
     ev.add_argument("--data", required=True)
-    ev.add_argument("--sweeps", "-K", type=int, default=10)
-    ev.add_argument("--particles", "-L", type=int, default=10)
+    _budget_flags(ev, 10, 10)
     ev.add_argument("--batch-size", type=int, default=20)
     ev.add_argument("--resample-mode", default="block")
     ev.add_argument("--seed", type=int, default=0)
@@ -518,10 +495,9 @@ def _add_impute(sub) -> None:
     imp.add_argument("--mask", required=True, help=".npz with 'mask' shaped like x: 1 missing, 0 observed")
     imp.add_argument("--out", required=True)
     imp.add_argument("--iterations", type=int, default=20)
-    imp.add_argument("--sweeps", "-K", type=int, default=5)
-    imp.add_argument("--particles", "-L", type=int, default=10)
+    _budget_flags(imp, 5, 10)
     imp.add_argument("--fill", default="sample", help="sample: draw from p(x | z); mean: its mean")
-    imp.add_argument("--network", action="append", default=[], metavar="KEY=VALUE")
+    _key_value_flag(imp, "--network")
     imp.add_argument("--seed", type=int, default=0)
     imp.set_defaults(func=cmd_impute)
 
@@ -681,18 +657,14 @@ def _add_continue(sub) -> None:
     run.set_defaults(func=cmd_continue)
 
 
-def _add_stages(sub) -> None:
-    """The stages (``sweep``, ``eval-sweep``, ``report``, ``tune``): each hands its arguments to the
-    stage's own parser."""
-    for name, module, text in (
-        ("sweep", "sweep", "stage: Ray Tune sweep of one task's grid (params.yaml)"),
-        ("eval-sweep", "evaluate", "stage: evaluate every trained cell of a sweep"),
-        ("report", "report", "stage: regenerate reports/ from recorded results"),
-        ("tune", "tune", "hyperparameter search of one task (tune.yaml): Tune search algorithm + ASHA"),
-    ):
-        stage = sub.add_parser(name, help=text, add_help=False)
-        stage.add_argument("rest", nargs=argparse.REMAINDER)
-        stage.set_defaults(func=cmd_stage(module))
+# The stages' subcommands: ``main`` hands every argument (--help included) to the stage's own
+# parser; this one only lists them.
+STAGES = {
+    "sweep": ("sweep.stage", "stage: Ray Tune sweep of one task's grid (params.yaml)"),
+    "eval-sweep": ("evaluate.stage", "stage: evaluate every trained cell of a sweep"),
+    "report": ("report.stage", "stage: regenerate reports/ from recorded results"),
+    "tune": ("search.stage", "hyperparameter search of one task (tune.yaml): Tune search algorithm + ASHA"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -716,25 +688,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_record(sub)
     _add_continue(sub)
     _add_grid(sub)
-    _add_stages(sub)
+    for name, (_, text) in STAGES.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
-
-
-STAGES = {
-    "sweep": "sweep.stage",
-    "eval-sweep": "evaluate.stage",
-    "report": "report.stage",
-    "tune": "search.stage",
-}
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in STAGES:
-        # Stage subcommands hand every argument (--help included) to the stage's own parser.
         import importlib
 
-        importlib.import_module(f"pipeline.{STAGES[argv[0]]}").main(argv[1:])
+        importlib.import_module(f"pipeline.{STAGES[argv[0]][0]}").main(argv[1:])
         return
     args = build_parser().parse_args(argv)
     from pipeline.errors import run_guarded

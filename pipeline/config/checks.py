@@ -3,9 +3,9 @@ the filesystem or a loop sees them: counts and sizes positive and bounded, float
 seeds in torch's range, devices that exist on this machine, what a dataset will take in
 memory and on disk, output paths that stay inside the project, and files that parse.
 
-Every check raises ``error`` (``ValueError`` unless the caller passes ``ParamsError``) with
-one line naming the flag or key; ``pipeline.errors.run_guarded`` turns it into
-``apg-pipeline: error: ...`` and exit status 2.
+A value refused raises ``ParamsError`` (a ``ValueError``) with one line naming the flag or
+key; ``pipeline.errors.run_guarded`` turns it into ``apg-pipeline: error: ...`` and exit
+status 2.
 """
 
 from __future__ import annotations
@@ -27,25 +27,33 @@ MAX_MINUTES = 1e7
 PROBE_CAP = 1024
 
 
+class ParamsError(ValueError):
+    """A value refused where it enters (a params key, an overlay, a command-line flag); the
+    message is one line naming the key or flag and the reason."""
+
+
+def is_kind(value: Any, kind: Any) -> bool:
+    """``isinstance``, except that a bool is no number (YAML's ``true`` is no count)."""
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+
+
 def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return is_kind(value, (int, float))
 
 
-def integer(
-    value: Any, where: str, low: int | None = None, high: int | None = None, error: type = ValueError
-) -> int:
-    """``value`` if it is an integer in ``[low, high]``; else ``error`` naming ``where``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise error(f"{where}: must be an integer, got {value!r}")
-    _bounds(value, where, low, high, error)
+def integer(value: Any, where: str, low: int | None = None, high: int | None = None) -> int:
+    """``value`` if it is an integer in ``[low, high]``; else ``ParamsError`` naming ``where``."""
+    if not is_kind(value, int):
+        raise ParamsError(f"{where}: must be an integer, got {value!r}")
+    _bounds(value, where, low, high)
     return value
 
 
-def _bounds(value: float, where: str, low: float | None, high: float | None, error: type) -> None:
+def _bounds(value: float, where: str, low: float | None, high: float | None) -> None:
     if low is not None and value < low:
-        raise error(f"{where}: must be at least {low:g}, got {value!r}")
+        raise ParamsError(f"{where}: must be at least {low:g}, got {value!r}")
     if high is not None and value > high:
-        raise error(f"{where}: must be at most {high:g}, got {value!r}")
+        raise ParamsError(f"{where}: must be at most {high:g}, got {value!r}")
 
 
 def number(
@@ -54,30 +62,27 @@ def number(
     low: float | None = None,
     high: float | None = None,
     positive: bool = False,
-    error: type = ValueError,
 ) -> float:
     """``value`` if it is a finite number in ``[low, high]`` (``positive``: above 0)."""
     if not is_number(value) or not math.isfinite(value):
-        raise error(f"{where}: must be a finite number, got {value!r}")
+        raise ParamsError(f"{where}: must be a finite number, got {value!r}")
     if positive and not value > 0:
-        raise error(f"{where}: must be positive, got {value!r}")
-    _bounds(value, where, low, high, error)
+        raise ParamsError(f"{where}: must be positive, got {value!r}")
+    _bounds(value, where, low, high)
     return value
 
 
-def minutes(value: float | None, where: str, error: type = ValueError) -> float | None:
+def minutes(value: float | None, where: str) -> float | None:
     """A duration in minutes (``None``: not given): finite, positive, at most ``MAX_MINUTES``."""
     if value is None:
         return None
-    return number(value, where, high=MAX_MINUTES, positive=True, error=error)
+    return number(value, where, high=MAX_MINUTES, positive=True)
 
 
-def seed(value: Any, where: str, error: type = ValueError) -> int:
+def seed(value: Any, where: str) -> int:
     """A seed torch's generators accept."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise error(f"{where}: must be an integer, got {value!r}")
-    if not SEED_MIN <= value <= SEED_MAX:
-        raise error(f"{where}: must be in [-2**63, 2**64 - 1] (torch's seeds), got {value!r}")
+    if not SEED_MIN <= integer(value, where) <= SEED_MAX:
+        raise ParamsError(f"{where}: must be in [-2**63, 2**64 - 1] (torch's seeds), got {value!r}")
     return value
 
 
@@ -86,32 +91,32 @@ def threads(value: Any, where: str = "--threads") -> int:
     return integer(value, where, 0, 4 * (os.cpu_count() or 1))
 
 
-def finite_values(values: Mapping[str, Any], where: str, error: type = ValueError) -> None:
+def finite_values(values: Mapping[str, Any], where: str) -> None:
     """Every number in ``values`` (model or network keywords, dataset sizes; nested lists
     and mappings included) is finite: a NaN hyperparameter simulates a dataset of NaN."""
     for key, value in values.items():
-        _finite(value, f"{where}.{key}", error)
+        _finite(value, f"{where}.{key}")
 
 
-def _finite(value: Any, where: str, error: type) -> None:
+def _finite(value: Any, where: str) -> None:
     if isinstance(value, Mapping):
-        finite_values(value, where, error)
+        finite_values(value, where)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _finite(item, f"{where}[{i}]", error)
+            _finite(item, f"{where}[{i}]")
     elif is_number(value) and not math.isfinite(value):
-        raise error(f"{where}: must be a finite number, got {value!r}")
+        raise ParamsError(f"{where}: must be a finite number, got {value!r}")
 
 
-def network_values(values: Mapping[str, Any], where: str, error: type = ValueError) -> None:
+def network_values(values: Mapping[str, Any], where: str) -> None:
     """Proposal-network keywords: numbers finite, integers (widths, counts) at least 1."""
-    finite_values(values, where, error)
+    finite_values(values, where)
     for key, value in values.items():
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise error(f"{where}.{key}: must be at least 1, got {value!r}")
+        if is_kind(value, int):  # a width or a count
+            integer(value, f"{where}.{key}", low=1)
 
 
-def size_values(task: str, sizes: Mapping[str, Any], where: str, error: type = ValueError) -> None:
+def size_values(task: str, sizes: Mapping[str, Any], where: str) -> None:
     """A dataset's sizes (the task simulator's keywords): known keys, the type of the
     simulator's default (an integer where it takes one), numbers finite and positive."""
     import inspect
@@ -122,10 +127,10 @@ def size_values(task: str, sizes: Mapping[str, Any], where: str, error: type = V
     known = {name: p.default for name, p in list(params.items())[3:] if p.kind is p.POSITIONAL_OR_KEYWORD}
     for key, value in sizes.items():
         if key not in known:
-            raise error(f"{where}.{key}: unknown size of task {task}; known: {sorted(known)}")
-        like_default(known[key], value, f"{where}.{key}", error)
-        if is_number(value):
-            number(value, f"{where}.{key}", positive=True, error=error)
+            raise ParamsError(f"{where}.{key}: unknown size of task {task}; known: {sorted(known)}")
+        if is_number(value):  # a dataset of no points would train and score meaningless numbers
+            number(value, f"{where}.{key}", positive=True)
+        like_default(known[key], value, f"{where}.{key}")
 
 
 # --------------------------------------------------------------------------- devices
@@ -181,7 +186,7 @@ def dataset_bytes(
     model = build_model(task, model_hparams)
     probe, scale = dict(sizes), 1.0
     for key, value in sizes.items():
-        if isinstance(value, int) and not isinstance(value, bool) and value > PROBE_CAP:
+        if is_kind(value, int) and value > PROBE_CAP:
             probe[key], scale = PROBE_CAP, scale * value / PROBE_CAP
     try:
         with torch.no_grad():
@@ -200,42 +205,39 @@ def dataset_bytes(
     }
 
 
-def build_model(
-    task: str, model_hparams: Mapping[str, Any], where: str = "--model", error: type = ValueError
-):
+def build_model(task: str, model_hparams: Mapping[str, Any], where: str = "--model"):
     """The task's model from its keyword arguments: keys its config knows, each of the type
-    of the config's default (an integer one a count, at least 1), numbers finite; ``error``
-    naming ``where``."""
+    of the config's default (an integer one a count, at least 1), numbers finite;
+    ``ParamsError`` naming ``where``."""
     import dataclasses
 
     from apg.tasks import get_task
 
-    finite_values(model_hparams, where, error)
+    finite_values(model_hparams, where)
     try:
         model = get_task(task).build_model(**model_hparams)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise error(f"{where}: {first_line(err)}") from None
+        raise ParamsError(f"{where}: {first_line(err)}") from None
     cfg = getattr(model, "cfg", None)
     if dataclasses.is_dataclass(cfg):
         defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
         for key, value in model_hparams.items():
             default = defaults.get(key)
-            like_default(default, value, f"{where}.{key}", error)
-            if isinstance(default, int) and not isinstance(default, bool) and value < 1:  # a count
-                raise error(f"{where}.{key}: must be at least 1, got {value!r}")
+            if is_kind(default, int):  # a count
+                integer(value, f"{where}.{key}", low=1)
+            like_default(default, value, f"{where}.{key}")
     return model
 
 
-def like_default(default: Any, value: Any, where: str, error: type = ValueError) -> None:
+def like_default(default: Any, value: Any, where: str) -> None:
     """``value`` of the kind of ``default``: a number where it is one, an integer where it is one."""
     if isinstance(default, bool):
         if not isinstance(value, bool):
-            raise error(f"{where}: must be true or false, got {value!r}")
+            raise ParamsError(f"{where}: must be true or false, got {value!r}")
     elif isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise error(f"{where}: must be an integer, got {value!r}")
+        integer(value, where)
     elif isinstance(default, float) and not is_number(value):
-        raise error(f"{where}: must be a number, got {value!r}")
+        raise ParamsError(f"{where}: must be a number, got {value!r}")
 
 
 def networks(cfg: Any, model_flag: str = "--model", network_flag: str = "--network") -> None:
@@ -321,25 +323,25 @@ def human(nbytes: float) -> str:
 # --------------------------------------------------------------------------- paths
 
 
-def inside_project(value: Any, where: str, error: type = ValueError) -> str:
+def inside_project(value: Any, where: str) -> str:
     """A relative output path that stays inside the project (no absolute path, no ``..``
     climbing out of it): where a params key writes. A folder elsewhere is named on the
     command line (``--out``, ``--dir``), never in params."""
     if not isinstance(value, str) or not value.strip():
-        raise error(f"{where}: must be a path inside the project, got {value!r}")
+        raise ParamsError(f"{where}: must be a path inside the project, got {value!r}")
     if os.path.isabs(value) or os.path.normpath(value).split(os.sep)[0] == os.pardir:
-        raise error(f"{where}: {value!r} is outside the project; give a path relative to it")
+        raise ParamsError(f"{where}: {value!r} is outside the project; give a path relative to it")
     return value
 
 
-def relative_stays_inside(value: Any, where: str, error: type = ValueError) -> str:
+def relative_stays_inside(value: Any, where: str) -> str:
     """A path that may be absolute or a URI (a cluster's shared storage), but a relative one
     must stay inside the project."""
     if not isinstance(value, str) or not value.strip():
-        raise error(f"{where}: must be a path, got {value!r}")
+        raise ParamsError(f"{where}: must be a path, got {value!r}")
     if "://" in value or os.path.isabs(value):
         return value
-    return inside_project(value, where, error)
+    return inside_project(value, where)
 
 
 # --------------------------------------------------------------------------- files

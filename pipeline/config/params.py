@@ -55,9 +55,9 @@ from pipeline.config.schema import (
     check_data_set,
     check_mapping,
     check_pair,
-    check_section,
+    check_sweeps,
     first_line,
-    require,
+    is_kind,
     unknown_key,
 )
 
@@ -137,20 +137,23 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, d
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 
 
-def read_yaml(path: Path) -> Any:
-    """A YAML file's contents; ``ParamsError`` naming the file and line for invalid YAML or a
-    key given twice in one mapping."""
+def read_yaml(path: Path, loader: type[yaml.SafeLoader] = _StrictLoader, mapping: bool = False) -> Any:
+    """A YAML file's contents (``mapping``: one that must be a mapping); ``ParamsError`` naming
+    the file and line for invalid YAML or a key given twice in one mapping."""
     try:
         text = path.read_text()
     except UnicodeDecodeError as err:
         raise ParamsError(f"{path} is not a YAML text file (byte {err.start}: {err.reason})") from None
     try:
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+        value = yaml.load(text, Loader=loader)  # noqa: S506 (a SafeLoader subclass)
     except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" line {where.line + 1}:" if where is not None else ""
+        mark = getattr(err, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ParamsError(f"{path} is not valid YAML ({line.strip()} {problem})".replace("( ", "(")) from None
+        raise ParamsError(f"{path} is not valid YAML ({line}{problem})") from None
+    if mapping and not isinstance(value, dict):
+        raise ParamsError(f"{path} must hold a mapping of sections")
+    return value
 
 
 def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
@@ -158,9 +161,7 @@ def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ParamsError(f"params file not found: {path}")
-    params = read_yaml(path)
-    if not isinstance(params, dict):
-        raise ParamsError(f"{path} must hold a mapping of sections")
+    params = read_yaml(path, mapping=True)
     validate_params(params)
     return params
 
@@ -173,7 +174,9 @@ def validate_params(params: dict[str, Any]) -> None:
             raise ParamsError(
                 unknown_key(key, [*TOP_KEYS, *known_tasks], "top-level section or registered task")
             )
-    tasks = require(params, "tasks", list, "tasks")
+    tasks = params.get("tasks")
+    if not isinstance(tasks, list):
+        raise ParamsError("tasks: missing" if tasks is None else f"tasks: must be a list, got {tasks!r}")
     if not tasks:
         raise ParamsError("tasks: list at least one task")
     for i, task in enumerate(tasks):
@@ -181,32 +184,22 @@ def validate_params(params: dict[str, Any]) -> None:
             raise ParamsError(f"tasks[{i}]: unknown task {task!r}; registered tasks: {known_tasks}")
         if task not in params:
             raise ParamsError(f"tasks[{i}]: task {task!r} has no section {task}: in the params file")
-    check_section(params, "sweep", SWEEP_KEYS, required=True)
-    sweep = params["sweep"]
-    for key in ("cpus_per_trial", "gpus_per_trial"):
-        if sweep.get(key, 0) < 0:
-            raise ParamsError(f"sweep.{key}: must be >= 0, got {sweep[key]}")
-    for key in ("max_failures", "max_concurrent"):
-        if sweep.get(key, 0) < 0:
-            raise ParamsError(f"sweep.{key}: must be >= 0, got {sweep[key]}")
-    for key in ("checkpoint_every", "log_every", "torch_threads"):
-        if key in sweep and sweep[key] < 1:
-            raise ParamsError(f"sweep.{key}: must be >= 1, got {sweep[key]}")
+    sweep = check_mapping(params.get("sweep"), "sweep", SWEEP_KEYS, required=True)
     if "storage" in sweep:  # a cluster's shared storage may be absolute; a relative one stays inside
-        checks.relative_stays_inside(sweep["storage"], "sweep.storage", ParamsError)
-    check_section(params, "tracking", TRACKING_KEYS, required=False)
-    report = check_section(params, "report", REPORT_KEYS, required=False)
+        checks.relative_stays_inside(sweep["storage"], "sweep.storage")
+    check_mapping(params.get("tracking"), "tracking", TRACKING_KEYS)
+    report = check_mapping(params.get("report"), "report", REPORT_KEYS)
     if "out" in report:  # the report stage writes there: inside the project
-        checks.inside_project(report["out"], "report.out", ParamsError)
+        checks.inside_project(report["out"], "report.out")
     for task in tasks:
         validate_task(params, task)
 
 
 def validate_task(params: dict[str, Any], task: str) -> None:
-    section = check_section(params, task, TASK_KEYS, required=True)
+    section = check_mapping(params[task], task, TASK_KEYS, required=True)
     spec = get_task(task)
-    model = checks.build_model(task, section.get("model") or {}, f"{task}.model", ParamsError)
-    checks.network_values(section.get("network") or {}, f"{task}.network", ParamsError)
+    model = checks.build_model(task, section.get("model") or {}, f"{task}.model")
+    checks.network_values(section.get("network") or {}, f"{task}.network")
     data = check_mapping(section.get("data"), f"{task}.data", DATA_KEYS)
     if "train" not in data:
         raise ParamsError(f"{task}.data.train: missing")
@@ -219,7 +212,7 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         raise ParamsError(f"{task}.data.x_dtype: must be one of {list(X_DTYPES)}, got {data['x_dtype']!r}")
     sets = evaluation_sets(section, where=f"{task}.data")  # checks names and each entry
     for entry in [{**data["train"], "where": f"{task}.data.train"}, *sets]:
-        checks.size_values(task, entry.get("sizes") or {}, f"{entry['where']}.sizes", ParamsError)
+        checks.size_values(task, entry.get("sizes") or {}, f"{entry['where']}.sizes")
     check_mapping(section.get("train"), f"{task}.train", TRAIN_KEYS)
     cells = grid_cells(params, task)  # validates every cell's TrainConfig
     network = section.get("network", {})
@@ -230,13 +223,13 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         models.setdefault(json.dumps(c.train.model, sort_keys=True), c)
         networks.setdefault((c.method, json.dumps(c.train.network, sort_keys=True)), c)
     for cell in models.values():  # a model an entry's axes set
-        checks.build_model(task, cell.train.model, f"{task}.grid ({cell.name}): model", ParamsError)
+        checks.build_model(task, cell.train.model, f"{task}.grid ({cell.name}): model")
     # Every network a cell trains (the task's, or one its axes set) under every override.
     for (method, cell_network), cell in networks.items():
         for key, where in overrides.items():
             try:
                 merged = {**json.loads(cell_network), **json.loads(key)}
-                checks.network_values(merged, "network", ParamsError)
+                checks.network_values(merged, "network")
                 get_method(method).build_proposals(spec, model, **merged)
             except (TypeError, ValueError, RuntimeError) as err:
                 at = f"{where}.network" if key != "{}" else f"{task}.network"
@@ -256,10 +249,8 @@ def validate_task(params: dict[str, Any], task: str) -> None:
         if key in ev and ev[key] < (2 if key == "figure_particles" else 1):
             raise ParamsError(f"{task}.evaluate.{key}: too small ({ev[key]})")
     if "seed" in ev:
-        checks.seed(ev["seed"], f"{task}.evaluate.seed", ParamsError)
-    for j, k in enumerate(ev.get("figure_sweeps", [])):
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ParamsError(f"{task}.evaluate.figure_sweeps[{j}]: K must be an integer >= 1, got {k!r}")
+        checks.seed(ev["seed"], f"{task}.evaluate.seed")
+    check_sweeps(ev.get("figure_sweeps", []), f"{task}.evaluate.figure_sweeps")
     if "imputation" in ev:
         _check_imputation(ev["imputation"], section, f"{task}.evaluate.imputation")
 
@@ -278,11 +269,8 @@ def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) 
         raise ParamsError(f"{where}.test_set: {imp['test_set']!r} is not a test set of this task ({names})")
     if "pair" in imp:
         check_pair(imp["pair"], f"{where}.pair")
-    for key, low in (("num_datasets", 1), ("iterations", 1), ("burn_in", 0)):
-        if key in imp and imp[key] < low:
-            raise ParamsError(f"{where}.{key}: must be >= {low}, got {imp[key]}")
     if "seed" in imp:
-        checks.seed(imp["seed"], f"{where}.seed", ParamsError)
+        checks.seed(imp["seed"], f"{where}.seed")
     if imp.get("burn_in", 0) >= imp.get("iterations", 10):
         raise ParamsError(f"{where}.burn_in: must be below iterations ({imp.get('iterations', 10)})")
     if imp.get("fill", "sample") not in ("sample", "mean"):
@@ -298,19 +286,11 @@ def _check_imputation(imp: dict[str, Any], section: dict[str, Any], where: str) 
                 f"{where}.occlusions[{j}]: {{start, frames}} (frames blanked) or {{rows: [a, b], cols: [a, b]}} "
                 f"(a region hidden in every frame), got {occ!r}"
             )
-        if not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1
-            for k, v in occ.items()
-            if k != "rows" and k != "cols"
-        ) or any(
-            not (
-                isinstance(v, list)
-                and len(v) == 2
-                and all(isinstance(b, int) for b in v)
-                and 0 <= v[0] < v[1]
-            )
-            for k, v in occ.items()
-            if k in ("rows", "cols")
+        frames = [v for k, v in occ.items() if k in ("start", "frames")]
+        ranges = [v for k, v in occ.items() if k in ("rows", "cols")]
+        if not all(is_kind(v, int) and v >= 1 for v in frames) or not all(
+            isinstance(v, list) and len(v) == 2 and all(isinstance(b, int) for b in v) and 0 <= v[0] < v[1]
+            for v in ranges
         ):
             raise ParamsError(
                 f"{where}.occlusions[{j}]: bad bounds {occ!r} (frames >= 1; ranges [a, b] with a < b)"
@@ -330,48 +310,34 @@ def evaluation_sets(section: dict[str, Any], where: str = "data") -> list[dict[s
     Returns ``[{"name", "stem", "kind": "test" | "figure", "where", **entry}]``, test sets first.
     """
     data = section.get("data") or {}
-    sets: list[dict[str, Any]] = []
-    if "test" in data:
-        check_data_set(data["test"], f"{where}.test")
-        sets.append(
-            {
-                **data["test"],
-                "name": data["test"].get("name", "test"),
-                "stem": "test",
-                "kind": "test",
-                "where": f"{where}.test",
-            }
-        )
+
+    def entry(value: Any, at: str, kind: str, stem: str | None = None) -> dict[str, Any]:
+        check_data_set(value, at)
+        return {"name": stem, **value, "stem": stem, "kind": kind, "where": at}
+
+    sets = [entry(data["test"], f"{where}.test", "test", "test")] if "test" in data else []
     tests = data.get("tests") or []
     if not isinstance(tests, list):
         raise ParamsError(f"{where}.tests: must be a list of data sets, got {tests!r}")
-    for i, entry in enumerate(tests):
-        at = f"{where}.tests[{i}]"
-        check_data_set(entry, at)
-        name = entry.get("name")
+    for i, value in enumerate(tests):
+        sets.append(entry(value, f"{where}.tests[{i}]", "test"))
+        name = sets[-1]["name"]
         if not name or not all(ch.isalnum() or ch in "-_." for ch in name):
             raise ParamsError(
-                f"{at}.name: give each test set a name of letters, digits, '-', '_' or '.', got {name!r}"
+                f"{where}.tests[{i}].name: give each test set a name of letters, digits, '-', '_' or '.', "
+                f"got {name!r}"
             )
-        sets.append({**entry, "stem": f"test_{name}", "kind": "test", "where": at})
+        sets[-1]["stem"] = f"test_{name}"
     if not sets:
         raise ParamsError(f"{where}.test: missing (give test: {{...}} or tests: [{{name: ..., ...}}])")
     names = [s["name"] for s in sets]
     for name in names:
         if names.count(name) > 1:
             raise ParamsError(f"{where}.tests: duplicate test set name {name!r}")
-    for i, entry in enumerate(data.get("figures") or []):
-        at = f"{where}.figures[{i}]"
-        check_data_set(entry, at)
-        sets.append(
-            {
-                **entry,
-                "name": entry.get("name", f"figure_{i}"),
-                "stem": f"figure_{i}",
-                "kind": "figure",
-                "where": at,
-            }
-        )
+    sets += [
+        entry(e, f"{where}.figures[{i}]", "figure", f"figure_{i}")
+        for i, e in enumerate(data.get("figures") or [])
+    ]
     return sets
 
 
@@ -412,7 +378,7 @@ def grid_cells(params: dict[str, Any], task: str) -> list[Cell]:
         if not isinstance(seeds, list) or not seeds:
             raise ParamsError(f"{where}.seeds: must be a non-empty list of integers, got {seeds!r}")
         for j, seed in enumerate(seeds):
-            checks.seed(seed, f"{where}.seeds[{j}]", ParamsError)
+            checks.seed(seed, f"{where}.seeds[{j}]")
         for j, method in enumerate(methods):
             if method not in METHODS:
                 raise ParamsError(
@@ -506,9 +472,8 @@ def check_axes(axes: dict[str, Any], where: str) -> dict[str, list[Any]]:
         if not isinstance(values, list) or not values:
             raise ParamsError(f"{where}.{key}: must be a non-empty list of values, got {values!r}")
         if section == "train":
-            want = TRAIN_KEYS[name]
             for j, value in enumerate(values):
-                if isinstance(value, bool) and want is not bool or not isinstance(value, want):
+                if not is_kind(value, TRAIN_KEYS[name]):
                     raise ParamsError(f"{where}.{key}[{j}]: wrong type for train.{name}, got {value!r}")
         out[str(key)] = values
     return out

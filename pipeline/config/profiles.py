@@ -38,6 +38,7 @@ import yaml
 from pipeline.config.params import (
     ParamsError,
     _mapping_without_duplicates,
+    _StrictLoader,
     load_params,
     read_yaml,
     validate_params,
@@ -58,11 +59,10 @@ class _Replace(dict):
     """``!replace {...}``: the mapping as given, not merged."""
 
 
-class _OverlayLoader(yaml.SafeLoader):
-    """YAML's safe loader with ``!delete`` and ``!replace``, refusing a key given twice."""
+class _OverlayLoader(_StrictLoader):
+    """The params' loader (a key given twice refused) with ``!delete`` and ``!replace``."""
 
 
-_OverlayLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
 _OverlayLoader.add_constructor("!delete", lambda loader, node: _Delete())
 _OverlayLoader.add_constructor(
     "!replace", lambda loader, node: _Replace(_mapping_without_duplicates(loader, node, deep=True))
@@ -125,16 +125,7 @@ def overlay_path(name: str, check: bool = False) -> Path:
 
 
 def read_overlay(path: Path) -> dict[str, Any]:
-    try:
-        overlay = yaml.load(path.read_text(), Loader=_OverlayLoader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = f"line {mark.line + 1}: " if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ParamsError(f"{path} is not valid YAML ({line}{problem})") from None
-    if not isinstance(overlay, dict):
-        raise ParamsError(f"{path} must hold a mapping of sections")
-    return overlay
+    return read_yaml(path, _OverlayLoader, mapping=True)
 
 
 def chain(name: str, check: bool = False) -> list[Path]:

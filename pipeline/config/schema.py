@@ -8,28 +8,34 @@ Every check raises ``ParamsError`` with one line naming the key (``<task>.grid[0
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.config import checks
+from pipeline.config.checks import ParamsError, first_line, is_kind
+
+__all__ = ["ParamsError", "first_line", "is_kind"]
 
 
-class ParamsError(ValueError):
-    """An invalid params file; the message names the key and the reason."""
+class AtLeast(NamedTuple):
+    """A key's type with a lower bound on its value."""
+
+    kind: Any
+    low: float
 
 
-# Allowed keys per section, with their expected types. ``dict`` values under ``model``,
-# ``network`` and ``sizes`` are free-form (they are the task's own keyword arguments and
-# are checked by calling the task's builders).
+# Allowed keys per section, with their expected types (``AtLeast``: and lowest value).
+# ``dict`` values under ``model``, ``network`` and ``sizes`` are free-form (they are the
+# task's own keyword arguments and are checked by calling the task's builders).
 SWEEP_KEYS: dict[str, Any] = {
     "ray_address": (str, type(None)),
     "num_cpus": (int, type(None)),
-    "cpus_per_trial": (int, float),
-    "gpus_per_trial": (int, float),
-    "max_concurrent": int,
-    "max_failures": int,
-    "checkpoint_every": int,
-    "log_every": int,
-    "torch_threads": int,
+    "cpus_per_trial": AtLeast((int, float), 0),
+    "gpus_per_trial": AtLeast((int, float), 0),
+    "max_concurrent": AtLeast(int, 0),
+    "max_failures": AtLeast(int, 0),
+    "checkpoint_every": AtLeast(int, 1),
+    "log_every": AtLeast(int, 1),
+    "torch_threads": AtLeast(int, 1),
     "storage": str,
     "reuse_across_code": bool,  # development only: reuse cells trained by other code
 }
@@ -109,10 +115,10 @@ EVALUATE_KEYS: dict[str, Any] = {
 IMPUTATION_KEYS: dict[str, Any] = {
     "methods": list,
     "test_set": str,
-    "num_datasets": int,
+    "num_datasets": AtLeast(int, 1),
     "pair": list,
-    "iterations": int,
-    "burn_in": int,
+    "iterations": AtLeast(int, 1),
+    "burn_in": AtLeast(int, 0),
     "fill": str,
     "seed": int,
     "fraction": (int, float),  # gmm: the share of points with one coordinate hidden
@@ -124,15 +130,12 @@ TOP_KEYS = ("tasks", "sweep", "tracking", "report")
 def budget_pairs(budget: Any, where: str) -> list[tuple[int, int]]:
     budget = check_mapping(budget, where, BUDGET_KEYS)
     total = budget.get("total")
-    sweeps = budget.get("sweeps")
-    if not isinstance(total, int) or isinstance(total, bool) or total < 2:
+    if not is_kind(total, int) or total < 2:
         raise ParamsError(f"{where}.total: must be an integer K*L >= 2, got {total!r}")
-    if not sweeps:
+    if not budget.get("sweeps"):
         raise ParamsError(f"{where}.sweeps: list at least one K")
     pairs = []
-    for j, k in enumerate(sweeps):
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ParamsError(f"{where}.sweeps[{j}]: K must be an integer >= 1, got {k!r}")
+    for j, k in enumerate(check_sweeps(budget["sweeps"], f"{where}.sweeps")):
         if total < k:
             raise ParamsError(f"{where}.total: budget {total} is smaller than K={k}")
         if total // k < 2:
@@ -141,12 +144,15 @@ def budget_pairs(budget: Any, where: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def check_sweeps(sweeps: list[Any], where: str) -> list[int]:
+    for j, k in enumerate(sweeps):
+        if not is_kind(k, int) or k < 1:
+            raise ParamsError(f"{where}[{j}]: K must be an integer >= 1, got {k!r}")
+    return sweeps
+
+
 def check_pair(pair: Any, where: str) -> tuple[int, int]:
-    if not (
-        isinstance(pair, (list, tuple))
-        and len(pair) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
-    ):
+    if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(is_kind(v, int) for v in pair)):
         raise ParamsError(f"{where}: must be a pair [K, L] of integers, got {pair!r}")
     k, l = pair
     if k < 1:
@@ -157,34 +163,21 @@ def check_pair(pair: Any, where: str) -> tuple[int, int]:
 
 
 def check_data_set(entry: Any, where: str) -> None:
+    """One data set's keys (its sizes are the task's: ``checks.size_values``)."""
     entry = check_mapping(entry, where, DATA_SET_KEYS)
     if entry.get("num_datasets", 0) < 1:
         raise ParamsError(f"{where}.num_datasets: must be an integer >= 1, got {entry.get('num_datasets')!r}")
     if "seed" not in entry:
         raise ParamsError(f"{where}.seed: missing (datasets are always seeded)")
-    checks.seed(entry["seed"], f"{where}.seed", ParamsError)
-    check_sizes(entry.get("sizes") or {}, f"{where}.sizes")
-    checks.network_values(entry.get("network") or {}, f"{where}.network", ParamsError)
+    checks.seed(entry["seed"], f"{where}.seed")
+    checks.network_values(entry.get("network") or {}, f"{where}.network")
 
 
-def check_sizes(sizes: dict[str, Any], where: str) -> None:
-    """Every numeric simulator size (points, frames, digits, a radius) is finite and
-    positive: a dataset of no points would pass through training and evaluation with
-    meaningless numbers. (Which keys a task knows: ``checks.size_values``.)"""
-    for key, value in sizes.items():
-        if checks.is_number(value):
-            checks.number(value, f"{where}.{key}", positive=True, error=ParamsError)
-
-
-def check_section(params: dict[str, Any], name: str, keys: dict[str, Any], required: bool) -> dict[str, Any]:
-    if name not in params:
-        if required:
-            raise ParamsError(f"{name}: missing section")
-        return {}
-    return check_mapping(params[name], name, keys)
-
-
-def check_mapping(value: Any, where: str, keys: dict[str, Any]) -> dict[str, Any]:
+def check_mapping(value: Any, where: str, keys: dict[str, Any], required: bool = False) -> dict[str, Any]:
+    """``value`` (``None``: ``{}``, or missing where ``required``) as a mapping of ``keys``: each
+    key known, of its type and at least its ``AtLeast`` bound."""
+    if value is None and required:
+        raise ParamsError(f"{where}: missing section")
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -193,9 +186,12 @@ def check_mapping(value: Any, where: str, keys: dict[str, Any]) -> dict[str, Any
         if key not in keys:
             raise ParamsError(unknown_key(f"{where}.{key}", list(keys), "key"))
         want = keys[key]
-        if isinstance(item, bool) and want is not bool or not isinstance(item, want):
-            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+        kind, low = want if isinstance(want, AtLeast) else (want, None)
+        if not is_kind(item, kind):
+            names = " or ".join(t.__name__ for t in (kind if isinstance(kind, tuple) else (kind,)))
             raise ParamsError(f"{where}.{key}: must be {names}, got {item!r}")
+        if low is not None and item < low:
+            raise ParamsError(f"{where}.{key}: must be >= {low}, got {item}")
     return value
 
 
@@ -204,16 +200,3 @@ def unknown_key(key: str, known: list[str], what: str) -> str:
     close = difflib.get_close_matches(leaf, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; known: {sorted(known)}"
     return f"{key}: unknown {what}{hint}"
-
-
-def require(params: dict[str, Any], key: str, kind: type, where: str) -> Any:
-    if key not in params:
-        raise ParamsError(f"{where}: missing")
-    if not isinstance(params[key], kind):
-        raise ParamsError(f"{where}: must be a {kind.__name__}, got {params[key]!r}")
-    return params[key]
-
-
-def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
