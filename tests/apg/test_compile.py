@@ -344,8 +344,11 @@ def test_a_per_block_step_traces_unit_by_unit(resample_mode, lengths, sweeps, mo
         assert not counters["graph_break"]
         # Three Adam steps carry the first step's reordered float32 sums into the next:
         # without resampling the third step's loss differed by 1.3e-4 of itself on an Intel
-        # Xeon with AVX-512 (2026-11-28, torch 2.13.0+cpu), by less on other CPUs.
-        assert_same_steps(pairs, grads, rel=5e-4, grad_rel=1e-3)
+        # Xeon with AVX-512 (2026-11-28, torch 2.13.0+cpu), by less on other CPUs. Without
+        # resampling, 3 sweeps chain more reordered sums into the first step's gradients: at
+        # one torch thread on an AMD EPYC (2026-12-07, torch 2.13.0+cpu) 3 of 2,000 entries of
+        # one tensor differed by up to 1.7e-3 of its largest entry.
+        assert_same_steps(pairs, grads, rel=5e-4, grad_rel=1e-3 if resample_mode == "block" else 2.5e-3)
 
 
 def test_the_per_block_graphs_take_cuda_graphs_on_a_gpu_and_not_on_a_cpu(monkeypatch):
