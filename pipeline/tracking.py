@@ -33,6 +33,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from pipeline.config.checks import first_line
+
 # Tags that identify our runs, so a resumed sweep finds its runs instead of duplicating them.
 TAG_SWEEP = "apg.sweep_key"
 TAG_CELL = "apg.cell_id"
@@ -75,7 +77,7 @@ def retry(call: Callable[[], Any], what: str, timeout: float = FLUSH_TIMEOUT_S) 
                 raise
             if not warned:
                 warn(
-                    f"MLflow unreachable while {what} ({_first_line(err)}); retrying for up to {timeout:.0f} s"
+                    f"MLflow unreachable while {what} ({redact(first_line(err)[:200])}); retrying for up to {timeout:.0f} s"
                 )
                 warned = True
             time.sleep(delay)
@@ -504,7 +506,7 @@ class RunLogger:
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 warn(
-                    f"MLflow unreachable for run {self.run_id} ({_first_line(err)}); "
+                    f"MLflow unreachable for run {self.run_id} ({redact(first_line(err)[:200])}); "
                     f"buffering metrics and retrying"
                 )
             self._next_try = time.monotonic() + self._delay
@@ -555,11 +557,6 @@ class RunLogger:
 def redact(text: str) -> str:
     """Hide ``user:password@`` in URIs, so credentials never reach logs or summaries."""
     return re.sub(r"//[^/@\s]+@", "//***@", text)
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return redact(text.splitlines()[0][:200]) if text else type(err).__name__
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 import pandas as pd
 
 from pipeline.common import project_root
+from pipeline.config.checks import first_line
 
 
 def _sweep_client(summary: dict[str, Any]):
@@ -36,7 +37,7 @@ def _sweep_client(summary: dict[str, Any]):
 
 
 def _note(what: str, err: Exception) -> None:
-    print(f"note: {what} ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+    print(f"note: {what} ({type(err).__name__}: {first_line(err)})")
 
 
 def mlflow_run_ids(summary: dict[str, Any]) -> dict[str, str]:

@@ -316,7 +316,7 @@ def retraining(root: Path, params: dict[str, Any], recorded: dict[str, Any]) -> 
         try:
             now = {cell.name: (cid, cell.fingerprint) for cid, cell in plan(params, task, root)[0].items()}
         except Exception as err:  # noqa: BLE001 - one task's failure must not hide the others
-            unchecked[task] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            unchecked[task] = f"{type(err).__name__}: {checks.first_line(err)}"
             continue
         total += len(cells)
         for name, was in sorted(cells.items()):
@@ -433,10 +433,9 @@ def refresh(root: Path, params_file: str = "params.yaml", reports: str = "report
     try:
         numbers = numerics(params)
     except Exception as err:  # noqa: BLE001 - any stage's refusal (no MNIST here, say): one line, nothing written
-        first = str(err).splitlines()[0] if str(err) else ""
         return (
             False,
-            f"the numerics could not be computed here ({type(err).__name__}: {first}); nothing changed",
+            f"the numerics could not be computed here ({type(err).__name__}: {checks.first_line(err)}); nothing changed",
         )
     table, here = numerics_by_cpu(recorded), numerics_key(machine_line(machine()))
     if code_changed:
@@ -450,7 +449,7 @@ def refresh(root: Path, params_file: str = "params.yaml", reports: str = "report
             except (ValueError, subprocess.CalledProcessError) as err:
                 return (
                     False,
-                    f"no numerics recorded for {here}, and {str(err).splitlines()[0]}; nothing changed",
+                    f"no numerics recorded for {here}, and {checks.first_line(err)}; nothing changed",
                 )
         moved = differences(table[here], numbers)
         if moved:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.config.checks import first_line
+
 CLAIMS_RUN = "claims"
 
 
@@ -43,6 +45,5 @@ def log_claims(params: dict[str, Any], root: Path, headline: dict[str, Any], rep
         tracking.finish(client, run_id)
         return run_id
     except Exception as err:  # noqa: BLE001 - the report's files are the record; MLflow's copy is best effort
-        first = str(err).splitlines()[0] if str(err) else ""
-        print(f"note: the claims were not logged to MLflow ({type(err).__name__}: {first})")
+        print(f"note: the claims were not logged to MLflow ({type(err).__name__}: {first_line(err)})")
         return None
