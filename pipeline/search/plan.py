@@ -16,7 +16,10 @@ from apg.tasks import get_task
 from apg.training import TrainConfig, build
 from pipeline.config.params import ParamsError, apply_setting, read_yaml, setting_of
 
-DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint")
+# grid: every value, each once (Tune's grid_search; the random searcher only, which crosses
+# a grid with the other keys' draws).
+DISTRIBUTIONS = ("uniform", "loguniform", "choice", "randint", "grid")
+LISTED = ("choice", "grid")  # distributions given as their values
 
 
 SECTIONS = ("train", "network", "model")
@@ -39,6 +42,7 @@ KEYS = {
     "eval_every",
     "time_budget_s",
     "validation",
+    "seeds",
 }
 
 
@@ -75,9 +79,9 @@ def check_space(space: Any, where: str = "space") -> dict[str, tuple[str, Any]]:
         ((kind, args),) = dist.items()
         if kind not in DISTRIBUTIONS:
             raise _bad(f"{where}.{key}", f"unknown distribution {kind!r}; one of {list(DISTRIBUTIONS)}")
-        if kind == "choice":
+        if kind in LISTED:
             if not isinstance(args, list) or not args:
-                raise _bad(f"{where}.{key}", "choice needs a non-empty list of values")
+                raise _bad(f"{where}.{key}", f"{kind} needs a non-empty list of values")
         else:
             if not (isinstance(args, list) and len(args) == 2 and all(_is_number(a) for a in args)):
                 raise _bad(f"{where}.{key}", f"{kind} needs [low, high], two numbers; got {args!r}")
@@ -95,7 +99,7 @@ def check_space(space: Any, where: str = "space") -> dict[str, tuple[str, Any]]:
 def in_space(spec: tuple[str, Any], value: Any) -> bool:
     """Whether ``value`` is one the distribution ``(kind, args)`` can draw."""
     kind, args = spec
-    if kind == "choice":
+    if kind in LISTED:
         return value in args
     return _is_number(value) and args[0] <= value <= args[1] and (kind != "randint" or isinstance(value, int))
 
@@ -109,7 +113,7 @@ def extremes(space: dict[str, tuple[str, Any]]) -> list[dict[str, Any]]:
     each choice, the others at their first value): what ``check_section`` builds."""
 
     def values(kind: str, args: Any) -> list[Any]:
-        if kind == "choice":
+        if kind in LISTED:
             return list(args)
         return [args[0], args[1] - 1] if kind == "randint" else list(args)
 
@@ -146,6 +150,7 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
     search = _check_search(task, dict(section.get("search", {})))
     scheduler = section.get("scheduler", {"asha": {}})
     asha = _check_scheduler(task, scheduler, iterations)
+    seeds = _check_grids_and_seeds(task, section.get("seeds"), space, search, scheduler)
     pbt = _check_pbt(task, scheduler, space, search["algorithm"], iterations, eval_every)
     budget = section.get("time_budget_s")
     if budget is not None and not (_is_number(budget) and budget > 0):
@@ -199,7 +204,54 @@ def check_section(params: dict[str, Any], task: str, section: dict[str, Any]) ->
         "time_budget_s": budget,
         "validation": validation,
         "pair": pair,
+        # only when given: the plan of a search with one training seed (its key) is as before
+        **({"seeds": seeds} if seeds is not None else {}),
     }
+
+
+def _check_grids_and_seeds(
+    task: str,
+    seeds: Any,
+    space: dict[str, tuple[str, Any]],
+    search: dict[str, Any],
+    scheduler: dict[str, Any],
+) -> list[int] | None:
+    """The section's ``seeds``: training seeds every setting is trained with, each its own
+    trial, the setting ranked by its mean score over them (a setting that trains well for one
+    seed and stalls for another is found out). ``None``: one trial a setting, trained with the
+    search's ``seed``.
+
+    The same setting must reach each seed: the random searcher crossing a grid (a model-based
+    searcher proposes each trial's setting anew). And each seed must train to the end: a
+    scheduler that stops trials early would compare a setting's seeds at different lengths."""
+    algorithm = search["algorithm"]
+    grids = [key for key, (kind, _) in space.items() if kind == "grid"]
+    if grids and algorithm != "random":
+        raise _bad(
+            f"{task}.search.algorithm",
+            f"a grid ({', '.join(grids)}) needs the random searcher, got {algorithm!r}",
+        )
+    if seeds is None:
+        return None
+    where = f"{task}.seeds"
+    if not (
+        isinstance(seeds, list)
+        and seeds
+        and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds)
+        and len(set(seeds)) == len(seeds)
+    ):
+        raise _bad(where, f"a list of distinct non-negative integers, got {seeds!r}")
+    if algorithm != "random" or any(kind != "grid" for kind, _ in space.values()):
+        raise _bad(
+            where, "every setting is trained with each seed: give the space as grids and the random searcher"
+        )
+    if "fifo" not in scheduler:
+        raise _bad(where, f"each seed trains to the end: scheduler {{fifo: {{}}}}, got {scheduler!r}")
+    if search["num_samples"] != 1:
+        raise _bad(
+            f"{task}.search.num_samples", "1 with seeds: the grid crossed with the seeds is every trial"
+        )
+    return seeds
 
 
 def _check_search(task: str, search: dict[str, Any]) -> dict[str, Any]:
@@ -340,6 +392,7 @@ def tune_space(space: dict[str, tuple[str, Any]]) -> dict[str, Any]:
         "loguniform": lambda a: tune.loguniform(*a),
         "choice": lambda a: tune.choice(a),
         "randint": lambda a: tune.randint(a[0], a[1] + 1),
+        "grid": lambda a: tune.grid_search(a),
     }
     return {key: make[kind](args) for key, (kind, args) in space.items()}
 

@@ -62,6 +62,7 @@ def trials_frame(plan: dict[str, Any], results, out: Path):
             {
                 "trial": trial_id,
                 **setting,
+                **({"seed": result.config["seed"]} if "seeds" in plan else {}),
                 "defaults": setting == plan.get("reference"),  # params.yaml's own settings
                 "score": scores[-1] if scores else float("nan"),
                 "best_score": best,
@@ -91,6 +92,37 @@ def asha_order(frame, mode: str):
     return frame.sort_values(
         ["iterations", "score"], ascending=[False, mode == "min"], na_position="last"
     ).reset_index(drop=True)
+
+
+def settings_frame(plan: dict[str, Any], frame):
+    """A search with seeds: one row per setting, its score over the seeds (mean, lowest,
+    highest, and each seed's), best first among the settings whose every seed finished
+    (``complete``): a setting is as good as its mean over seeds, stalls included."""
+    import pandas as pd
+
+    keys, rows = list(plan["space"]), []
+    for values, part in frame.groupby(keys, sort=False):
+        done = part[~part["failed"] & part["score"].notna() & (part["iterations"] == plan["iterations"])]
+        scores = done.sort_values("seed")
+        rows.append(
+            {
+                **dict(zip(keys, values if isinstance(values, tuple) else (values,), strict=True)),
+                "defaults": bool(part["defaults"].any()),
+                "complete": len(done) == len(plan["seeds"]),
+                "mean": scores["score"].mean(),
+                "lowest": scores["score"].min(),
+                "highest": scores["score"].max(),
+                "per_seed": json.dumps(
+                    {int(s): float(v) for s, v in zip(scores["seed"], scores["score"], strict=True)}
+                ),
+                "trials": " ".join(sorted(part["trial"].astype(str))),
+            }
+        )
+    return (
+        pd.DataFrame(rows)
+        .sort_values(["complete", "mean"], ascending=[False, plan["mode"] == "min"], na_position="last")
+        .reset_index(drop=True)
+    )
 
 
 def scheduler_words(plan: dict[str, Any]) -> str:
@@ -137,41 +169,23 @@ def _plain(value: Any) -> Any:
 def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_id: str):
     frame = trials_frame(plan, results, out)
     atomic_write(out / "trials.csv", lambda tmp: frame.to_csv(tmp, index=False))
-    finished = frame[~frame["failed"] & frame["score"].notna()]
-    if finished.empty:
-        raise RuntimeError(f"tune {plan['task']}: no trial finished a validation score")
-    best = finished.iloc[0]
-    setting = {key: _plain(best[key]) for key in plan["space"]}
-    text = best_params(params, plan, setting, float(best["score"]))
+    best, defaults = _best_and_defaults(plan, frame, out)
+    setting = best["setting"]
+    text = best_params(params, plan, setting, best["score"])
     atomic_write(out / "best-params.yaml", lambda tmp: tmp.write_text(text))
-    best_run = tracking.find_run(
-        client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: str(best["trial"])}
-    )
-    if best_run is not None:
-        client.set_tag(best_run.info.run_id, TAG_BEST, "true")
+    for trial_id in best["trial"].split():  # with seeds, each seed's trial of the best setting
+        best_run = tracking.find_run(client, exp_id, {tracking.TAG_PARENT: parent_id, TAG_TRIAL: trial_id})
+        if best_run is not None:
+            client.set_tag(best_run.info.run_id, TAG_BEST, "true")
     tracking.log_params(client, parent_id, {f"best.{k}": v for k, v in setting.items()})
-    client.log_metric(parent_id, f"best_val_{plan['metric']}", float(best["score"]))
+    client.log_metric(parent_id, f"best_val_{plan['metric']}", best["score"])
     tracking.finish(client, parent_id)
-    defaults = frame[frame["defaults"]]
     summary = {
         "task": plan["task"],
         "metric": plan["metric"],
         "mode": plan["mode"],
-        "best": {
-            "trial": str(best["trial"]),
-            "setting": setting,
-            "score": float(best["score"]),
-            "iterations": int(best["iterations"]),
-        },
-        "defaults": None
-        if defaults.empty
-        else {
-            "trial": str(defaults.iloc[0]["trial"]),
-            "setting": plan["reference"],
-            "score": float(defaults.iloc[0]["score"]),
-            "iterations": int(defaults.iloc[0]["iterations"]),
-            "failed": bool(defaults.iloc[0]["failed"]),
-        },
+        "best": best,
+        "defaults": defaults,
         "trials": len(frame),
         "max_iterations": plan["iterations"],
         "stopped_early": int(frame["stopped_early"].sum()),
@@ -185,6 +199,46 @@ def write_outputs(params, plan, results, out: Path, client, parent_id: str, exp_
     }
     atomic_write(out / "summary.json", lambda tmp: tmp.write_text(json.dumps(summary, indent=2) + "\n"))
     return summary
+
+
+def _best_and_defaults(
+    plan: dict[str, Any], frame, out: Path
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The summary's best setting and params.yaml's own (``None``: not among the trials):
+    the first of ``asha_order``'s trials that finished with a score, or, for a search with
+    seeds, the first of ``settings_frame`` (written to ``settings.csv``), its score the mean
+    over seeds."""
+    if "seeds" not in plan:
+        finished = frame[~frame["failed"] & frame["score"].notna()]
+        if finished.empty:
+            raise RuntimeError(f"tune {plan['task']}: no trial finished a validation score")
+        rows, score, last = (
+            finished,
+            "score",
+            lambda row: {"iterations": int(row["iterations"]), "failed": bool(row["failed"])},
+        )
+        defaults = frame[frame["defaults"]]
+    else:
+        rows = settings_frame(plan, frame)
+        atomic_write(out / "settings.csv", lambda tmp: rows.to_csv(tmp, index=False))
+        if not rows["complete"].any():
+            raise RuntimeError(f"tune {plan['task']}: no setting finished a validation score for every seed")
+        score, defaults = "mean", rows[rows["defaults"]]
+        last = lambda row: {  # noqa: E731
+            "iterations": plan["iterations"],
+            "failed": not row["complete"],
+            "per_seed": json.loads(row["per_seed"]),
+        }
+        rows = rows.rename(columns={"trials": "trial"})
+        defaults = defaults.rename(columns={"trials": "trial"})
+
+    def entry(row, setting: dict[str, Any]) -> dict[str, Any]:
+        return {"trial": str(row["trial"]), "setting": setting, "score": float(row[score]), **last(row)}
+
+    top = rows.iloc[0]
+    best = entry(top, {key: _plain(top[key]) for key in plan["space"]})
+    best.pop("failed")
+    return best, None if defaults.empty else entry(defaults.iloc[0], plan["reference"])
 
 
 def _score_text(value: float) -> str:
@@ -250,16 +304,26 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
     source = plan.get("source", "tune.yaml")
     best_file = plan.get("best_file", f"results/tune/{task}/best-params.yaml")
     figure = _search_figure(plan, frame, path.with_suffix(".png"))
-    shown = frame.drop(columns=["history"])
-    table = ["| " + " | ".join(shown.columns) + " |", "|" + " --- |" * len(shown.columns)]
-    scores = {"score", "best_score"}
-    for row in shown.itertuples(index=False):
-        cells = [
-            _score_text(v) if c in scores else _short(_plain(v))
-            for c, v in zip(shown.columns, row, strict=True)
-        ]
-        table.append("| " + " | ".join(cells) + " |")
+    table = _table(frame.drop(columns=["history"]), {"score", "best_score"})
     best = summary["best"]
+    if "seeds" in plan:
+        settings = checks.read_csv(out / "settings.csv").drop(columns=["per_seed", "trials"])
+        best_line = (
+            f"**Best** (the {'lowest' if plan['mode'] == 'min' else 'highest'} mean over the seeds "
+            f"{', '.join(map(str, plan['seeds']))} among the settings that every seed trained to the end "
+            f"with a score): {trial_name(best['setting'])}: {best['score']:.6g} (per seed: "
+            + ", ".join(f"{_score_text(v)}" for v in best["per_seed"].values())
+            + f"). `{best_file}` has the task's sections with these settings."
+        )
+        best_line += "\n\nEach setting over the seeds:\n\n" + "\n".join(
+            _table(settings, {"mean", "lowest", "highest"})
+        )
+    else:
+        best_line = (
+            f"**Best** (the {'lowest' if plan['mode'] == 'min' else 'highest'} score among the longest-trained of the trials that finished with a "
+            f"score, {best.get('iterations', plan['iterations'])} iterations): trial `{best['trial']}`, {trial_name(best['setting'])}: {best['score']:.6g}. "
+            f"`{best_file}` has the task's sections with these settings."
+        )
     text = "\n".join(
         [
             f"# Hyperparameter search: {task}"
@@ -276,9 +340,7 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
             "",
             made_at_line(summary),
             "",
-            f"**Best** (the {'lowest' if plan['mode'] == 'min' else 'highest'} score among the longest-trained of the trials that finished with a "
-            f"score, {best.get('iterations', plan['iterations'])} iterations): trial `{best['trial']}`, {trial_name(best['setting'])}: {best['score']:.6g}. "
-            f"`{best_file}` has the task's sections with these settings.",
+            best_line,
             "",
             defaults_line(summary),
             "",
@@ -298,6 +360,18 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
     return path
 
 
+def _table(frame, scores: set[str]) -> list[str]:
+    """``frame`` as markdown table lines, ``scores`` columns as ``_score_text``."""
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + " --- |" * len(frame.columns)]
+    for row in frame.itertuples(index=False):
+        cells = [
+            _score_text(v) if c in scores else _short(_plain(v))
+            for c, v in zip(frame.columns, row, strict=True)
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _search_figure(plan: dict[str, Any], frame, figure: Path) -> Path:
     """Score against each searched key (early-stopped trials as crosses, params.yaml's
     settings circled) and every trial's learning curve, saved at ``figure``."""
@@ -311,8 +385,13 @@ def _search_figure(plan: dict[str, Any], frame, figure: Path) -> Path:
     fig, axes = plt.subplots(1, len(keys) + 1, figsize=(4.2 * (len(keys) + 1), 3.4), squeeze=False)
     for ax, key in zip(axes[0][:-1], keys, strict=True):
         kind, args = plan["space"][key]
-        # A choice is a category: its values at evenly spaced positions, labelled as given.
-        where = {v: i for i, v in enumerate(args)} if kind == "choice" else None
+        numbers = kind != "choice" and all(isinstance(v, (int, float)) for v in args)
+        # A choice (or a grid of names) is a category: its values at evenly spaced positions,
+        # labelled as given. A grid of positive numbers an order of magnitude apart: log scale.
+        where = None if numbers else {v: i for i, v in enumerate(args)}
+        log = kind == "loguniform" or (
+            numbers and kind == "grid" and 0 < min(args) and max(args) >= 10 * min(args)
+        )
 
         def x_of(values, where=where):
             return [where[v] for v in values] if where is not None else values
@@ -332,7 +411,7 @@ def _search_figure(plan: dict[str, Any], frame, figure: Path) -> Path:
         if where is not None:
             ax.set_xticks(range(len(args)), [str(v) for v in args])
             ax.set_xlim(-0.5, len(args) - 0.5)
-        elif kind == "loguniform":
+        elif log:
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # unreadable when crowded
         ax.set_xlabel(key)

@@ -88,6 +88,7 @@ def run_trial(
     from ray import tune
 
     setting = {key: config[key] for key in plan["space"]}
+    seed = config.get("seed", plan["seed"])  # a search with seeds trains each setting with each
     cfg = TrainConfig.from_dict(apply_setting(plan["base"], setting)).validate()
     x = trial_rows(setup["train"], data)
     x_val = torch.from_numpy(load_dataset(setup["validation"])["x"]).to(torch.get_default_dtype())
@@ -95,12 +96,13 @@ def run_trial(
     # last synced copy when a search resumes, so lines appended there can be lost).
     trial_id = tune.get_context().get_trial_id()
     attempts_file = Path(setup["attempts"]) / f"{trial_id}.jsonl"
-    trainer, history, attempts = begin(cfg, x, plan["seed"], setup["torch_threads"], attempts_file)
+    trainer, history, attempts = begin(cfg, x, seed, setup["torch_threads"], attempts_file)
     # The trial's child run, named after its setting (its params), found again when the trial
     # resumes; the driver ends it (``mlflow_callback``).
     client, ids = tracking.client(setup["tracking_uri"]), (setup["exp_id"], setup["parent_id"], trial_id)
+    named = {**setting, **({"train.seed": seed} if "seeds" in plan else {})}
     run_id = tracking.retry(
-        lambda: tracking.open_child(client, *ids, trial_name(setting), setting, {TAG_TRIAL: trial_id}),
+        lambda: tracking.open_child(client, *ids, trial_name(named), named, {TAG_TRIAL: trial_id}),
         "opening the trial's run",
     )
     mlflow = MlflowRows(client, run_id, history, attempts)
@@ -194,7 +196,9 @@ def prepare_validation(params: dict[str, Any], plan: dict[str, Any], out: Path) 
 def searcher(plan: dict[str, Any]):
     from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter
 
-    first = [plan["reference"]] if plan.get("reference") else None  # params.yaml's settings
+    # params.yaml's settings first, unless a grid lists the trials (it holds them if they are in it)
+    grid = any(kind == "grid" for kind, _ in plan["space"].values())
+    first = [plan["reference"]] if plan.get("reference") and not grid else None
     if plan["algorithm"] == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
@@ -325,7 +329,10 @@ def _new_tuner(
 
     return tune.Tuner(
         trainable,
-        param_space=tune_space(plan["space"]),
+        param_space={
+            **tune_space(plan["space"]),
+            **({"seed": tune.grid_search(plan["seeds"])} if "seeds" in plan else {}),
+        },
         tune_config=tune.TuneConfig(
             metric=score_key(plan["metric"]),
             mode=plan["mode"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -577,3 +578,110 @@ def test_the_search_to_try_runs_as_the_readme_gives_it(tmp_path):
     progress = [line for line in lines if " trials done" in line]
     assert len(progress) == 6 and progress[-1].startswith("tune gmm: 6/6 trials done, best ")
     assert len(lines) - len(progress) <= 40, "\n".join(lines)
+
+
+SEEDED = {
+    "space": {"train.lr": {"grid": [1.0e-6, 0.01]}},
+    "search": {"algorithm": "random", "num_samples": 1, "seed": 0},
+    "scheduler": {"fifo": {}},
+    "seeds": [0, 1, 2],
+}
+
+
+def test_a_search_with_seeds_trains_each_grid_setting_with_each_seed(tiny):
+    from pipeline.search.plan import plan_key
+
+    plan = check_section(tiny(), "gmm", section(**SEEDED))
+    assert plan["seeds"] == [0, 1, 2] and plan["space"] == {"train.lr": ("grid", [1.0e-6, 0.01])}
+    assert plan["reference"] == {"train.lr": 0.01}  # params.yaml's rate is on the grid
+    assert extremes(plan["space"]) == [{"train.lr": 1.0e-6}, {"train.lr": 0.01}]
+    # a section without seeds keeps the plan (and so the Ray experiment's name) it had before
+    assert "seeds" not in check_section(tiny(), "gmm", section())
+    assert plan_key(check_section(tiny(), "gmm", section())) == "search-" + _KEY_BEFORE_PBT
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"seeds": [0, 0]}, "seeds: a list of distinct non-negative integers"),
+        ({"seeds": []}, "seeds: a list of distinct non-negative integers"),
+        (
+            {"space": {"train.lr": {"loguniform": [1e-4, 0.1]}}},
+            "give the space as grids and the random searcher",
+        ),
+        ({"scheduler": {"asha": {}}}, "each seed trains to the end: scheduler {fifo: {}}"),
+        ({"search": {"algorithm": "random", "num_samples": 2}}, "search.num_samples: 1 with seeds"),
+        ({"search": {"algorithm": "optuna"}}, "a grid (train.lr) needs the random searcher"),
+        ({"space": {"train.lr": {"grid": []}}}, "grid needs a non-empty list of values"),
+    ],
+)
+def test_bad_seeded_sections_are_one_line_errors(changes, expected, tiny):
+    with pytest.raises(ParamsError, match=re.escape(expected)):
+        check_section(tiny(), "gmm", section(**{**SEEDED, **changes}))
+
+
+def test_a_setting_ranks_by_its_mean_over_seeds_and_needs_every_seed():
+    import pandas as pd
+
+    from pipeline.search.report import settings_frame
+
+    plan = {
+        "space": {"train.lr": ("grid", [0.1, 0.01, 0.001])},
+        "seeds": [0, 1],
+        "iterations": 100,
+        "mode": "max",
+    }
+    frame = pd.DataFrame(
+        {
+            "trial": list("abcdef"),
+            "train.lr": [0.1, 0.1, 0.01, 0.01, 0.001, 0.001],
+            "seed": [0, 1, 0, 1, 0, 1],
+            "defaults": [False, False, True, True, False, False],
+            # 0.1: best seed of all, one stall; 0.01: steady; 0.001: one seed never finished
+            "score": [-10.0, -900.0, -50.0, -60.0, -1.0, float("nan")],
+            "iterations": [100, 100, 100, 100, 100, 40],
+            "failed": [False, False, False, False, False, True],
+        }
+    )
+    ranked = settings_frame(plan, frame)
+    assert list(ranked["train.lr"]) == [0.01, 0.1, 0.001]
+    assert list(ranked["complete"]) == [True, True, False]
+    assert ranked.loc[0, "mean"] == -55.0 and ranked.loc[1, "lowest"] == -900.0
+    assert json.loads(ranked.loc[0, "per_seed"]) == {"0": -50.0, "1": -60.0}
+    assert ranked.loc[0, "trials"] == "c d" and bool(ranked.loc[0, "defaults"])
+
+
+@pytest.mark.slow
+def test_a_search_with_seeds_runs_every_setting_with_every_seed(tmp_path, tiny):
+    root = make_repo(tmp_path, tiny())
+    seeded = section(iterations=20, **SEEDED, eval_every=10)
+    seeded["seeds"] = [0, 1]
+    (root / "tune.yaml").write_text(yaml.safe_dump({"gmm": seeded}))
+    run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
+    run([sys.executable, "-m", "pipeline.search.stage", "--task", "gmm"], root)
+    out = root / "results" / "tune" / "gmm"
+    import pandas as pd
+
+    trials = pd.read_csv(out / "trials.csv")
+    assert sorted(zip(trials["train.lr"], trials["seed"], strict=True)) == [
+        (1e-6, 0),
+        (1e-6, 1),
+        (0.01, 0),
+        (0.01, 1),
+    ]
+    assert (trials["iterations"] == 20).all() and not trials["failed"].any()
+    # each seed trained its own network: the same setting scores differently per seed
+    for _, part in trials.groupby("train.lr"):
+        assert part["score"].nunique() == 2, trials
+    summary = json.loads((out / "summary.json").read_text())
+    settings = pd.read_csv(out / "settings.csv")
+    best = settings.iloc[0]
+    assert summary["best"]["setting"] == {"train.lr": best["train.lr"]}
+    mean = trials[trials["train.lr"] == best["train.lr"]]["score"].mean()
+    assert summary["best"]["score"] == pytest.approx(mean)
+    assert summary["defaults"]["setting"] == {"train.lr": 0.01}
+    text = (root / "reports" / "tune" / "gmm.md").read_text()
+    assert "mean over the seeds 0, 1" in text and "Each setting over the seeds" in text
+    _, runs = mlflow_runs(root, "apg-test-tune")
+    tagged = {r.data.params["train.seed"] for r in runs if r.data.tags.get(TAG_BEST) == "true"}
+    assert tagged == {"0", "1"}  # both seeds' runs of the best setting
