@@ -363,9 +363,11 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
     checks.device(args.device)
     checks.seed(args.seed, "--seed")
-    checks.integer(args.batch_size, "--batch-size", low=1)
-    check_budget(args.sweeps, args.particles)
+    if args.batch_size is not None:
+        checks.integer(args.batch_size, "--batch-size", low=1)
     cfg, model, proposals = load_trained(args.checkpoint, args.device)
+    _trained_defaults(args, cfg, ("sweeps", "particles", "batch_size", "resample_mode"))
+    check_budget(args.sweeps, args.particles)
     x = load_task_data(cfg.task, args.data, cfg.model)
     checks.step_room(args.particles, args.batch_size, x, args.device)
     x = x.to(args.device)
@@ -387,15 +389,21 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
     print(f"wrote {path}")
 
 
+def _trained_defaults(args: argparse.Namespace, cfg: TrainConfig, names: tuple[str, ...]) -> None:
+    """Each of ``names`` not given on the command line: the checkpoint's own (what its cell
+    trained with, from its params), so no second default lives here."""
+    for name in names:
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(cfg, name))
+
+
 # --------------------------------------------------------------------------- impute
 
 
 def cmd_impute(args: argparse.Namespace) -> None:
-    from apg.training import check_budget
     from pipeline.common import seed_everything
     from pipeline.evaluate.impute import impute_file
 
-    check_budget(args.sweeps, args.particles)
     checks.seed(args.seed, "--seed")
     seed_everything(args.seed)
     path = impute_file(
@@ -420,11 +428,9 @@ def _key_value_flag(parser: argparse.ArgumentParser, flag: str, help: str | None
     parser.add_argument(flag, action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
-def _budget_flags(
-    parser: argparse.ArgumentParser, sweeps: int | None = None, particles: int | None = None
-) -> None:
-    parser.add_argument("--sweeps", "-K", type=int, default=sweeps)
-    parser.add_argument("--particles", "-L", type=int, default=particles)
+def _budget_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sweeps", "-K", type=int, default=None)
+    parser.add_argument("--particles", "-L", type=int, default=None)
 
 
 def _add_generate(sub) -> None:
@@ -474,9 +480,9 @@ def _add_evaluate(sub) -> None:
     ev = sub.add_parser("evaluate", help="evaluate a checkpoint on held-out datasets, write JSON")
     ev.add_argument("--checkpoint", required=True)
     ev.add_argument("--data", required=True)
-    _budget_flags(ev, 10, 10)
-    ev.add_argument("--batch-size", type=int, default=20)
-    ev.add_argument("--resample-mode", default="block")
+    _budget_flags(ev)  # each not given: the checkpoint's own
+    ev.add_argument("--batch-size", type=int, default=None)
+    ev.add_argument("--resample-mode", default=None)
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--out", required=True)
@@ -495,7 +501,7 @@ def _add_impute(sub) -> None:
     imp.add_argument("--mask", required=True, help=".npz with 'mask' shaped like x: 1 missing, 0 observed")
     imp.add_argument("--out", required=True)
     imp.add_argument("--iterations", type=int, default=20)
-    _budget_flags(imp, 5, 10)
+    _budget_flags(imp)  # not given: the checkpoint's own
     imp.add_argument("--fill", default="sample", help="sample: draw from p(x | z); mean: its mean")
     _key_value_flag(imp, "--network")
     imp.add_argument("--seed", type=int, default=0)

@@ -190,17 +190,22 @@ def impute_file(
     mask_file: str | Path,
     out: str | Path,
     iterations: int,
-    sweeps: int,
-    particles: int,
+    sweeps: int | None,
+    particles: int | None,
     fill: str,
     network: dict[str, Any] | None = None,
 ) -> Path:
     """Impute ``data``'s ``x`` where ``mask_file``'s ``mask`` (or its only array) is 1 and
-    write ``out`` (``x`` imputed, ``mask``, ``history (iterations, n)``)."""
+    write ``out`` (``x`` imputed, ``mask``, ``history (iterations, n)``); ``sweeps`` and
+    ``particles`` not given: the checkpoint's own."""
     from apg.data import atomic_write
     from apg.loading import load_task_data, load_trained, with_network
+    from apg.training import check_budget
 
     cfg, model, proposals = load_trained(checkpoint)
+    sweeps = cfg.sweeps if sweeps is None else sweeps
+    particles = cfg.particles if particles is None else particles
+    check_budget(sweeps, particles)
     cfg, proposals = with_network(cfg, model, proposals, network)
     x = load_task_data(cfg.task, data, cfg.model)
     missing = check_mask(x, read_mask(mask_file))

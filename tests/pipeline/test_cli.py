@@ -125,6 +125,34 @@ def test_round_trip(files, capsys):
     assert metrics["config"]["iterations"] == 3 and metrics["config"]["sweeps"] == 2
 
 
+def test_evaluate_and_impute_default_to_what_the_checkpoint_trained_with(files, tmp_path):
+    """No -K, -L, --batch-size or --resample-mode: the checkpoint's own (no second default)."""
+    out = tmp_path / "metrics.json"
+    main(
+        [
+            "evaluate",
+            "--checkpoint",
+            str(files / "ckpt.pt"),
+            "--data",
+            str(files / "test.npz"),
+            "--out",
+            str(out),
+        ]
+    )
+    metrics = json.loads(out.read_text())
+    trained = metrics["config"]
+    assert (metrics["sweeps"], metrics["particles"]) == (trained["sweeps"], trained["particles"])
+    assert len(metrics["log_joint"]) == trained["sweeps"]
+    x = np.load(files / "test.npz")["x"]
+    mask = np.zeros(x.shape, dtype=np.uint8)
+    mask[:, :2, 0] = 1
+    np.savez(tmp_path / "mask.npz", mask=mask)
+    imputed = tmp_path / "imputed.npz"
+    argv = ["--data", str(files / "test.npz"), "--mask", str(tmp_path / "mask.npz"), "--iterations", "2"]
+    main(["impute", "--checkpoint", str(files / "ckpt.pt"), *argv, "--out", str(imputed)])
+    assert np.load(imputed)["history"].shape[0] == 2
+
+
 def test_rws_evaluates_one_step(files):
     ckpt, out = files / "rws.pt", files / "rws.json"
     argv = [*TRAIN, "--data", str(files / "train.npz"), "--out", str(ckpt)]
