@@ -41,6 +41,7 @@ PROGRAMS = frozenset(
         "export",
         "nice",
         "cd",
+        "curl",
         ".ci/run",
     }
 )
@@ -226,6 +227,7 @@ _NOT_RUN_BECAUSE: dict[str, tuple[str, ...]] = {
         "s3://<bucket>/mlartifacts --host <head private ip> --port 5000",
         "mlflow server",
         "cd /mnt/shared/apg",
+        "curl http://<host>:5000/health",
         "export RAY_ADDRESS=<head private ip>:6379 MLFLOW_TRACKING_URI=http://<head private ip>:5000",
         "dvc repro generate@$task && apg-pipeline sweep --task $task --fetch",
         "apg-pipeline eval-sweep --task $task",
