@@ -177,11 +177,10 @@ def training_table(training: pd.DataFrame, meta: dict[str, Any]) -> pd.DataFrame
     """One row per cell: the ``plateau`` statistics of its own training log joint and ESS/L
     and their verdict (``own``); the ``pooled_plateau`` statistics of its configuration
     (``configurations``; over the seeds whose own window is assessable, where there are two or
-    more) and their verdict (``pooled``, '' where
-    there is no pooled test); and the cell's verdict (``plateaued``: ``no`` when any of these
-    trends is significant, ``not assessable`` when its own window is too short, ``yes``;
-    ``not trained`` for cells with nothing to learn, e.g. exact Gibbs at 0 iterations), its
-    iterations and mean iterations/s."""
+    more) and their verdict (``pooled``, '' where there is no pooled test); the cell's verdict
+    (``plateaued``: ``no`` when any of these trends is significant, ``not assessable`` when its
+    own window is too short, ``yes``; ``not trained`` for cells with nothing to learn, e.g.
+    exact Gibbs at 0 iterations); its iterations and mean iterations/s."""
     curves = {}
     if not training.empty:
         logged = training[training["metric"].isin(PLATEAU_METRICS)]
