@@ -6,10 +6,11 @@
 - ``README.md``: the index, with every table and figure and the scale it was made at; it
   opens with the claims table: the paper's claims (``paper_numbers.yaml``, ``claims``)
   checked against the evaluation metrics with 95% intervals over seeds (``check_claim``);
-- ``tables/<task>_training.{md,csv}``: per cell, whether its training log joint has
-  plateaued (``plateau``: the OLS trend over the last fifth of training against its
-  standard error). Rows of every other table (and claims) whose numbers come from a
-  cell that has not plateaued carry ``†`` (not assessable: ``‡``);
+- ``tables/<task>_training.{md,csv}``: per cell, whether its training log joint and ESS/L
+  have plateaued (``plateau``: the OLS trend over the last fifth of training against its
+  standard error; ``pooled_plateau``: the same over the seeds of its configuration, one
+  common slope). Rows of every other table (and claims) whose numbers come from a cell that
+  has not plateaued, on its own or pooled with its seeds, carry ``†`` (not assessable: ``‡``);
 - ``tables/<task>_table1.{md,csv}``: Table 1 (our numbers, the paper's beside them);
 - ``tables/<task>_methods.{md,csv}``: every method at the same sample budgets K*L: held-out
   log joint, ESS/L, both log-evidence estimates and HMC's acceptance rate, mean and std
@@ -70,7 +71,12 @@ from pipeline.report.data import (  # noqa: E402
 )
 from pipeline.report.headline import claims_json, headline_metrics  # noqa: E402
 from pipeline.report.stage import main, make_report, recorded_markdown  # noqa: E402
-from pipeline.report.training import plateau, stalled_markdown, stalled_seeds  # noqa: E402
+from pipeline.report.training import (  # noqa: E402
+    plateau,
+    pooled_plateau,
+    stalled_markdown,
+    stalled_seeds,
+)
 from pipeline.statistics import seed_interval  # noqa: E402
 
 __all__ = [
@@ -88,6 +94,7 @@ __all__ = [
     "main_rows",
     "make_report",
     "plateau",
+    "pooled_plateau",
     "recorded_markdown",
     "retrained_rows",
     "seed_estimate",

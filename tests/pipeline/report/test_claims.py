@@ -1,5 +1,5 @@
 """The claims table's statistics on synthetic frames: each claim kind's rule and interval, the
-seed count a verdict needs, the per-cell plateau test.
+seed count a verdict needs, the stalled seeds (the plateau test: test_plateau.py).
 """
 
 from __future__ import annotations
@@ -15,44 +15,6 @@ from scipy import stats
 from pipeline import report
 from pipeline.report.claims import _est
 from tests.pipeline.report.synthetic import cell, metric_rows, seeds_frame
-
-# --------------------------------------------------------------------------- plateau
-
-
-def test_plateau_matches_ordinary_least_squares():
-    rng = np.random.default_rng(0)
-    it = np.arange(10, 1010, 10)
-    value = -300 + 0.01 * it + rng.normal(0, 2.0, len(it))
-    stat = report.plateau(it, value)
-    window = it > 800
-    t, v = it[window], value[window]
-    (slope, _), cov = np.polyfit(t, v, 1, cov="unscaled")
-    resid = v - np.polyval([slope, _], t)
-    se_slope = math.sqrt(resid @ resid / (len(t) - 2) * cov[0, 0])
-    span = t.max() - t.min()
-    assert stat.points == window.sum() == 20
-    assert (stat.start, stat.end) == (810, 1000)
-    assert stat.final == pytest.approx(v.mean())
-    assert stat.delta == pytest.approx(slope * span)
-    assert stat.se == pytest.approx(se_slope * span)
-    assert stat.z == pytest.approx(stat.delta / stat.se)
-
-
-def test_plateau_verdicts():
-    rng = np.random.default_rng(1)
-    it = np.arange(1, 2001)
-    flat = report.plateau(it, -280 + rng.normal(0, 1.0, len(it)))
-    assert flat.plateaued is True and abs(flat.z) < 3
-    rising = report.plateau(it, -280 + 0.01 * it + rng.normal(0, 1.0, len(it)))
-    assert rising.plateaued is False and rising.z > 3 and rising.delta == pytest.approx(4.0, rel=0.2)
-    few = report.plateau(np.array([2, 4, 6]), np.array([-3.0, -2.0, -1.0]))
-    assert few.points == 1 and few.plateaued is None and math.isnan(few.z)
-    four = report.plateau(np.arange(1, 21), np.arange(20.0))  # 4 points in the window
-    assert four.points == 4 and four.plateaued is None
-    straight = report.plateau(np.arange(1, 101), np.arange(100.0))  # no noise: a trend is a trend
-    assert straight.plateaued is False and straight.z == math.inf
-    assert report.plateau(np.array([]), np.array([])).points == 0
-
 
 # --------------------------------------------------------------------------- claims
 

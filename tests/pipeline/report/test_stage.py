@@ -94,7 +94,9 @@ def test_training_table_flags_cells_that_have_not_plateaued(synthetic_report):
     # Rows from the not-plateaued cell carry the mark, with its footnote, and only those.
     table1 = (synthetic_report / "tables" / "gmm_table1.md").read_text()
     assert "| rws-mlp † | 10 | 10 |" in table1 and "| apg | 10 | 10 |" in table1
-    assert "† not plateaued: see the training table" in table1
+    assert (
+        "† not plateaued (the cell's own trend, or its seeds' pooled trend): see the training table" in table1
+    )
     methods = pd.read_csv(synthetic_report / "tables" / "gmm_methods.csv")
     assert set(methods[methods["flag"].fillna("") == "†"]["method"]) == {"rws-mlp"}
     readme = (synthetic_report / "README.md").read_text()
