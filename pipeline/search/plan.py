@@ -383,6 +383,14 @@ def _held_out(task_params: dict[str, Any]) -> list[dict[str, Any]]:
     return [*([data["test"]] if "test" in data else []), *data.get("tests", []), *data.get("figures", [])]
 
 
+def trial_count(plan: dict[str, Any]) -> int:
+    """The search's trials: ``num_samples`` times each grid's values times the seeds."""
+    count = plan["num_samples"] * len(plan.get("seeds", [None]))
+    for kind, args in plan["space"].values():
+        count *= len(args) if kind == "grid" else 1
+    return count
+
+
 def tune_space(space: dict[str, tuple[str, Any]]) -> dict[str, Any]:
     """Tune's own search-space objects (``randint`` upper bounds are inclusive here)."""
     from ray import tune

@@ -16,7 +16,7 @@ from pipeline import tracking
 from pipeline.config import checks
 from pipeline.provenance import record as provenance
 from pipeline.runs import trial
-from pipeline.search.plan import SECTIONS
+from pipeline.search.plan import SECTIONS, trial_count
 
 TAG_TRIAL = "apg.trial_id"
 TAG_BEST = "apg.best"
@@ -332,7 +332,7 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
             f"`{command}` with `{source}`'s `{task}:` section: method "
             f"{plan['base']['method']} at K={plan['pair'][0]}, L={plan['pair'][1]}, up to "
             f"{plan['iterations']} iterations per trial, {plan['algorithm']} search over "
-            f"{plan['num_samples']} trials, "
+            f"{trial_count(plan)} trials, "
             + scheduler_words(plan)
             + f". Score: validation {plan['metric']} after the last sweep, mean over "
             f"{plan['validation']['num_datasets']} datasets simulated for the search (seed "

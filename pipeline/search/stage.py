@@ -63,7 +63,7 @@ from pipeline.provenance import record as provenance
 from pipeline.provenance import stages
 from pipeline.runs.loop import Callback, drive
 from pipeline.runs.trial import MlflowRows, TuneReports, begin, shipped_data, trial_rows
-from pipeline.search.plan import check_section, computed, load_section, plan_key, tune_space
+from pipeline.search.plan import check_section, computed, load_section, plan_key, trial_count, tune_space
 from pipeline.search.report import (
     ATTEMPTS,
     STARTS,
@@ -316,7 +316,7 @@ def _progress_callback(plan: dict[str, Any]):
             if score is not None:
                 self.best = score if self.best is None else better(self.best, score)
             best = f", best {plan['metric']} {self.best:.4g}" if self.best is not None else ""
-            print(f"tune {plan['task']}: {self.done}/{plan['num_samples']} trials done{best}", flush=True)
+            print(f"tune {plan['task']}: {self.done}/{trial_count(plan)} trials done{best}", flush=True)
 
     return _Progress()
 

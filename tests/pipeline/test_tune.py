@@ -658,7 +658,8 @@ def test_a_search_with_seeds_runs_every_setting_with_every_seed(tmp_path, tiny):
     seeded["seeds"] = [0, 1]
     (root / "tune.yaml").write_text(yaml.safe_dump({"gmm": seeded}))
     run([sys.executable, "-m", "pipeline.generate", "--task", "gmm"], root)
-    run([sys.executable, "-m", "pipeline.search.stage", "--task", "gmm"], root)
+    proc = run([sys.executable, "-m", "pipeline.search.stage", "--task", "gmm"], root)
+    assert "tune gmm: 4/4 trials done" in proc.stdout, proc.stdout[-2000:]
     out = root / "results" / "tune" / "gmm"
     import pandas as pd
 
@@ -682,6 +683,7 @@ def test_a_search_with_seeds_runs_every_setting_with_every_seed(tmp_path, tiny):
     assert summary["defaults"]["setting"] == {"train.lr": 0.01}
     text = (root / "reports" / "tune" / "gmm.md").read_text()
     assert "mean over the seeds 0, 1" in text and "Each setting over the seeds" in text
+    assert "random search over 4 trials" in text
     _, runs = mlflow_runs(root, "apg-test-tune")
     tagged = {r.data.params["train.seed"] for r in runs if r.data.tags.get(TAG_BEST) == "true"}
     assert tagged == {"0", "1"}  # both seeds' runs of the best setting
