@@ -302,6 +302,7 @@ _NOT_RUN_BECAUSE: dict[str, tuple[str, ...]] = {
         "python bench/bench_gmm.py --threads 2 --steps 30",
         "python bench/bench_dgmm.py --threads 2 --steps 10",
         "python bench/bench_bmnist.py",
+        "python bench/seeds.py",
         "python bench/bench_bmnist.py --repeats 5 --skip-sweep",
         "python bench/bench_bmnist.py --skip-step --threads 1 --sweep-repeats 5",
         "python bench/ab_step.py --old de13b1b --task bmnist --threads 1 --steps 6 --warmup 2 "
