@@ -265,12 +265,16 @@ def made_at_line(summary: dict[str, Any]) -> str:
 
 
 def defaults_line(summary: dict[str, Any]) -> str:
-    """How the best trial compares with params.yaml's own settings (the first trial)."""
+    """How the best trial compares with params.yaml's own settings (the first trial; with
+    seeds, the trials of the grid's setting that is theirs, and their mean)."""
     ref = summary.get("defaults")
     if ref is None:
         return "params.yaml's own settings lie outside the searched space: no trial ran them."
+    seeded = "per_seed" in ref
+    trials = f"trials `{ref['trial']}`, their mean" if seeded else f"trial `{ref['trial']}`"
+    first = "" if seeded else ", the search's first"  # a grid lists the trials: none is first
     if ref["trial"] == summary["best"]["trial"]:
-        return f"**params.yaml's own settings** ({trial_name(ref['setting'])}, trial `{ref['trial']}`) ranked best."
+        return f"**params.yaml's own settings** ({trial_name(ref['setting'])}, {trials}) ranked best."
     if ref.get("failed"):
         how = " (failed)"
     elif ref["iterations"] < summary.get("max_iterations", ref["iterations"]):
@@ -280,8 +284,8 @@ def defaults_line(summary: dict[str, Any]) -> str:
     best = summary["best"]
     best_at = best.get("iterations", summary.get("max_iterations"))
     return (
-        f"**params.yaml's own settings** ({trial_name(ref['setting'])}, trial `{ref['trial']}`, the "
-        f"search's first): {ref['score']:.6g} after {ref['iterations']} iterations{how}; the best's "
+        f"**params.yaml's own settings** ({trial_name(ref['setting'])}, {trials}{first}): "
+        f"{ref['score']:.6g} after {ref['iterations']} iterations{how}; the best's "
         f"score (after {best_at}) differs from it by {best['score'] - ref['score']:+.4g}."
     )
 

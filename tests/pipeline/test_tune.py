@@ -684,6 +684,7 @@ def test_a_search_with_seeds_runs_every_setting_with_every_seed(tmp_path, tiny):
     text = (root / "reports" / "tune" / "gmm.md").read_text()
     assert "mean over the seeds 0, 1" in text and "Each setting over the seeds" in text
     assert "random search over 4 trials" in text
+    assert "(lr=0.01, trials `" in text and "their mean)" in text  # params.yaml's rate, over its seeds
     _, runs = mlflow_runs(root, "apg-test-tune")
     tagged = {r.data.params["train.seed"] for r in runs if r.data.tags.get(TAG_BEST) == "true"}
     assert tagged == {"0", "1"}  # both seeds' runs of the best setting
