@@ -111,6 +111,9 @@ def client(uri: str):
     # Fail fast on HTTP errors instead of MLflow's default minutes of retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    # Not MLflow's two "View run ... at" lines for every run ended on a server (each trial of a
+    # sweep): the stages print one address each, of the page that shows what they logged.
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     import logging
 
     from mlflow.tracking import MlflowClient
@@ -282,25 +285,29 @@ EXPERIMENT_TAGS = {"mlflow.experimentKind": "custom_model_development", **_RUNS_
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
 
 
-def ui_url(base: str, exp_id: str) -> str:
-    """The MLflow UI's runs table of an experiment, in its saved view :data:`RUNS_VIEW`.
+def ui_url(base: str, exp_id: str, run_id: str | None = None) -> str:
+    """The MLflow UI's runs table of an experiment, in its saved view :data:`RUNS_VIEW`; with
+    ``run_id``, that run's page (its metrics with their values, params and artifacts).
 
     The address names the view and the model-training workflow: MLflow 3.17's UI opens every
     experiment in its GenAI view (a traces overview saying "No data") unless the URL asks for
     the other one, and the experiment's kind alone does not switch it; the bare address lands
     on the GenAI welcome page, and no server option changes that (seen in headless Chromium,
     tests/pipeline/test_cluster.py)."""
+    if run_id is not None:
+        return f"{base.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
     return (
         f"{base.rstrip('/')}/#/experiments/{exp_id}/runs"
         f"?workflowType=machine_learning&viewStateShareKey={RUNS_VIEW}"
     )
 
 
-def browse_hint(uri: str, exp_id: str) -> str:
-    """One line telling where to look at the runs of ``exp_id`` in the store ``uri``."""
+def browse_hint(uri: str, exp_id: str, run_id: str | None = None, what: str = "the runs") -> str:
+    """One line telling where to look at the runs of ``exp_id`` in the store ``uri`` (at the
+    run ``run_id``, named ``what``, if given: :func:`ui_url`)."""
     if uri.startswith(("http://", "https://")):
-        return f"browse the runs: {ui_url(redact(uri), exp_id)}"
-    return f"browse the runs: mlflow ui --backend-store-uri {uri}, then {ui_url(LOCAL_UI, exp_id)}"
+        return f"browse {what}: {ui_url(redact(uri), exp_id, run_id)}"
+    return f"browse {what}: mlflow ui --backend-store-uri {uri}, then {ui_url(LOCAL_UI, exp_id, run_id)}"
 
 
 def runs_address(uri: str, experiment: str, ui: str | None = None) -> str:

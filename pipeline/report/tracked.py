@@ -3,7 +3,8 @@
 The run (``claims``, tag ``apg.stage=report``) holds each claim's verdict as a metric
 (``claim.<task>.<claim id>``: 1 holds, 0 fails; a claim without a verdict is left out), the
 counts (``claims.held``, ``claims.judged``...) and the report itself as artifacts
-(``README.md``, ``metrics.json``). Best effort, as the evaluation's numbers are: the files of
+(``README.md``, ``metrics.json``); the stage prints the run page's address (``browse the
+claims: ...``). Best effort, as the evaluation's numbers are: the files of
 ``reports/`` are the record, and a tracking store that cannot be written leaves a note.
 """
 
@@ -32,9 +33,10 @@ def log_claims(params: dict[str, Any], root: Path, headline: dict[str, Any], rep
     try:
         from pipeline import tracking
 
-        client = tracking.client(tracking.tracking_uri(root))
+        uri = tracking.tracking_uri(root)
+        client = tracking.client(uri)
         exp = tracking.experiment_id(
-            client, params.get("tracking", {}).get("experiment", "apg"), tracking.artifact_location(root)
+            client, tracking.experiment_name(params), tracking.artifact_location(root)
         )
         run = client.create_run(exp, run_name=CLAIMS_RUN, tags=tracking.source_tags(root, "report", params))
         run_id = run.info.run_id
@@ -43,6 +45,7 @@ def log_claims(params: dict[str, Any], root: Path, headline: dict[str, Any], rep
             if (report_dir / name).is_file():
                 client.log_artifact(run_id, str(report_dir / name))
         tracking.finish(client, run_id)
+        print(tracking.browse_hint(uri, exp, run_id, "the claims"))
         return run_id
     except Exception as err:  # noqa: BLE001 - the report's files are the record; MLflow's copy is best effort
         print(f"note: the claims were not logged to MLflow ({type(err).__name__}: {first_line(err)})")

@@ -14,6 +14,7 @@ process group, leftover drivers), even when a test fails.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import tracking
+from pipeline.report.tracked import claim_metrics
 from tests.pipeline.cluster_support import (
     MlflowServer,
     cells_dir,
@@ -241,19 +243,46 @@ def test_raising_trial_restarts_from_its_checkpoint(cluster_sweep, mlflow_server
             assert len(done(root)[other["cell_id"]]["attempts"]) == 1
 
 
-def test_report_regenerates_from_the_servers_records(cluster_sweep, mlflow_server, data_dir, tmp_path):
+@pytest.fixture(scope="module")
+def regenerated(cluster_sweep, mlflow_server, data_dir, tmp_path_factory):
     """A machine without the cluster's storage: the cells come from MLflow, then evaluate
-    and report run as usual."""
-    root = make_project(tmp_path, PARAMS, data_dir)
+    and report run as usual (the report logs its claims run to the server)."""
+    root = make_project(tmp_path_factory.mktemp("regenerated"), PARAMS, data_dir)
     env = {"MLFLOW_TRACKING_URI": mlflow_server.uri}
     run_cli(["sweep", "--task", "gmm", "--fetch"], root, env)
-    original, fetched = summary(cluster_sweep["root"]), summary(root)
-    assert fetched == original
+    fetched = summary(root)
     run_cli(["eval-sweep", "--task", "gmm"], root, env)
-    run_cli(["report"], root, env)
+    return {"root": root, "fetched": fetched, "report": run_cli(["report"], root, env)}
+
+
+def test_report_regenerates_from_the_servers_records(cluster_sweep, regenerated):
+    root = regenerated["root"]
+    assert regenerated["fetched"] == summary(cluster_sweep["root"])
     assert (root / "reports" / "README.md").is_file()
     metrics = json.loads((root / "reports" / "data" / "metrics-full.json").read_text())
     assert set(metrics["gmm"]) >= {"apg/K2/L3", "rws-mlp/K2/L3", "rws-lstm/K2/L3"}
+
+
+def page_text(dom: str) -> list[str]:
+    """The text of a rendered page, piece by piece in reading order."""
+    return [t.strip() for t in re.findall(r">([^<>]+)<", dom) if t.strip()]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs a headless Chromium (apt-get install chromium)")
+def test_mlflow_ui_shows_the_claims_run_with_each_verdict(regenerated, mlflow_server):
+    # The report prints where its claims run is; a browser there sees the run, and each
+    # verdict and count of reports/metrics.json as a metric beside its value.
+    (url,) = re.findall(r"browse the claims: (\S+)", regenerated["report"].stdout)
+    assert url.startswith(mlflow_server.uri) and "View run" not in regenerated["report"].stdout
+    client, _ = server_runs(mlflow_server)
+    run = client.get_run(url.rsplit("/", 1)[-1])
+    headline = json.loads((regenerated["root"] / "reports" / "metrics.json").read_text())
+    assert run.info.run_name == "claims" and run.data.metrics == claim_metrics(headline)
+    assert {"claims.held", "claims.judged", "claims.total"} <= set(run.data.metrics)
+    text = page_text(browser_dom(url))
+    assert "claims" in text and f"Metrics ({len(run.data.metrics)})" in text
+    shown = {name: float(value) for name, value in itertools.pairwise(text) if name in run.data.metrics}
+    assert shown == run.data.metrics
 
 
 def test_same_seed_same_cell_identical_final_metrics(cluster_sweep, data_dir, tmp_path):

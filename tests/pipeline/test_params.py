@@ -159,6 +159,7 @@ def test_the_evaluation_runs_on_its_own_thread_count(tmp_path, monkeypatch, tiny
 def test_the_printed_mlflow_address_opens_the_runs_table():
     view = "runs?workflowType=machine_learning&viewStateShareKey=apg-headline"
     assert tracking.ui_url("http://host:5000/", "7") == f"http://host:5000/#/experiments/7/{view}"
+    assert tracking.ui_url("http://host:5000/", "7", "ab12") == "http://host:5000/#/experiments/7/runs/ab12"
     assert tracking.browse_hint("http://u:secret@host:5000", "7").endswith(
         f"http://***@host:5000/#/experiments/7/{view}"
     )
@@ -166,6 +167,10 @@ def test_the_printed_mlflow_address_opens_the_runs_table():
     assert (
         "mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db" in local
         and "127.0.0.1:5000/#/experiments/1/runs?" in local
+    )
+    claims = tracking.browse_hint("sqlite:////tmp/x/mlflow.db", "1", "ab12", "the claims")
+    assert claims.startswith("browse the claims: mlflow ui") and claims.endswith(
+        ":5000/#/experiments/1/runs/ab12"
     )
 
 

@@ -26,7 +26,7 @@ def test_each_verdict_and_count_is_a_metric_and_no_verdict_is_none():
 
 
 @pytest.mark.slow
-def test_the_claims_run_holds_the_verdicts_and_the_report(tmp_path, monkeypatch):
+def test_the_claims_run_holds_the_verdicts_and_the_report(tmp_path, monkeypatch, capsys):
     from pipeline import tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -41,3 +41,9 @@ def test_the_claims_run_holds_the_verdicts_and_the_report(tmp_path, monkeypatch)
     assert run.info.run_name == "claims" and run.data.tags[tracking.TAG_STAGE] == "report"
     assert run.data.metrics == claim_metrics(HEADLINE)
     assert {a.path for a in client.list_artifacts(run_id)} == {"README.md", "metrics.json"}
+    # ... and the stage says where its page is (tests/pipeline/test_cluster.py opens it)
+    exp = run.info.experiment_id
+    assert (
+        capsys.readouterr().out
+        == tracking.browse_hint(tracking.tracking_uri(tmp_path), exp, run_id, "the claims") + "\n"
+    )
