@@ -332,6 +332,9 @@ _NOT_RUN_BECAUSE: dict[str, tuple[str, ...]] = {
         "python bench/gpu_share.py --procs 1 4 --seconds 15",
         "python bench/cuda_agreement.py",
         "python bench/plateau_power.py --task dgmm --rise 99",
+        "nice -n 10 python bench/gmm_globals_init.py --starts conjugate",
+        "nice -n 10 python bench/gmm_globals_init.py --starts default",
+        "python bench/gmm_globals_init.py",
         "bash bench/history_growth.sh FROM TO",
     ),
 }

@@ -33,6 +33,7 @@ from apg.tasks.gmm.model import GMM, ExactGibbs, GMMConfig, build_model, one_hot
 from apg.tasks.gmm.plots import draw
 from apg.tasks.gmm.proposals import (
     C_INPUTS,
+    GLOBALS_INITS,
     AssignmentProposal,
     GlobalsProposal,
     GMMProposals,
@@ -62,6 +63,7 @@ TASK = TaskSpec(
 
 __all__ = [
     "C_INPUTS",
+    "GLOBALS_INITS",
     "GMM",
     "IMPUTATION",
     "TASK",

@@ -25,6 +25,8 @@ from apg.tasks.gmm.conjugate import (
 )
 from apg.tasks.gmm.model import GMM, GMMConfig, one_hot_points_last
 
+GLOBALS_INITS = ("conjugate", "default")
+
 
 class GlobalsProposal(nn.Module):
     """Neural sufficient statistics for {mu, tau} (section 3, eq. 10).
@@ -33,15 +35,23 @@ class GlobalsProposal(nn.Module):
     statistic ``t_n`` (D dims); their sums enter the conjugate NormalGamma update in place
     of the counts and sums of the exact conditional. The posterior therefore sharpens as
     a cluster collects points, for any dataset size N.
+
+    ``init="conjugate"`` (linear features only) starts both heads at the conjugate update
+    (below); ``"default"`` keeps PyTorch's initialization of the two layers, the start that
+    measures what the conjugate one does (docs/decisions.md, "GMM globals kernel and encoder
+    start from the conjugate update"). Either way the layers draw their default weights
+    first, so the draws that follow are the same.
     """
 
-    def __init__(self, cfg: GMMConfig, in_dim: int, features: str, hidden: int = 32):
+    def __init__(self, cfg: GMMConfig, in_dim: int, features: str, hidden: int = 32, init: str = "conjugate"):
         super().__init__()
+        if init not in GLOBALS_INITS:
+            raise ValueError(f"unknown globals-network start {init!r}; choose {' or '.join(GLOBALS_INITS)}")
         self.cfg = cfg
         self.features = PointFeatures(features, in_dim, hidden)
         self.resp = nn.Linear(self.features.out_dim, cfg.num_clusters)
         self.stat = nn.Linear(self.features.out_dim, cfg.data_dim)
-        if features == "linear":
+        if features == "linear" and init == "conjugate":
             # Start from the conjugate update with uniform assignments and t_n = x_n: a broad
             # proposal around the data (section 3 suggests initializing the statistics so
             # that the first proposals are close to the prior's breadth), rather than one
@@ -277,17 +287,26 @@ class GMMProposals(Proposals):
     point features come from an MLP or an LSTM; they have no kernels.
     """
 
-    def __init__(self, cfg: GMMConfig, architecture: str = "apg", hidden: int = 32, c_inputs: str = "offset"):
+    def __init__(
+        self,
+        cfg: GMMConfig,
+        architecture: str = "apg",
+        hidden: int = 32,
+        c_inputs: str = "offset",
+        globals_init: str = "conjugate",
+    ):
         super().__init__()
         self.cfg = cfg
         self.architecture = architecture
         encoder_features = {"apg": "linear", "mlp": "mlp", "lstm": "lstm"}.get(architecture)
         if encoder_features is None:
             raise ValueError(f"unknown GMM architecture {architecture!r}; choose apg, mlp or lstm")
-        self.encoder = GlobalsProposal(cfg, cfg.data_dim, encoder_features, hidden)
+        self.encoder = GlobalsProposal(cfg, cfg.data_dim, encoder_features, hidden, globals_init)
         self.assign = AssignmentProposal(cfg, hidden, c_inputs)
         if architecture == "apg":
-            self.globals_kernel = GlobalsProposal(cfg, cfg.data_dim + cfg.num_clusters, "linear", hidden)
+            self.globals_kernel = GlobalsProposal(
+                cfg, cfg.data_dim + cfg.num_clusters, "linear", hidden, globals_init
+            )
 
     def initial(self, x: Tensor, num_particles: int) -> tuple[Latents, Tensor]:
         q_globals = self.encoder(x).expand(num_particles)
@@ -406,6 +425,6 @@ soft_moments_op = KernelOp(
 
 
 def build_proposals(
-    model: GMM, architecture: str, hidden: int = 32, c_inputs: str = "offset"
+    model: GMM, architecture: str, hidden: int = 32, c_inputs: str = "offset", globals_init: str = "conjugate"
 ) -> GMMProposals:
-    return GMMProposals(model.cfg, architecture, hidden, c_inputs)
+    return GMMProposals(model.cfg, architecture, hidden, c_inputs, globals_init)

@@ -219,6 +219,43 @@ def test_globals_kernel_is_its_network_on_points_and_one_hot_assignments(
         assert torch.allclose(got, want, rtol=0, atol=1e-9)
 
 
+def test_globals_networks_start_at_the_conjugate_update_or_at_pytorchs(f64, kernel_path):
+    # network.globals_init: "conjugate" starts the encoder at the conjugate update with
+    # uniform assignments and the kernel at the one with softmax(2 one-hot(c_n)), both with
+    # t_n = x_n; "default" keeps PyTorch's initialization of those layers. Both starts draw
+    # the same default weights first, so every other network starts the same.
+    model = GMM()
+    built = {}
+    for init in ("conjugate", "default"):
+        torch.manual_seed(0)
+        built[init] = GMMProposals(model.cfg, "apg", globals_init=init)
+    conj, default = built["conjugate"], built["default"]
+    for name, value in conj.assign.state_dict().items():
+        assert torch.equal(value, default.assign.state_dict()[name]), name
+    for net in ("encoder", "globals_kernel"):
+        for layer in ("resp", "stat"):
+            a, b = getattr(getattr(conj, net), layer), getattr(getattr(default, net), layer)
+            assert not torch.equal(a.weight, b.weight), (net, layer)
+
+    x = simulate(model.cfg, 3, 40)["x"]
+    c = torch.randint(3, (5, 3, 40))
+    z = {"c": c, **model.prior_globals((5, 3), x).sample()}
+    uniform = torch.full((3, 40, 3), 1 / 3)
+    want = normal_gamma_posterior(model.cfg, uniform, x).expand(5).log_prob(z)
+    assert torch.allclose(conj.encoder(x).expand(5).log_prob(z), want, rtol=0, atol=1e-10)
+    soft = torch.softmax(2.0 * F.one_hot(c, 3).double(), -1)
+    want = normal_gamma_posterior(model.cfg, soft, x.expand(5, *x.shape)).log_prob(z)
+    assert torch.allclose(conj.kernel("globals", x, z).log_prob(z), want, rtol=0, atol=1e-10)
+    assert not torch.allclose(default.kernel("globals", x, z).log_prob(z), want, rtol=0, atol=1e-3)
+
+
+def test_unknown_globals_start_is_a_one_line_error():
+    with pytest.raises(
+        ValueError, match="unknown globals-network start 'prior'; choose conjugate or default"
+    ):
+        GMMProposals(GMMConfig(), "apg", globals_init="prior")
+
+
 def test_proposals_accept_datasets_of_any_size():
     model = GMM()
     proposals = GMMProposals(model.cfg, "apg")
