@@ -76,9 +76,7 @@ def retry(call: Callable[[], Any], what: str, timeout: float = FLUSH_TIMEOUT_S) 
             if not is_transient(err) or time.monotonic() + delay > deadline:
                 raise
             if not warned:
-                warn(
-                    f"MLflow unreachable while {what} ({redact(first_line(err)[:200])}); retrying for up to {timeout:.0f} s"
-                )
+                warn(f"MLflow unreachable while {what} ({_said(err)}); retrying for up to {timeout:.0f} s")
                 warned = True
             time.sleep(delay)
             delay = min(delay * 2, 30.0)
@@ -513,8 +511,7 @@ class RunLogger:
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 warn(
-                    f"MLflow unreachable for run {self.run_id} ({redact(first_line(err)[:200])}); "
-                    f"buffering metrics and retrying"
+                    f"MLflow unreachable for run {self.run_id} ({_said(err)}); buffering metrics and retrying"
                 )
             self._next_try = time.monotonic() + self._delay
             self._delay = min(self._delay * 2, 30.0)
@@ -564,6 +561,11 @@ class RunLogger:
 def redact(text: str) -> str:
     """Hide ``user:password@`` in URIs, so credentials never reach logs or summaries."""
     return re.sub(r"//[^/@\s]+@", "//***@", text)
+
+
+def _said(err: BaseException) -> str:
+    """What an MLflow error says, for a warning: its first line, short, credentials hidden."""
+    return redact(first_line(err)[:200])
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -14,6 +14,7 @@ import yaml
 from apg.data import atomic_write
 from pipeline import tracking
 from pipeline.config import checks
+from pipeline.present import markdown_table
 from pipeline.provenance import record as provenance
 from pipeline.runs import trial
 from pipeline.search.plan import SECTIONS, trial_count
@@ -209,31 +210,35 @@ def _best_and_defaults(
     seeds, the first of ``settings_frame`` (written to ``settings.csv``), its score the mean
     over seeds."""
     if "seeds" not in plan:
-        finished = frame[~frame["failed"] & frame["score"].notna()]
-        if finished.empty:
+        rows = frame[~frame["failed"] & frame["score"].notna()]
+        if rows.empty:
             raise RuntimeError(f"tune {plan['task']}: no trial finished a validation score")
-        rows, score, last = (
-            finished,
-            "score",
-            lambda row: {"iterations": int(row["iterations"]), "failed": bool(row["failed"])},
-        )
         defaults = frame[frame["defaults"]]
+
+        def entry(row, setting: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "trial": str(row["trial"]),
+                "setting": setting,
+                "score": float(row["score"]),
+                "iterations": int(row["iterations"]),
+                "failed": bool(row["failed"]),
+            }
     else:
         rows = settings_frame(plan, frame)
         atomic_write(out / "settings.csv", lambda tmp: rows.to_csv(tmp, index=False))
         if not rows["complete"].any():
             raise RuntimeError(f"tune {plan['task']}: no setting finished a validation score for every seed")
-        score, defaults = "mean", rows[rows["defaults"]]
-        last = lambda row: {  # noqa: E731
-            "iterations": plan["iterations"],
-            "failed": not row["complete"],
-            "per_seed": json.loads(row["per_seed"]),
-        }
-        rows = rows.rename(columns={"trials": "trial"})
-        defaults = defaults.rename(columns={"trials": "trial"})
+        defaults = rows[rows["defaults"]]
 
-    def entry(row, setting: dict[str, Any]) -> dict[str, Any]:
-        return {"trial": str(row["trial"]), "setting": setting, "score": float(row[score]), **last(row)}
+        def entry(row, setting: dict[str, Any]) -> dict[str, Any]:
+            return {
+                "trial": row["trials"],
+                "setting": setting,
+                "score": float(row["mean"]),
+                "iterations": plan["iterations"],
+                "failed": not row["complete"],
+                "per_seed": json.loads(row["per_seed"]),
+            }
 
     top = rows.iloc[0]
     best = entry(top, {key: _plain(top[key]) for key in plan["space"]})
@@ -319,9 +324,7 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
             + ", ".join(f"{_score_text(v)}" for v in best["per_seed"].values())
             + f"). `{best_file}` has the task's sections with these settings."
         )
-        best_line += "\n\nEach setting over the seeds:\n\n" + "\n".join(
-            _table(settings, {"mean", "lowest", "highest"})
-        )
+        best_line += "\n\nEach setting over the seeds:\n\n" + _table(settings, {"mean", "lowest", "highest"})
     else:
         best_line = (
             f"**Best** (the {'lowest' if plan['mode'] == 'min' else 'highest'} score among the longest-trained of the trials that finished with a "
@@ -351,7 +354,7 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
             f"{summary['trials']} trials, {summary['stopped_early']} stopped early by ASHA, "
             f"{summary['failed']} failed; `attempts` > 1: the trial was resumed after an interruption.",
             "",
-            *table,
+            table,
             "",
             f"![{task} search]({figure.name})",
             "",
@@ -364,16 +367,16 @@ def write_report(plan: dict[str, Any], out: Path, path: Path) -> Path:
     return path
 
 
-def _table(frame, scores: set[str]) -> list[str]:
-    """``frame`` as markdown table lines, ``scores`` columns as ``_score_text``."""
-    lines = ["| " + " | ".join(frame.columns) + " |", "|" + " --- |" * len(frame.columns)]
-    for row in frame.itertuples(index=False):
-        cells = [
-            _score_text(v) if c in scores else _short(_plain(v))
-            for c, v in zip(frame.columns, row, strict=True)
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+def _table(frame, scores: set[str]) -> str:
+    """``frame`` as a Markdown table, ``scores`` columns as ``_score_text``."""
+    columns = list(frame.columns)
+    return markdown_table(
+        columns,
+        (
+            [_score_text(v) if c in scores else _short(_plain(v)) for c, v in zip(columns, row, strict=True)]
+            for row in frame.itertuples(index=False)
+        ),
+    )
 
 
 def _search_figure(plan: dict[str, Any], frame, figure: Path) -> Path:
